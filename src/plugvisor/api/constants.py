@@ -1,0 +1,34 @@
+"""Constants of the kubelet's device plugin contract that live outside the .proto.
+
+Upstream keeps these in ``constants.go`` beside the generated code; plugins and
+the emulated kubelet must agree on them to the byte, so both import them from
+here rather than spelling them out.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+HEALTHY: Final = "Healthy"
+UNHEALTHY: Final = "Unhealthy"
+
+VERSION: Final = "v1beta1"
+SUPPORTED_VERSIONS: Final[tuple[str, ...]] = (VERSION,)
+
+DEVICE_PLUGIN_PATH: Final = "/var/lib/kubelet/device-plugins/"
+KUBELET_SOCKET_NAME: Final = "kubelet.sock"
+KUBELET_SOCKET: Final = DEVICE_PLUGIN_PATH + KUBELET_SOCKET_NAME
+CHECKPOINT_NAME: Final = "kubelet_internal_checkpoint"
+
+PRE_START_CONTAINER_TIMEOUT_SECONDS: Final = 30
+"""The kubelet gives PreStartContainer this long; the only RPC deadline besides the dial."""
+
+KUBELET_DIAL_TIMEOUT_SECONDS: Final = 10
+"""The kubelet's blocking dial of a plugin's endpoint during Register."""
+
+POD_RESOURCES_DIR_NAME: Final = "pod-resources"
+PLUGINS_REGISTRY_DIR_NAME: Final = "plugins_registry"
+DEVICE_PLUGIN_TYPE: Final = "DevicePlugin"
+
+MAX_UNIX_SOCKET_PATH: Final = 107
+"""grpc refuses unix socket paths longer than this many bytes."""
