@@ -75,7 +75,11 @@ def main() -> int:
         scratch = Path(tmp)
         generated = generate(scratch)
         target_pkg = OUTPUT_ROOT / PACKAGE
-        for sub in (target_pkg / "deviceplugin", target_pkg / "podresources", target_pkg / "pluginregistration"):
+        for sub in (
+            target_pkg / "deviceplugin",
+            target_pkg / "podresources",
+            target_pkg / "pluginregistration",
+        ):
             shutil.rmtree(sub, ignore_errors=True)
         for rel in generated:
             if rel == PACKAGE / "__init__.py" or rel.parent == PACKAGE.parent:

@@ -1,0 +1,60 @@
+"""The device-plugin framework: write a device source, get a kubelet-compliant plugin.
+
+A plugin is a :class:`DeviceSource` (a one-shot ``scan()`` returning a
+:class:`DeviceSet`, and the directories to watch) plus, optionally, any of the
+hook Protocols (:class:`PreferredAllocator`, :class:`ContainerPreStarter`,
+:class:`PostAllocator`). :func:`run_plugin` does the rest: event-driven
+rediscovery, the five DevicePlugin RPCs with strict request checking,
+registration that survives kubelet restarts, and structured logs.
+
+This package knows no hardware and no supervisor; the layers are enforced by
+import-linter contracts in pyproject.toml.
+"""
+
+from plugvisor.deviceplugin.devices import Device, DeviceSet, DeviceSpec, Health, InvalidDeviceError, Mount
+from plugvisor.deviceplugin.errors import (
+    ConfigurationError,
+    PlugvisorError,
+    RegistrationRejectedError,
+    RequestError,
+    SocketInUseError,
+)
+from plugvisor.deviceplugin.hooks import (
+    ContainerAllocation,
+    ContainerPreStarter,
+    DeviceSource,
+    Hooks,
+    PostAllocator,
+    PreferredAllocator,
+    resolve_hooks,
+)
+from plugvisor.deviceplugin.hostpaths import HostPaths
+from plugvisor.deviceplugin.logs import configure_logging
+from plugvisor.deviceplugin.runtime import DevicePluginRuntime, PluginConfig, Registration, run_plugin
+
+__all__ = [
+    "ConfigurationError",
+    "ContainerAllocation",
+    "ContainerPreStarter",
+    "Device",
+    "DevicePluginRuntime",
+    "DeviceSet",
+    "DeviceSource",
+    "DeviceSpec",
+    "Health",
+    "Hooks",
+    "HostPaths",
+    "InvalidDeviceError",
+    "Mount",
+    "PluginConfig",
+    "PlugvisorError",
+    "PostAllocator",
+    "PreferredAllocator",
+    "Registration",
+    "RegistrationRejectedError",
+    "RequestError",
+    "SocketInUseError",
+    "configure_logging",
+    "resolve_hooks",
+    "run_plugin",
+]

@@ -1,0 +1,114 @@
+"""The plugin's own socket and gRPC server: unique per instance, probed before binding.
+
+Three rules from the field (see style.md, pitfalls): a fresh socket file name
+for every server instance (a kubelet that tracks instances per socket path can
+then hand over between an old and a new plugin without a gap, and a stale socket
+can never be mistaken for ours); never bind over a socket another live process
+serves (grpc would silently steal it); and never leave the socket world-accessible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import re
+import secrets
+import stat
+from pathlib import Path
+from typing import Final
+
+import grpc
+import structlog
+
+from plugvisor.api import constants
+from plugvisor.api.deviceplugin.v1beta1 import api_pb2_grpc
+from plugvisor.deviceplugin.errors import ConfigurationError, SocketInUseError
+
+SOCKET_PREFIX: Final = "plugvisor-"
+_SLUG_RE: Final = re.compile(r"[^a-z0-9]+")
+
+
+def socket_name(resource: str, token: str | None = None) -> str:
+    """A new socket file name for one server instance of ``resource``.
+
+    Readable (``plugvisor-gpu-1a2b3c-9f8e7d6c.sock``) yet short: the name part of
+    the resource, a hash of the full name (two domains may share a name part) and
+    a random token for this instance.
+    """
+    name_part = resource.rsplit("/", 1)[-1].lower()
+    slug = _SLUG_RE.sub("-", name_part).strip("-")[:24] or "resource"
+    digest = hashlib.sha256(resource.encode()).hexdigest()[:6]
+    return f"{SOCKET_PREFIX}{slug}-{digest}-{token or secrets.token_hex(4)}.sock"
+
+
+async def socket_is_live(path: Path, timeout: float = 0.5) -> bool:
+    """Whether a process accepts connections on the unix socket at ``path``."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_unix_connection(str(path)), timeout)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return True
+
+
+def check_socket_path(path: Path) -> None:
+    """Refuse a socket path grpc cannot bind (too long), naming the limit."""
+    if len(os.fsencode(path)) > constants.MAX_UNIX_SOCKET_PATH:
+        raise ConfigurationError(
+            f"socket path {str(path)!r} is {len(os.fsencode(path))} bytes; unix sockets allow "
+            f"{constants.MAX_UNIX_SOCKET_PATH}: use a shorter kubelet directory"
+        )
+
+
+class PluginEndpoint:
+    """One running gRPC server instance on one socket file."""
+
+    def __init__(self, servicer: api_pb2_grpc.DevicePluginServicer, socket_dir: Path, resource: str) -> None:
+        self._servicer = servicer
+        self.path = socket_dir / socket_name(resource)
+        self._server: grpc.aio.Server | None = None
+        self._log = structlog.get_logger("plugvisor.endpoint").bind(resource=resource, socket=self.path.name)
+
+    @property
+    def name(self) -> str:
+        """The socket's bare file name: what Register sends as the endpoint."""
+        return self.path.name
+
+    async def start(self) -> None:
+        """Bind and serve; raises SocketInUseError if a live process already serves there."""
+        check_socket_path(self.path)
+        if self.path.exists() or self.path.is_symlink():
+            if await socket_is_live(self.path):
+                raise SocketInUseError(
+                    f"{self.path} is served by another live process; refusing to take it over"
+                )
+            self.path.unlink()
+        server = grpc.aio.server()
+        api_pb2_grpc.add_DevicePluginServicer_to_server(self._servicer, server)
+        # The socket is created by bind(); a tight umask means it is never, even briefly,
+        # accessible to others. The kubelet runs as root and needs nothing more.
+        old_umask = os.umask(0o177)
+        try:
+            bound = server.add_insecure_port(f"unix:{self.path}")
+        finally:
+            os.umask(old_umask)
+        if not bound:
+            raise ConfigurationError(f"could not bind the plugin socket {self.path}")
+        await server.start()
+        self.path.chmod(stat.S_IRUSR | stat.S_IWUSR)
+        self._server = server
+        self._log.info("serving")
+
+    async def stop(self, grace: float | None = 0.5) -> None:
+        """Stop serving (open streams end) and remove the socket file if it is still ours."""
+        server, self._server = self._server, None
+        if server is None:
+            return
+        await server.stop(grace)
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        self._log.info("stopped")

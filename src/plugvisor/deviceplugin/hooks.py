@@ -1,0 +1,120 @@
+"""What a plugin author writes: a device source, plus any of a few optional hooks.
+
+**Protocol:** each optional capability is its own one-method Protocol. The
+framework checks which ones a plugin object implements *once*, when the server is
+built (:func:`resolve_hooks`), and derives the kubelet-facing
+``DevicePluginOptions`` from that result, so what a plugin advertises can never
+drift from what it does (Intel's device-plugin framework works the same way).
+
+Hooks take and return domain values (:class:`~plugvisor.deviceplugin.devices.DeviceSet`,
+:class:`ContainerAllocation`), never protobuf messages: the wire format is the
+server's business.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Protocol, runtime_checkable
+
+from plugvisor.deviceplugin.devices import DeviceSet, DeviceSpec, Mount
+
+
+@runtime_checkable
+class DeviceSource(Protocol):
+    """**Protocol:** discovers a resource's devices, one full snapshot per call.
+
+    ``scan`` is one-shot and side-effect free: it reads the host and returns what
+    it found, health included. It does not loop, sleep or notify; the framework
+    owns the loop, its triggers and its clock. It runs in a worker thread, so
+    blocking file reads are fine. Raising means "this scan failed": the framework
+    logs it and keeps the previous snapshot.
+
+    ``watch_paths`` names the directories whose changes should trigger a rescan
+    (inotify). A path that does not exist yet is watched through its nearest
+    existing parent; the list is read again after every scan, so it may change.
+    """
+
+    def scan(self) -> DeviceSet:
+        """Return every device of the resource as it is now."""
+        ...
+
+    def watch_paths(self) -> Sequence[Path]:
+        """Return the directories whose changes should trigger a rescan."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerAllocation:
+    """What one container receives for its devices: the domain form of ContainerAllocateResponse."""
+
+    specs: Sequence[DeviceSpec] = ()
+    mounts: Sequence[Mount] = ()
+    envs: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    annotations: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    cdi_devices: Sequence[str] = ()
+
+
+@runtime_checkable
+class PreferredAllocator(Protocol):
+    """**Protocol:** chooses which devices a container should get (topology, packing...).
+
+    Called with IDs the framework has already validated: ``available`` are known,
+    healthy and distinct, ``must_include`` is a subset of them and
+    ``len(must_include) <= size <= len(available)``. Return exactly ``size`` IDs
+    from ``available`` that include every ``must_include`` ID; an answer that
+    breaks this is logged and replaced by the framework's default choice.
+    """
+
+    def preferred_allocation(
+        self, available: Sequence[str], must_include: Sequence[str], size: int, devices: DeviceSet
+    ) -> Sequence[str]:
+        """Return the preferred ``size`` device IDs."""
+        ...
+
+
+@runtime_checkable
+class ContainerPreStarter(Protocol):
+    """**Protocol:** prepares devices before every container start (reset, re-initialise).
+
+    Runs in a worker thread; the kubelet gives the whole call 30 seconds. Raise to
+    fail the container start (the kubelet reports the message).
+    """
+
+    def pre_start_container(self, devices: DeviceSet) -> None:
+        """Make ``devices`` ready for a container that is about to start."""
+        ...
+
+
+@runtime_checkable
+class PostAllocator(Protocol):
+    """**Protocol:** edits the default allocation of one container (extra env, renumbering...)."""
+
+    def post_allocate(self, allocation: ContainerAllocation, devices: DeviceSet) -> ContainerAllocation:
+        """Return the allocation the container should really get."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Hooks:
+    """The optional capabilities a plugin object turned out to have, resolved once."""
+
+    preferred: PreferredAllocator | None = None
+    pre_start: ContainerPreStarter | None = None
+    post_allocate: PostAllocator | None = None
+
+
+def resolve_hooks(plugin: object) -> Hooks:
+    """Find which optional hook Protocols ``plugin`` implements.
+
+    ``runtime_checkable`` only checks that the method exists; mypy checks its
+    signature where the plugin is written. This is the only isinstance check the
+    framework makes on hooks: never per request.
+    """
+    return Hooks(
+        preferred=plugin if isinstance(plugin, PreferredAllocator) else None,
+        pre_start=plugin if isinstance(plugin, ContainerPreStarter) else None,
+        post_allocate=plugin if isinstance(plugin, PostAllocator) else None,
+    )

@@ -1,0 +1,108 @@
+"""Kubernetes name rules the kubelet applies to device plugins, reproduced exactly.
+
+The kubelet rejects a registration whose resource name is not an *extended
+resource name*; checking it on our side first turns a remote, late failure into
+an early one with a clear message. The emulated kubelet uses the same function,
+so the rule lives in one place; its test vectors come from the kubelet's own
+(see kubelet-facts.md, 3.2).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Final
+
+_DNS1123_LABEL: Final = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_DNS1123_SUBDOMAIN_RE: Final = re.compile(rf"^{_DNS1123_LABEL}(\.{_DNS1123_LABEL})*$")
+_QUALIFIED_NAME_RE: Final = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+_DNS1123_SUBDOMAIN_MAX: Final = 253
+_QUALIFIED_NAME_MAX: Final = 63
+
+
+def qualified_name_errors(value: str) -> list[str]:
+    """Return why ``value`` is not a Kubernetes qualified name (empty when it is one).
+
+    A qualified name is ``[prefix/]name``: an optional DNS-1123 subdomain prefix and a
+    name part of 1-63 characters, alphanumeric at both ends.
+    """
+    errors: list[str] = []
+    parts = value.split("/")
+    if len(parts) == 1:
+        name = parts[0]
+    elif len(parts) == 2:
+        prefix, name = parts
+        if not prefix:
+            errors.append("prefix part must be non-empty")
+        elif len(prefix) > _DNS1123_SUBDOMAIN_MAX:
+            errors.append(f"prefix part must be no more than {_DNS1123_SUBDOMAIN_MAX} characters")
+        elif not _DNS1123_SUBDOMAIN_RE.match(prefix):
+            errors.append("prefix part must be a lowercase RFC 1123 subdomain")
+    else:
+        return ["a qualified name must consist of alphanumeric characters and at most one '/'"]
+    if not name:
+        errors.append("name part must be non-empty")
+    elif len(name) > _QUALIFIED_NAME_MAX:
+        errors.append(f"name part must be no more than {_QUALIFIED_NAME_MAX} characters")
+    elif not _QUALIFIED_NAME_RE.match(name):
+        errors.append(
+            "name part must consist of alphanumeric characters, '-', '_' or '.', "
+            "and must start and end with an alphanumeric character"
+        )
+    return errors
+
+
+def is_extended_resource_name(name: str) -> bool:
+    """Apply the kubelet's ``IsExtendedResourceName``: ``domain/name``, not native, not a quota name."""
+    if "/" not in name or "kubernetes.io/" in name or name.startswith("requests."):
+        return False
+    return not qualified_name_errors("requests." + name)
+
+
+def extended_resource_name_problem(name: str) -> str | None:
+    """Explain, for a human, why ``name`` cannot be registered; None when it can."""
+    if "/" not in name:
+        return f"{name!r} has no domain: expected <domain>/<name>, e.g. vendor.example/gpu"
+    if "kubernetes.io/" in name:
+        return f"{name!r} uses a kubernetes.io domain, which is reserved for native resources"
+    if name.startswith("requests."):
+        return f"{name!r} starts with 'requests.', which is reserved for quota"
+    errors = qualified_name_errors("requests." + name)
+    if errors:
+        return f"{name!r} is not a valid extended resource name: " + "; ".join(errors)
+    return None
+
+
+_GO_ESCAPES: Final = {
+    '"': '\\"',
+    "\\": "\\\\",
+    "\a": "\\a",
+    "\b": "\\b",
+    "\f": "\\f",
+    "\n": "\\n",
+    "\r": "\\r",
+    "\t": "\\t",
+    "\v": "\\v",
+}
+
+
+def _go_escape(ch: str) -> str:
+    escaped = _GO_ESCAPES.get(ch)
+    if escaped is not None:
+        return escaped
+    if ch.isprintable():
+        return ch
+    code = ord(ch)
+    if code < 0x80:
+        return f"\\x{code:02x}"
+    if code < 0x10000:
+        return f"\\u{code:04x}"
+    return f"\\U{code:08x}"
+
+
+def go_quote(value: str) -> str:
+    r"""Render ``value`` as Go's ``%q`` does, so error strings match the kubelet's byte for byte.
+
+    Go's ``strconv.Quote`` uses double quotes and escapes ``"``, ``\`` and
+    non-printable characters; printable Unicode stays as it is.
+    """
+    return '"' + "".join(_go_escape(ch) for ch in value) + '"'

@@ -1,0 +1,204 @@
+"""Registering with the kubelet, and noticing when the kubelet has restarted.
+
+A restarting kubelet deletes every socket in its device-plugins directory, then
+listens on a new ``kubelet.sock``; each plugin must serve a fresh socket and
+register again, or its resource drops to zero. Plugins in the wild detect this
+either by their own socket vanishing (Intel) or by ``kubelet.sock`` being created
+(NVIDIA, the kubelet's own Stub). :class:`KubeletDirWatch` watches for both with
+inotify, so the reaction starts within milliseconds rather than at the next poll.
+
+A ``kubelet.sock`` creation only counts as a restart when the socket is a
+different file from the one we registered through (compared by inode and
+change time): the event that announces the very kubelet we just registered
+with must not trigger a second, spurious registration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import structlog
+from asyncinotify import Inotify, Mask
+
+from plugvisor.api import constants
+from plugvisor.api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from plugvisor.deviceplugin.cell import SnapshotCell
+from plugvisor.deviceplugin.errors import RegistrationRejectedError
+
+
+@dataclass(frozen=True, slots=True)
+class SocketIdentity:
+    """Tells one socket file from another that later appears at the same path."""
+
+    inode: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, path: Path) -> SocketIdentity | None:
+        """The identity of the file at ``path`` now, or None if there is none."""
+        try:
+            st = path.stat()
+        except OSError:
+            return None
+        return cls(st.st_ino, st.st_ctime_ns)
+
+
+@dataclass(frozen=True, slots=True)
+class DirState:
+    """What the watch has seen so far in the kubelet's directory (counters only grow)."""
+
+    kubelet_creations: int = 0
+    socket_deletions: int = 0
+
+
+class KubeletDirWatch:
+    """Watches the device-plugins directory for kubelet.sock creations and our socket's deletion."""
+
+    def __init__(self, kubelet_dir: Path) -> None:
+        self.kubelet_dir = kubelet_dir
+        self.kubelet_socket = kubelet_dir / constants.KUBELET_SOCKET_NAME
+        self.state: SnapshotCell[DirState] = SnapshotCell(DirState())
+        self.own_socket: str | None = None
+        self._inotify: Inotify | None = None
+        self._log = structlog.get_logger("plugvisor.kubelet_watch")
+
+    def open(self) -> None:
+        """Start watching (before anything is registered, so no event can be missed)."""
+        self.kubelet_dir.mkdir(mode=0o750, parents=True, exist_ok=True)
+        inotify = Inotify(sync_timeout=0)
+        inotify.add_watch(
+            self.kubelet_dir,
+            Mask.CREATE | Mask.DELETE | Mask.MOVED_TO | Mask.MOVED_FROM | Mask.DELETE_SELF | Mask.ONLYDIR,
+        )
+        self._inotify = inotify
+
+    def close(self) -> None:
+        """Stop watching."""
+        if self._inotify is not None:
+            self._inotify.close()
+            self._inotify = None
+
+    def _apply(self, mask: Mask, name: str) -> None:
+        state = self.state.value
+        if mask & (Mask.CREATE | Mask.MOVED_TO) and name == constants.KUBELET_SOCKET_NAME:
+            state = DirState(state.kubelet_creations + 1, state.socket_deletions)
+        elif mask & (Mask.DELETE | Mask.MOVED_FROM) and name == self.own_socket:
+            state = DirState(state.kubelet_creations, state.socket_deletions + 1)
+        elif mask & Mask.DELETE_SELF:
+            self._log.error("kubelet_dir_deleted", dir=str(self.kubelet_dir))
+        self.state.publish(state)
+
+    async def run(self) -> None:
+        """Turn inotify events into DirState changes, forever."""
+        inotify = self._inotify
+        if inotify is None:
+            raise RuntimeError("KubeletDirWatch.open() must be called before run()")
+        while True:
+            event = await inotify.get()
+            self._apply(event.mask, event.name.name if event.name else "")
+            while (more := inotify.sync_get()) is not None:
+                self._apply(more.mask, more.name.name if more.name else "")
+
+    async def wait_for_kubelet(self) -> None:
+        """Return once kubelet.sock exists (event-driven: no sleep loop)."""
+        seen = self.state.version
+        while not self.kubelet_socket.exists():
+            seen, _ = await self.state.wait_newer(seen)
+
+
+async def register(
+    kubelet_socket: Path,
+    *,
+    endpoint: str,
+    resource: str,
+    options: api_pb2.DevicePluginOptions,
+    timeout: float,
+) -> None:
+    """Call Register once. Raises RegistrationRejectedError for refusals retrying cannot fix.
+
+    The kubelet dials us back and asks for our options *inside* this call, so our
+    server must already be serving; ``timeout`` covers that round trip.
+    """
+    request = api_pb2.RegisterRequest(
+        version=constants.VERSION, endpoint=endpoint, resource_name=resource, options=options
+    )
+    async with grpc.aio.insecure_channel(f"unix:{kubelet_socket}") as channel:
+        stub = api_pb2_grpc.RegistrationStub(channel)
+        try:
+            await stub.Register(request, timeout=timeout, wait_for_ready=False)
+        except grpc.aio.AioRpcError as err:
+            details = err.details() or ""
+            if err.code() == grpc.StatusCode.UNKNOWN and (
+                "is not supported by kubelet" in details or "ResourceName" in details
+            ):
+                raise RegistrationRejectedError(
+                    f"the kubelet refused to register {resource}: {details}"
+                ) from err
+            raise
+
+
+class Registrar:
+    """Registers one endpoint, retrying until the kubelet answers, then reports restarts.
+
+    Retries are event-driven first (a new kubelet.sock), with a capped backoff as
+    the fallback for a kubelet that is up but slow to answer.
+    """
+
+    def __init__(self, watch: KubeletDirWatch, *, resource: str, register_timeout: float = 30.0) -> None:
+        self._watch = watch
+        self._resource = resource
+        self._timeout = register_timeout
+        self._registered_kubelet: SocketIdentity | None = None
+        self._log = structlog.get_logger("plugvisor.registration").bind(resource=resource)
+        self.registrations = 0
+
+    async def register(self, endpoint: str, options: api_pb2.DevicePluginOptions) -> float:
+        """Register ``endpoint`` (a bare socket file name); returns the seconds it took, retries included."""
+        started = time.monotonic()
+        self._watch.own_socket = endpoint
+        delay = 0.05
+        while True:
+            await self._watch.wait_for_kubelet()
+            identity = SocketIdentity.of(self._watch.kubelet_socket)
+            seen = self._watch.state.version
+            try:
+                await register(
+                    self._watch.kubelet_socket,
+                    endpoint=endpoint,
+                    resource=self._resource,
+                    options=options,
+                    timeout=self._timeout,
+                )
+            except grpc.aio.AioRpcError as err:
+                self._log.warning(
+                    "register_failed", code=err.code().name, error=err.details(), retry_in=delay
+                )
+                # Whichever comes first: a new kubelet.sock, or the backoff delay.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._watch.state.wait_newer(seen), delay)
+                delay = min(delay * 2, 5.0)
+                continue
+            self._registered_kubelet = identity
+            self.registrations += 1
+            elapsed = time.monotonic() - started
+            self._log.info("registered", endpoint=endpoint, seconds=round(elapsed, 4))
+            return elapsed
+
+    async def wait_for_restart(self) -> str:
+        """Return (with the reason) once the kubelet we registered with is gone or replaced."""
+        baseline = self._watch.state.value
+        seen = self._watch.state.version
+        while True:
+            seen, state = await self._watch.state.wait_newer(seen)
+            if state.socket_deletions > baseline.socket_deletions:
+                return "plugin socket deleted"
+            if state.kubelet_creations > baseline.kubelet_creations:
+                if SocketIdentity.of(self._watch.kubelet_socket) != self._registered_kubelet:
+                    return "kubelet.sock re-created"
+                # The creation event of the very kubelet we registered with: not a restart.
+                baseline = DirState(state.kubelet_creations, baseline.socket_deletions)

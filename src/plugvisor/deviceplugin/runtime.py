@@ -1,0 +1,171 @@
+"""One device plugin, start to finish: discover, serve, register, and re-register after kubelet restarts.
+
+Order matters and follows what the kubelet requires: discovery's first scan
+finishes before the server starts (so the first ListAndWatch message is the real
+list, not an empty one that would zero the resource), and the server serves
+before Register is called (the kubelet dials back inside Register since 1.25).
+
+Until the supervisor takes over the restarts, this runtime re-registers in
+process: on a kubelet restart it starts a fresh server on a fresh socket and
+registers again, while discovery keeps running untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import structlog
+
+from plugvisor.deviceplugin.cell import SnapshotCell
+from plugvisor.deviceplugin.devices import DeviceSet
+from plugvisor.deviceplugin.endpoint import PluginEndpoint
+from plugvisor.deviceplugin.errors import ConfigurationError, RegistrationRejectedError, SocketInUseError
+from plugvisor.deviceplugin.hooks import DeviceSource, Hooks, resolve_hooks
+from plugvisor.deviceplugin.hostpaths import HostPaths
+from plugvisor.deviceplugin.names import extended_resource_name_problem
+from plugvisor.deviceplugin.registration import KubeletDirWatch, Registrar
+from plugvisor.deviceplugin.server import PluginServer
+from plugvisor.deviceplugin.watch import DeviceWatcher
+
+
+@dataclass(frozen=True, slots=True)
+class PluginConfig:
+    """Everything one plugin process needs besides its device source."""
+
+    resource: str
+    paths: HostPaths = field(default_factory=HostPaths)
+    rescan_interval: float = 30.0
+    register_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        problem = extended_resource_name_problem(self.resource)
+        if problem is not None:
+            raise ConfigurationError(f"resource name {problem}")
+        if self.rescan_interval <= 0:
+            raise ConfigurationError(f"rescan interval must be positive, got {self.rescan_interval}")
+        if self.register_timeout <= 0:
+            raise ConfigurationError(f"register timeout must be positive, got {self.register_timeout}")
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """One successful registration, as seen from the plugin."""
+
+    number: int
+    endpoint: str
+    seconds: float
+    reason: str
+
+
+class DevicePluginRuntime:
+    """Runs one resource's plugin until told to stop.
+
+    ``registrations`` is a cell that tests, benchmarks and the supervisor's
+    readiness can await: it holds the latest successful :class:`Registration`.
+    """
+
+    def __init__(self, config: PluginConfig, source: DeviceSource, *, hooks: Hooks | None = None) -> None:
+        self.config = config
+        self.devices: SnapshotCell[DeviceSet] = SnapshotCell(DeviceSet())
+        self.hooks = hooks if hooks is not None else resolve_hooks(source)
+        self.server = PluginServer(config.resource, self.devices, self.hooks)
+        self.watcher = DeviceWatcher(
+            source, self.devices, rescan_interval=config.rescan_interval, resource=config.resource
+        )
+        self.registrations: SnapshotCell[Registration | None] = SnapshotCell(None)
+        self.endpoint: PluginEndpoint | None = None
+        self._log = structlog.get_logger("plugvisor.plugin").bind(resource=config.resource)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Discover, serve, register; re-register after each kubelet restart; return when ``stop`` is set."""
+        dir_watch = KubeletDirWatch(self.config.paths.kubelet_dir)
+        dir_watch.open()
+        registrar = Registrar(
+            dir_watch, resource=self.config.resource, register_timeout=self.config.register_timeout
+        )
+        tasks = [
+            asyncio.create_task(self.watcher.run(), name="discovery"),
+            asyncio.create_task(dir_watch.run(), name="kubelet-dir-watch"),
+        ]
+        lifecycle = asyncio.create_task(self._serve_and_register(registrar), name="serve-and-register")
+        stopper = asyncio.create_task(stop.wait(), name="stop")
+        try:
+            done, _ = await asyncio.wait([lifecycle, stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task is not stopper and not task.cancelled():
+                    error = task.exception()
+                    if error is not None:
+                        raise error
+        finally:
+            for task in [lifecycle, stopper, *tasks]:
+                task.cancel()
+            for task in [lifecycle, stopper, *tasks]:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            if self.endpoint is not None:
+                await self.endpoint.stop(grace=0.2)
+            self.devices.close()
+            dir_watch.close()
+            self._log.info("stopped")
+
+    async def _serve_and_register(self, registrar: Registrar) -> None:
+        await self.watcher.first_scan_done.wait()
+        reason = "start"
+        number = 0
+        while True:
+            detected = time.monotonic()
+            endpoint = PluginEndpoint(self.server, self.config.paths.kubelet_dir, self.config.resource)
+            await endpoint.start()
+            old, self.endpoint = self.endpoint, endpoint
+            if old is not None:
+                await old.stop(grace=0)
+            await registrar.register(endpoint.name, self.server.options)
+            number += 1
+            self.registrations.publish(
+                Registration(number, endpoint.name, round(time.monotonic() - detected, 6), reason)
+            )
+            reason = await registrar.wait_for_restart()
+            self._log.info("kubelet_restart_detected", reason=reason)
+
+
+ExitCode = int
+
+
+def run_plugin(
+    config: PluginConfig,
+    source: DeviceSource,
+    *,
+    hooks: Hooks | None = None,
+    on_ready: Callable[[DevicePluginRuntime], None] | None = None,
+) -> ExitCode:
+    """Run a plugin in this process until SIGTERM or SIGINT; returns the process exit code.
+
+    0 after a clean stop, 2 for configuration problems (a bad resource name, a
+    socket path that is too long, a refusal by the kubelet), 1 for anything else.
+    """
+    log = structlog.get_logger("plugvisor.plugin").bind(resource=config.resource)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        runtime = DevicePluginRuntime(config, source, hooks=hooks)
+        if on_ready is not None:
+            on_ready(runtime)
+        await runtime.run(stop)
+
+    try:
+        asyncio.run(main())
+    except (ConfigurationError, RegistrationRejectedError) as exc:
+        log.error("cannot_run", error=str(exc))
+        return 2
+    except SocketInUseError as exc:
+        log.error("cannot_run", error=str(exc))
+        return 1
+    return 0

@@ -1,0 +1,218 @@
+"""The DevicePlugin gRPC servicer for one resource.
+
+A thin layer: it reads the latest :class:`DeviceSet` from a
+:class:`~plugvisor.deviceplugin.cell.SnapshotCell`, delegates decisions to
+:mod:`plugvisor.deviceplugin.allocation` and the plugin's hooks, and converts
+between protobuf messages and domain values. Domain errors become gRPC status
+codes here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import structlog
+
+from plugvisor.api import constants
+from plugvisor.api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from plugvisor.deviceplugin import allocation
+from plugvisor.deviceplugin.cell import CellClosedError, SnapshotCell
+from plugvisor.deviceplugin.devices import DeviceSet
+from plugvisor.deviceplugin.errors import RequestError
+from plugvisor.deviceplugin.hooks import ContainerAllocation, Hooks
+
+Context = grpc.aio.ServicerContext[Any, Any]
+
+
+def device_list_message(devices: DeviceSet) -> api_pb2.ListAndWatchResponse:
+    """Convert a device set to the full-list message every stream sends."""
+    message = api_pb2.ListAndWatchResponse()
+    add = message.devices.add
+    for device in devices.values():
+        pb = add(ID=device.id, health=device.health.value)
+        if device.numa_nodes:
+            pb.topology.nodes.extend(api_pb2.NUMANode(ID=n) for n in device.numa_nodes)
+    return message
+
+
+def allocation_message(alloc: ContainerAllocation) -> api_pb2.ContainerAllocateResponse:
+    """Convert one container's allocation to its wire form."""
+    return api_pb2.ContainerAllocateResponse(
+        envs=dict(alloc.envs),
+        annotations=dict(alloc.annotations),
+        devices=[
+            api_pb2.DeviceSpec(
+                container_path=s.container_path, host_path=s.host_path, permissions=s.permissions
+            )
+            for s in alloc.specs
+        ],
+        mounts=[
+            api_pb2.Mount(container_path=m.container_path, host_path=m.host_path, read_only=m.read_only)
+            for m in alloc.mounts
+        ],
+        cdi_devices=[api_pb2.CDIDevice(name=name) for name in alloc.cdi_devices],
+    )
+
+
+class PluginServer(api_pb2_grpc.DevicePluginServicer):
+    """Serves the five DevicePlugin RPCs for one resource.
+
+    Any number of ListAndWatch streams may be open at once (the kubelet opens one
+    per registration; tools may open more); each gets the full list immediately,
+    then every change as a full list. The list message is built once per version
+    and shared by all streams, so 10,000 devices cost one conversion, not one per
+    stream.
+    """
+
+    def __init__(self, resource: str, devices: SnapshotCell[DeviceSet], hooks: Hooks) -> None:
+        self.resource = resource
+        self._devices = devices
+        self._hooks = hooks
+        self._options = api_pb2.DevicePluginOptions(
+            pre_start_required=hooks.pre_start is not None,
+            get_preferred_allocation_available=hooks.preferred is not None,
+        )
+        self._message_version = -1
+        self._message = api_pb2.ListAndWatchResponse()
+        self._log = structlog.get_logger("plugvisor.server").bind(resource=resource)
+        self.open_streams = 0
+
+    @property
+    def options(self) -> api_pb2.DevicePluginOptions:
+        """The options derived from the resolved hooks (what GetDevicePluginOptions answers)."""
+        return self._options
+
+    def _list_message(self, version: int, devices: DeviceSet) -> api_pb2.ListAndWatchResponse:
+        if version != self._message_version:
+            self._message = device_list_message(devices)
+            self._message_version = version
+        return self._message
+
+    async def GetDevicePluginOptions(
+        self, request: api_pb2.Empty, context: Context
+    ) -> api_pb2.DevicePluginOptions:
+        """Answer with the capabilities this plugin really has."""
+        return self._options
+
+    async def ListAndWatch(
+        self, request: api_pb2.Empty, context: Context
+    ) -> AsyncIterator[api_pb2.ListAndWatchResponse]:
+        """Stream the full device list now and after every change, until the server stops."""
+        cell = self._devices
+        version = cell.version
+        self.open_streams += 1
+        self._log.info("list_and_watch_opened", devices=len(cell.value), streams=self.open_streams)
+        try:
+            yield self._list_message(version, cell.value)
+            while True:
+                try:
+                    version, devices = await cell.wait_newer(version)
+                except CellClosedError:
+                    return
+                yield self._list_message(version, devices)
+        finally:
+            self.open_streams -= 1
+            self._log.info("list_and_watch_closed", streams=self.open_streams)
+
+    async def Allocate(self, request: api_pb2.AllocateRequest, context: Context) -> api_pb2.AllocateResponse:
+        """Hand out the requested devices, one response per container request, in order."""
+        devices = self._devices.value
+        containers = [list(c.devices_ids) for c in request.container_requests]
+        try:
+            allocation.check_allocate(containers, devices, resource=self.resource)
+        except RequestError as err:
+            self._log.warning("allocate_rejected", code=err.code.name, reason=err.message)
+            await context.abort(err.code, err.message)
+        response = api_pb2.AllocateResponse()
+        post = self._hooks.post_allocate
+        for ids in containers:
+            chosen = devices.subset(ids)
+            alloc = allocation.build_allocation(chosen)
+            if post is not None:
+                try:
+                    alloc = post.post_allocate(alloc, chosen)
+                except Exception as exc:  # a hook bug must fail the call, not the server
+                    self._log.exception("post_allocate_failed", devices=ids)
+                    await context.abort(
+                        grpc.StatusCode.INTERNAL, f"post-allocate hook failed for {ids}: {exc}"
+                    )
+            response.container_responses.append(allocation_message(alloc))
+        self._log.debug("allocated", devices=containers)
+        return response
+
+    async def GetPreferredAllocation(
+        self, request: api_pb2.PreferredAllocationRequest, context: Context
+    ) -> api_pb2.PreferredAllocationResponse:
+        """Choose devices per container request: the plugin's hook if it has one, else the default."""
+        devices = self._devices.value
+        response = api_pb2.PreferredAllocationResponse()
+        if not request.container_requests:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"GetPreferredAllocation for {self.resource}: the request has no container requests",
+            )
+        for index, creq in enumerate(request.container_requests):
+            available = list(creq.available_deviceIDs)
+            must = list(creq.must_include_deviceIDs)
+            size = creq.allocation_size
+            try:
+                allocation.check_preferred(
+                    available, must, size, devices, index=index, resource=self.resource
+                )
+            except RequestError as err:
+                self._log.warning("preferred_allocation_rejected", code=err.code.name, reason=err.message)
+                await context.abort(err.code, err.message)
+            chosen = self._prefer(available, must, size, devices)
+            response.container_responses.append(
+                api_pb2.ContainerPreferredAllocationResponse(deviceIDs=chosen)
+            )
+        return response
+
+    def _prefer(self, available: list[str], must: list[str], size: int, devices: DeviceSet) -> list[str]:
+        hook = self._hooks.preferred
+        if hook is not None:
+            try:
+                answer = list(hook.preferred_allocation(available, must, size, devices))
+            except Exception:  # fall back: the preference is advisory, the kubelet must still get an answer
+                self._log.exception("preferred_allocation_hook_failed")
+            else:
+                if allocation.is_valid_preferred(answer, available, must, size):
+                    return answer
+                self._log.error(
+                    "preferred_allocation_hook_invalid_answer", answer=answer, size=size, must_include=must
+                )
+        return allocation.default_preferred(available, must, size)
+
+    async def PreStartContainer(
+        self, request: api_pb2.PreStartContainerRequest, context: Context
+    ) -> api_pb2.PreStartContainerResponse:
+        """Run the plugin's pre-start hook within the kubelet's 30 s budget."""
+        ids = list(request.devices_ids)
+        devices = self._devices.value
+        try:
+            allocation.check_pre_start(ids, devices, resource=self.resource)
+        except RequestError as err:
+            await context.abort(err.code, err.message)
+        hook = self._hooks.pre_start
+        if hook is None:
+            return api_pb2.PreStartContainerResponse()
+        remaining = context.time_remaining()
+        budget = float(constants.PRE_START_CONTAINER_TIMEOUT_SECONDS)
+        if remaining is not None:
+            budget = min(budget, remaining)
+        started = time.monotonic()
+        try:
+            await asyncio.wait_for(asyncio.to_thread(hook.pre_start_container, devices.subset(ids)), budget)
+        except TimeoutError:
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"pre-start of {ids} did not finish within {budget:.1f} s"
+            )
+        except Exception as exc:  # the hook's failure is the container's failure, reported by name
+            self._log.exception("pre_start_failed", devices=ids)
+            await context.abort(grpc.StatusCode.INTERNAL, f"pre-start of {ids} failed: {exc}")
+        self._log.info("pre_started", devices=ids, seconds=round(time.monotonic() - started, 4))
+        return api_pb2.PreStartContainerResponse()
