@@ -8,29 +8,71 @@ rediscovery, the five DevicePlugin RPCs with strict request checking,
 registration that survives kubelet restarts, and structured logs.
 
 This package knows no hardware and no supervisor; the layers are enforced by
-import-linter contracts in pyproject.toml.
+import-linter contracts in pyproject.toml. Names are exported lazily so that
+importing the device model (for example to validate a configuration in the
+supervisor, which must never load gRPC) does not import the gRPC server.
 """
 
-from plugvisor.deviceplugin.devices import Device, DeviceSet, DeviceSpec, Health, InvalidDeviceError, Mount
-from plugvisor.deviceplugin.errors import (
-    ConfigurationError,
-    PlugvisorError,
-    RegistrationRejectedError,
-    RequestError,
-    SocketInUseError,
-)
-from plugvisor.deviceplugin.hooks import (
-    ContainerAllocation,
-    ContainerPreStarter,
-    DeviceSource,
-    Hooks,
-    PostAllocator,
-    PreferredAllocator,
-    resolve_hooks,
-)
-from plugvisor.deviceplugin.hostpaths import HostPaths
-from plugvisor.deviceplugin.logs import configure_logging
-from plugvisor.deviceplugin.runtime import DevicePluginRuntime, PluginConfig, Registration, run_plugin
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from plugvisor.deviceplugin.devices import (
+        Device,
+        DeviceSet,
+        DeviceSpec,
+        Health,
+        InvalidDeviceError,
+        Mount,
+    )
+    from plugvisor.deviceplugin.errors import (
+        ConfigurationError,
+        PlugvisorError,
+        RegistrationRejectedError,
+        RequestError,
+        SocketInUseError,
+    )
+    from plugvisor.deviceplugin.hooks import (
+        ContainerAllocation,
+        ContainerPreStarter,
+        DeviceSource,
+        Hooks,
+        PostAllocator,
+        PreferredAllocator,
+        resolve_hooks,
+    )
+    from plugvisor.deviceplugin.hostpaths import HostPaths
+    from plugvisor.deviceplugin.logs import configure_logging
+    from plugvisor.deviceplugin.runtime import DevicePluginRuntime, PluginConfig, Registration, run_plugin
+
+_HOME = {
+    "Device": "devices",
+    "DeviceSet": "devices",
+    "DeviceSpec": "devices",
+    "Health": "devices",
+    "InvalidDeviceError": "devices",
+    "Mount": "devices",
+    "ConfigurationError": "errors",
+    "PlugvisorError": "errors",
+    "RegistrationRejectedError": "errors",
+    "RequestError": "errors",
+    "SocketInUseError": "errors",
+    "ContainerAllocation": "hooks",
+    "ContainerPreStarter": "hooks",
+    "DeviceSource": "hooks",
+    "Hooks": "hooks",
+    "PostAllocator": "hooks",
+    "PreferredAllocator": "hooks",
+    "resolve_hooks": "hooks",
+    "HostPaths": "hostpaths",
+    "configure_logging": "logs",
+    "DevicePluginRuntime": "runtime",
+    "PluginConfig": "runtime",
+    "Registration": "runtime",
+    "run_plugin": "runtime",
+}
 
 __all__ = [
     "ConfigurationError",
@@ -58,3 +100,10 @@ __all__ = [
     "resolve_hooks",
     "run_plugin",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _HOME.get(name)
+    if module is None:
+        raise AttributeError(f"module 'plugvisor.deviceplugin' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"plugvisor.deviceplugin.{module}"), name)

@@ -1,0 +1,63 @@
+"""The kind registry: what ``kind: generic`` in a configuration file resolves to.
+
+Kinds are loaded from the ``plugvisor.plugins`` entry-point group (plugvisor's own
+are registered there too, in pyproject.toml), so built-in and third-party kinds
+are found the same way and a missing or broken one is reported by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from importlib.metadata import entry_points
+from typing import Any, Protocol, runtime_checkable
+
+import pydantic
+
+from plugvisor.deviceplugin.hooks import DeviceSource
+from plugvisor.deviceplugin.hostpaths import HostPaths
+
+ENTRY_POINT_GROUP = "plugvisor.plugins"
+
+
+class UnknownKindError(LookupError):
+    """No installed kind has the requested name."""
+
+
+@runtime_checkable
+class PluginKind(Protocol):
+    """**Protocol:** a device kind: its name, its options model and its source factory.
+
+    ``options_model`` validates the kind-specific keys of one ``resources`` entry
+    (unknown keys must be errors: use ``extra="forbid"``). ``build`` turns
+    validated options into a device source reading the host through ``paths``;
+    the source may also implement any of the hook Protocols.
+    """
+
+    name: str
+    options_model: type[pydantic.BaseModel]
+
+    def build(self, options: Any, paths: HostPaths, *, resource: str) -> DeviceSource:
+        """Create the device source for one resource."""
+        ...
+
+
+def available_kinds() -> Mapping[str, PluginKind]:
+    """Every installed kind, by name (loading each entry point)."""
+    kinds: dict[str, PluginKind] = {}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        kind = ep.load()
+        if not isinstance(kind, PluginKind):
+            raise TypeError(f"entry point {ep.name} = {ep.value} is not a plugvisor PluginKind")
+        kinds[ep.name] = kind
+    return kinds
+
+
+def get_kind(name: str) -> PluginKind:
+    """The kind called ``name``; the error lists the installed ones."""
+    for ep in entry_points(group=ENTRY_POINT_GROUP, name=name):
+        kind = ep.load()
+        if not isinstance(kind, PluginKind):
+            raise TypeError(f"entry point {ep.name} = {ep.value} is not a plugvisor PluginKind")
+        return kind
+    known = sorted(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))
+    raise UnknownKindError(f"unknown plugin kind {name!r}: installed kinds are {', '.join(known) or 'none'}")

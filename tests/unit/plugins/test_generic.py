@@ -1,0 +1,120 @@
+"""The generic kind: squat-style groups of globbed paths, readable IDs, clear option errors."""
+
+from pathlib import Path
+
+import pydantic
+import pytest
+
+from plugvisor.deviceplugin.hostpaths import HostPaths
+from plugvisor.plugins.generic import KIND, GenericOptions, GenericSource
+from plugvisor.validation import describe
+
+ROOT = Path("/lab")
+
+
+def source(fs, options, *, files=(), spec_root=None):
+    for f in files:
+        fs.create_file(ROOT / f.lstrip("/"))
+    paths = HostPaths(root=ROOT, kubelet_dir=Path("/kubelet"), spec_root=spec_root)
+    return GenericSource(GenericOptions.model_validate(options), paths)
+
+
+class TestScan:
+    def test_count_hands_one_node_out_many_times(self, fs):
+        devices = source(fs, {"paths": ["/dev/fuse"], "count": 3}, files=["/dev/fuse"]).scan()
+        assert list(devices) == ["fuse-0", "fuse-1", "fuse-2"]
+        spec = devices["fuse-1"].specs[0]
+        assert (spec.container_path, spec.host_path, spec.permissions) == ("/dev/fuse", "/lab/dev/fuse", "rw")
+
+    def test_a_glob_gives_one_device_per_match(self, fs):
+        devices = source(fs, {"paths": ["/dev/ttyUSB*"]}, files=["/dev/ttyUSB1", "/dev/ttyUSB0", "/dev/tty0"]).scan()
+        assert list(devices) == ["ttyUSB0", "ttyUSB1"]
+
+    def test_paths_of_a_group_pair_up_by_match_order(self, fs):
+        options = {
+            "groups": [
+                {
+                    "paths": [
+                        {"path": "/dev/snd/pcmC*D0c"},
+                        {"path": "/dev/snd/controlC*", "permissions": "r"},
+                        {"path": "/etc/asound.conf", "type": "Mount", "readOnly": True, "limit": 2},
+                    ]
+                }
+            ]
+        }
+        files = ["/dev/snd/pcmC0D0c", "/dev/snd/pcmC1D0c", "/dev/snd/controlC0", "/dev/snd/controlC1", "/etc/asound.conf"]
+        devices = source(fs, options, files=files).scan()
+        assert list(devices) == ["pcmC0D0c_controlC0_asound.conf", "pcmC1D0c_controlC1_asound.conf"]
+        second = devices["pcmC1D0c_controlC1_asound.conf"]
+        assert [s.host_path for s in second.specs] == ["/lab/dev/snd/pcmC1D0c", "/lab/dev/snd/controlC1"]
+        assert second.specs[1].permissions == "r"
+        assert [(m.container_path, m.read_only) for m in second.mounts] == [("/etc/asound.conf", True)]
+
+    def test_a_group_is_as_long_as_its_scarcest_reusable_path(self, fs):
+        options = {"groups": [{"paths": ["/dev/a*", "/dev/b"]}]}
+        devices = source(fs, options, files=["/dev/a0", "/dev/a1", "/dev/b"]).scan()
+        assert len(devices) == 1
+
+    def test_missing_paths_give_no_devices(self, fs):
+        fs.create_dir(ROOT / "dev")
+        assert len(source(fs, {"paths": ["/dev/fuse"]}).scan()) == 0
+
+    def test_mount_path_renames_the_node_in_the_container(self, fs):
+        options = {"paths": [{"path": "/dev/ttyACM0", "mountPath": "/dev/modem"}]}
+        devices = source(fs, options, files=["/dev/ttyACM0"]).scan()
+        assert devices["ttyACM0"].specs[0].container_path == "/dev/modem"
+
+    def test_spec_root_renames_host_paths_for_a_mounted_host(self, fs):
+        devices = source(fs, {"paths": ["/dev/fuse"]}, files=["/dev/fuse"], spec_root=Path("/")).scan()
+        assert devices["fuse"].specs[0].host_path == "/dev/fuse"
+
+    def test_groups_matching_the_same_path_get_distinct_ids(self, fs):
+        options = {"groups": [{"paths": ["/dev/fuse"]}, {"paths": ["/dev/fuse"]}]}
+        devices = source(fs, options, files=["/dev/fuse"]).scan()
+        assert list(devices) == ["fuse", "g1-fuse"]
+
+    def test_overlong_ids_are_shortened_but_stay_unique(self, fs):
+        long_a = "/dev/" + "a" * 70
+        long_b = "/dev/" + "a" * 69 + "b"
+        devices = source(fs, {"paths": ["/dev/a*"]}, files=[long_a, long_b]).scan()
+        assert len(devices) == 2
+        assert all(len(i) <= 63 for i in devices)
+
+    def test_watches_the_directories_where_matches_can_appear(self, fs):
+        src = source(fs, {"paths": ["/dev/bus/usb/*/*"]}, files=["/dev/bus/usb/001/002", "/dev/bus/usb/002/001"])
+        assert [str(p) for p in src.watch_paths()] == [
+            "/lab/dev/bus/usb",
+            "/lab/dev/bus/usb/001",
+            "/lab/dev/bus/usb/002",
+        ]
+
+    def test_a_root_with_glob_characters_is_taken_literally(self, fs):
+        root = Path("/lab[1]")
+        fs.create_file(root / "dev/fuse")
+        src = GenericSource(GenericOptions(paths=["/dev/fuse"]), HostPaths(root=root))
+        assert list(src.scan()) == ["fuse"]
+
+
+class TestOptions:
+    @pytest.mark.parametrize(
+        ("options", "expected"),
+        [
+            ({}, "(top level): Value error, 'paths' must list at least one path"),
+            ({"paths": ["dev/fuse"]}, "paths[0].path: Value error, 'dev/fuse' must be an absolute path"),
+            ({"paths": ["/dev/../etc/shadow"]}, "paths[0].path: Value error, '/dev/../etc/shadow' must not contain '..'"),
+            ({"paths": ["/dev/fuse"], "count": 0}, "count: Input should be greater than or equal to 1"),
+            ({"paths": ["/dev/fuse"], "colour": "red"}, "colour: unknown key"),
+            ({"paths": ["/dev/fuse"], "groups": [{"paths": ["/dev/x"]}]}, "give either 'paths'"),
+            ({"paths": [{"path": "/dev/x", "permissions": "x"}]}, "paths[0].permissions: String should match"),
+            ({"paths": [{"path": "/dev/x", "type": "Socket"}]}, "paths[0].type: Input should be 'Device' or 'Mount'"),
+        ],
+    )
+    def test_bad_options_are_named_by_field(self, options, expected):
+        with pytest.raises(pydantic.ValidationError) as info:
+            GenericOptions.model_validate(options)
+        assert expected in describe(info.value, source="node.yaml")
+
+    def test_the_kind_builds_from_plain_mappings(self, fs):
+        built = KIND.build({"paths": ["/dev/fuse"], "count": 2}, HostPaths(root=ROOT), resource="example.com/fuse")
+        fs.create_file(ROOT / "dev/fuse")
+        assert len(built.scan()) == 2
