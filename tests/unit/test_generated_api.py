@@ -24,12 +24,12 @@ def test_generated_code_is_current():
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         written = generator.generate(out)
-        generated = [p for p in written if p.parts[:2] == ("plugvisor", "api") and p.parent != Path("plugvisor/api")]
+        generated = [
+            p for p in written if p.parts[:2] == ("plugvisor", "api") and p.parent != Path("plugvisor/api")
+        ]
         assert generated, "the generator wrote nothing"
         stale = [
-            str(rel)
-            for rel in generated
-            if (out / rel).read_bytes() != (REPO / "src" / rel).read_bytes()
+            str(rel) for rel in generated if (out / rel).read_bytes() != (REPO / "src" / rel).read_bytes()
         ]
         assert not stale, f"stale generated files (run `python tools/generate_api.py`): {stale}"
 
@@ -40,7 +40,9 @@ def test_wire_names_match_the_kubelet():
     from plugvisor.api.pluginregistration.v1 import api_pb2 as registration_pb2
     from plugvisor.api.podresources.v1 import api_pb2 as podresources_pb2
 
-    services = {s.full_name: [m.name for m in s.methods] for s in api_pb2.DESCRIPTOR.services_by_name.values()}
+    services = {
+        s.full_name: [m.name for m in s.methods] for s in api_pb2.DESCRIPTOR.services_by_name.values()
+    }
     assert services == {
         "v1beta1.Registration": ["Register"],
         "v1beta1.DevicePlugin": [
@@ -51,7 +53,9 @@ def test_wire_names_match_the_kubelet():
             "PreStartContainer",
         ],
     }
-    assert "v1.PodResourcesLister" in {s.full_name for s in podresources_pb2.DESCRIPTOR.services_by_name.values()}
+    assert "v1.PodResourcesLister" in {
+        s.full_name for s in podresources_pb2.DESCRIPTOR.services_by_name.values()
+    }
     assert "pluginregistration.Registration" in {
         s.full_name for s in registration_pb2.DESCRIPTOR.services_by_name.values()
     }

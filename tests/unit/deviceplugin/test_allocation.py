@@ -17,8 +17,12 @@ from plugvisor.deviceplugin.errors import RequestError
 
 DEVICES = DeviceSet(
     [
-        Device("d0", specs=[DeviceSpec("/dev/x0", "/host/x0")], envs={"VIS": "d0"}, cdi_devices=["v.io/c=d0"]),
-        Device("d1", specs=[DeviceSpec("/dev/x1", "/host/x1")], envs={"VIS": "d1"}, cdi_devices=["v.io/c=d1"]),
+        Device(
+            "d0", specs=[DeviceSpec("/dev/x0", "/host/x0")], envs={"VIS": "d0"}, cdi_devices=["v.io/c=d0"]
+        ),
+        Device(
+            "d1", specs=[DeviceSpec("/dev/x1", "/host/x1")], envs={"VIS": "d1"}, cdi_devices=["v.io/c=d1"]
+        ),
         Device("d2", health=Health.UNHEALTHY),
         Device("d3", mounts=[Mount("/m", "/host/m", read_only=True)], annotations={"a": "1"}),
     ]

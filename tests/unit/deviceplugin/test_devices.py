@@ -7,8 +7,12 @@ from plugvisor.deviceplugin.devices import Device, DeviceSet, DeviceSpec, Health
 
 class TestDevice:
     def test_equal_descriptions_are_equal_devices(self):
-        a = Device("gpu0", numa_nodes=[1, 0, 1], envs={"B": "2", "A": "1"}, specs=[DeviceSpec("/dev/a", "/dev/a")])
-        b = Device("gpu0", numa_nodes=(0, 1), envs={"A": "1", "B": "2"}, specs=(DeviceSpec("/dev/a", "/dev/a"),))
+        a = Device(
+            "gpu0", numa_nodes=[1, 0, 1], envs={"B": "2", "A": "1"}, specs=[DeviceSpec("/dev/a", "/dev/a")]
+        )
+        b = Device(
+            "gpu0", numa_nodes=(0, 1), envs={"A": "1", "B": "2"}, specs=(DeviceSpec("/dev/a", "/dev/a"),)
+        )
         assert a == b
         assert a.numa_nodes == (0, 1)
 
@@ -40,7 +44,9 @@ class TestDevice:
         with pytest.raises(InvalidDeviceError, match=fragment):
             Device(**kwargs)
 
-    @pytest.mark.parametrize(("permissions", "ok"), [("rw", True), ("rwm", True), ("r", True), ("", False), ("rx", False)])
+    @pytest.mark.parametrize(
+        ("permissions", "ok"), [("rw", True), ("rwm", True), ("r", True), ("", False), ("rx", False)]
+    )
     def test_device_node_permissions_are_cgroup_letters(self, permissions, ok):
         if ok:
             DeviceSpec("/dev/x", "/dev/x", permissions)

@@ -27,7 +27,9 @@ class TestScan:
         assert (spec.container_path, spec.host_path, spec.permissions) == ("/dev/fuse", "/lab/dev/fuse", "rw")
 
     def test_a_glob_gives_one_device_per_match(self, fs):
-        devices = source(fs, {"paths": ["/dev/ttyUSB*"]}, files=["/dev/ttyUSB1", "/dev/ttyUSB0", "/dev/tty0"]).scan()
+        devices = source(
+            fs, {"paths": ["/dev/ttyUSB*"]}, files=["/dev/ttyUSB1", "/dev/ttyUSB0", "/dev/tty0"]
+        ).scan()
         assert list(devices) == ["ttyUSB0", "ttyUSB1"]
 
     def test_paths_of_a_group_pair_up_by_match_order(self, fs):
@@ -42,7 +44,13 @@ class TestScan:
                 }
             ]
         }
-        files = ["/dev/snd/pcmC0D0c", "/dev/snd/pcmC1D0c", "/dev/snd/controlC0", "/dev/snd/controlC1", "/etc/asound.conf"]
+        files = [
+            "/dev/snd/pcmC0D0c",
+            "/dev/snd/pcmC1D0c",
+            "/dev/snd/controlC0",
+            "/dev/snd/controlC1",
+            "/etc/asound.conf",
+        ]
         devices = source(fs, options, files=files).scan()
         assert list(devices) == ["pcmC0D0c_controlC0_asound.conf", "pcmC1D0c_controlC1_asound.conf"]
         second = devices["pcmC1D0c_controlC1_asound.conf"]
@@ -81,7 +89,9 @@ class TestScan:
         assert all(len(i) <= 63 for i in devices)
 
     def test_watches_the_directories_where_matches_can_appear(self, fs):
-        src = source(fs, {"paths": ["/dev/bus/usb/*/*"]}, files=["/dev/bus/usb/001/002", "/dev/bus/usb/002/001"])
+        src = source(
+            fs, {"paths": ["/dev/bus/usb/*/*"]}, files=["/dev/bus/usb/001/002", "/dev/bus/usb/002/001"]
+        )
         assert [str(p) for p in src.watch_paths()] == [
             "/lab/dev/bus/usb",
             "/lab/dev/bus/usb/001",
@@ -101,12 +111,21 @@ class TestOptions:
         [
             ({}, "(top level): Value error, 'paths' must list at least one path"),
             ({"paths": ["dev/fuse"]}, "paths[0].path: Value error, 'dev/fuse' must be an absolute path"),
-            ({"paths": ["/dev/../etc/shadow"]}, "paths[0].path: Value error, '/dev/../etc/shadow' must not contain '..'"),
+            (
+                {"paths": ["/dev/../etc/shadow"]},
+                "paths[0].path: Value error, '/dev/../etc/shadow' must not contain '..'",
+            ),
             ({"paths": ["/dev/fuse"], "count": 0}, "count: Input should be greater than or equal to 1"),
             ({"paths": ["/dev/fuse"], "colour": "red"}, "colour: unknown key"),
             ({"paths": ["/dev/fuse"], "groups": [{"paths": ["/dev/x"]}]}, "give either 'paths'"),
-            ({"paths": [{"path": "/dev/x", "permissions": "x"}]}, "paths[0].permissions: String should match"),
-            ({"paths": [{"path": "/dev/x", "type": "Socket"}]}, "paths[0].type: Input should be 'Device' or 'Mount'"),
+            (
+                {"paths": [{"path": "/dev/x", "permissions": "x"}]},
+                "paths[0].permissions: String should match",
+            ),
+            (
+                {"paths": [{"path": "/dev/x", "type": "Socket"}]},
+                "paths[0].type: Input should be 'Device' or 'Mount'",
+            ),
         ],
     )
     def test_bad_options_are_named_by_field(self, options, expected):
@@ -115,6 +134,8 @@ class TestOptions:
         assert expected in describe(info.value, source="node.yaml")
 
     def test_the_kind_builds_from_plain_mappings(self, fs):
-        built = KIND.build({"paths": ["/dev/fuse"], "count": 2}, HostPaths(root=ROOT), resource="example.com/fuse")
+        built = KIND.build(
+            {"paths": ["/dev/fuse"], "count": 2}, HostPaths(root=ROOT), resource="example.com/fuse"
+        )
         fs.create_file(ROOT / "dev/fuse")
         assert len(built.scan()) == 2
