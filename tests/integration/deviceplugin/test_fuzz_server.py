@@ -1,4 +1,4 @@
-"""Arbitrary requests against a live server: each answer is correct or the right error, and it keeps serving."""
+"""Arbitrary requests against a live server: a correct answer or the right error, and it keeps serving."""
 
 import asyncio
 
