@@ -7,6 +7,13 @@ expected), 1 anything else.
 
 from __future__ import annotations
 
+import os
+
+# gRPC core prints info-level lines (a GOAWAY on every peer restart) to stderr, and reads this
+# setting when it is first imported: so here, before anything below imports grpc. Our own
+# structured log says what matters; an explicit GRPC_VERBOSITY in the environment still wins.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
 import sys
 from pathlib import Path
 from typing import Any, Final
@@ -162,3 +169,15 @@ def plugin_command(
         click.echo(f"plugvisor plugin {kind}: {exc}", err=True)
         sys.exit(EXIT_USAGE)
     sys.exit(run_plugin(config, source))
+
+
+def _register_subcommands() -> None:
+    """Attach the commands that live beside the code they drive (imported lazily by click)."""
+    from plugvisor.demo import demo_command
+    from plugvisor.emulators.kubelet.cli import kubelet_command
+
+    main.add_command(kubelet_command)
+    main.add_command(demo_command)
+
+
+_register_subcommands()

@@ -104,7 +104,11 @@ class PluginEndpoint:
         self._log.info("serving")
 
     async def stop(self, grace: float | None = 0.5) -> None:
-        """Stop serving (open streams end) and remove the socket file if it is still ours."""
+        """Stop serving and remove the socket file if it is still ours.
+
+        RPCs still running after ``grace`` seconds are cancelled; close the device
+        cell first so that ListAndWatch streams end normally within the grace.
+        """
         server, self._server = self._server, None
         if server is None:
             return

@@ -107,9 +107,11 @@ class DevicePluginRuntime:
             for task in [lifecycle, stopper, *tasks]:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
-            if self.endpoint is not None:
-                await self.endpoint.stop(grace=0.2)
+            # End the ListAndWatch streams first, so they finish as a normal end of stream
+            # (what the kubelet expects of a plugin going away), then stop the server.
             self.devices.close()
+            if self.endpoint is not None:
+                await self.endpoint.stop(grace=0.5)
             dir_watch.close()
             self._log.info("stopped")
 
