@@ -142,6 +142,10 @@ async def register(
             raise
 
 
+class EndpointLostError(Exception):
+    """Our socket file vanished before registration; serve on a fresh one and try again."""
+
+
 class Registrar:
     """Registers one endpoint, retrying until the kubelet answers, then reports restarts.
 
@@ -158,22 +162,25 @@ class Registrar:
         self.registrations = 0
 
     async def register(self, endpoint: str, options: api_pb2.DevicePluginOptions) -> float:
-        """Register ``endpoint`` (a bare socket file name); returns the seconds it took, retries included."""
+        """Register ``endpoint`` (a bare socket file name); returns the seconds it took, retries included.
+
+        Raises :class:`EndpointLostError` when our socket file disappears first: a
+        kubelet that starts after us deletes every socket in its directory before
+        it listens, so by the time ``kubelet.sock`` exists ours may be gone, and
+        registering it would only make the kubelet's dial time out.
+        """
         started = time.monotonic()
         self._watch.own_socket = endpoint
+        own_socket = self._watch.kubelet_dir / endpoint
         delay = 0.05
         while True:
             await self._watch.wait_for_kubelet()
+            if not own_socket.exists():
+                raise EndpointLostError(f"{endpoint} was deleted before it could be registered")
             identity = SocketIdentity.of(self._watch.kubelet_socket)
             seen = self._watch.state.version
             try:
-                await register(
-                    self._watch.kubelet_socket,
-                    endpoint=endpoint,
-                    resource=self._resource,
-                    options=options,
-                    timeout=self._timeout,
-                )
+                await self._register_unless_lost(endpoint, options)
             except grpc.aio.AioRpcError as err:
                 self._log.warning(
                     "register_failed", code=err.code().name, error=err.details(), retry_in=delay
@@ -188,6 +195,38 @@ class Registrar:
             elapsed = time.monotonic() - started
             self._log.info("registered", endpoint=endpoint, seconds=round(elapsed, 4))
             return elapsed
+
+    async def _register_unless_lost(self, endpoint: str, options: api_pb2.DevicePluginOptions) -> None:
+        """Call Register, abandoning it at once if our socket is deleted meanwhile.
+
+        Without this, a wipe that lands during the call leaves us waiting out the
+        kubelet's 10 s dial deadline for a socket that no longer exists.
+        """
+        state = self._watch.state
+        deletions = state.value.socket_deletions
+        seen = state.version
+        call = asyncio.create_task(
+            register(
+                self._watch.kubelet_socket,
+                endpoint=endpoint,
+                resource=self._resource,
+                options=options,
+                timeout=self._timeout,
+            )
+        )
+        try:
+            while True:
+                waiter = asyncio.create_task(state.wait_newer(seen))
+                done, _ = await asyncio.wait({call, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                if call in done:
+                    waiter.cancel()
+                    call.result()
+                    return
+                seen, now = waiter.result()
+                if now.socket_deletions > deletions:
+                    raise EndpointLostError(f"{endpoint} was deleted while registering it")
+        finally:
+            call.cancel()
 
     async def wait_for_restart(self) -> str:
         """Return (with the reason) once the kubelet we registered with is gone or replaced."""

@@ -28,7 +28,7 @@ from plugvisor.deviceplugin.errors import ConfigurationError, RegistrationReject
 from plugvisor.deviceplugin.hooks import DeviceSource, Hooks, resolve_hooks
 from plugvisor.deviceplugin.hostpaths import HostPaths
 from plugvisor.deviceplugin.names import extended_resource_name_problem
-from plugvisor.deviceplugin.registration import KubeletDirWatch, Registrar
+from plugvisor.deviceplugin.registration import EndpointLostError, KubeletDirWatch, Registrar
 from plugvisor.deviceplugin.server import PluginServer
 from plugvisor.deviceplugin.watch import DeviceWatcher
 
@@ -126,7 +126,12 @@ class DevicePluginRuntime:
             old, self.endpoint = self.endpoint, endpoint
             if old is not None:
                 await old.stop(grace=0)
-            await registrar.register(endpoint.name, self.server.options)
+            try:
+                await registrar.register(endpoint.name, self.server.options)
+            except EndpointLostError as exc:
+                reason = "plugin socket deleted before registration"
+                self._log.info("kubelet_restart_detected", reason=reason, detail=str(exc))
+                continue
             number += 1
             self.registrations.publish(
                 Registration(number, endpoint.name, round(time.monotonic() - detected, 6), reason)

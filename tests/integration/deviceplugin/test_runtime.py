@@ -1,0 +1,211 @@
+"""A framework plugin against the emulated kubelet: registration, updates, restarts, allocation.
+
+Each test runs the plugin runtime and the emulated kubelet in one event loop, over
+real unix sockets, the way a node runs them in two processes.
+"""
+
+import asyncio
+import contextlib
+from pathlib import Path
+
+import pytest
+
+from plugvisor.deviceplugin.devices import Device, DeviceSet, DeviceSpec, Health
+from plugvisor.deviceplugin.hostpaths import HostPaths
+from plugvisor.deviceplugin.runtime import DevicePluginRuntime, PluginConfig
+from plugvisor.emulators.kubelet import EmulatedKubelet, PluginMethod
+
+RESOURCE = "example.com/widget"
+
+
+class FileBackedWidgets:
+    """Devices w0..w{n-1}; a file `<dir>/sick-wN` marks wN unhealthy, `<dir>/gone-wN` removes it."""
+
+    def __init__(self, state_dir: Path, count: int = 4) -> None:
+        self.state_dir = state_dir
+        self.count = count
+        self.pre_started: list[list[str]] = []
+        self.preferred_calls = 0
+
+    def scan(self) -> DeviceSet:
+        devices = []
+        for i in range(self.count):
+            name = f"w{i}"
+            if (self.state_dir / f"gone-{name}").exists():
+                continue
+            health = Health.UNHEALTHY if (self.state_dir / f"sick-{name}").exists() else Health.HEALTHY
+            devices.append(
+                Device(
+                    name,
+                    health=health,
+                    numa_nodes=[i % 2],
+                    specs=[DeviceSpec(f"/dev/{name}", f"/dev/{name}")],
+                )
+            )
+        return DeviceSet(devices)
+
+    def watch_paths(self) -> list[Path]:
+        return [self.state_dir]
+
+    def preferred_allocation(self, available, must_include, size, devices):
+        self.preferred_calls += 1
+        return (
+            sorted(available, reverse=True)[:size]
+            if not must_include
+            else [*must_include, *[i for i in sorted(available, reverse=True) if i not in must_include]][
+                :size
+            ]
+        )
+
+    def pre_start_container(self, devices):
+        self.pre_started.append(list(devices))
+
+
+@contextlib.asynccontextmanager
+async def running(runtime: DevicePluginRuntime):
+    stop = asyncio.Event()
+    task = asyncio.create_task(runtime.run(stop))
+    try:
+        yield task
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+def counts(kubelet: EmulatedKubelet, resource: str = RESOURCE):
+    view = kubelet.resource(resource)
+    return None if view is None else (view.allocatable, view.capacity)
+
+
+@pytest.fixture
+async def kubelet(short_dir):
+    k = EmulatedKubelet(short_dir / "dp", grace_period=60.0)
+    await k.start()
+    yield k
+    if k.running:
+        await k.stop()
+
+
+@pytest.fixture
+def state_dir(short_dir):
+    path = short_dir / "state"
+    path.mkdir()
+    return path
+
+
+def runtime_for(kubelet: EmulatedKubelet, source, resource: str = RESOURCE) -> DevicePluginRuntime:
+    paths = HostPaths(root=Path("/"), kubelet_dir=kubelet.socket_dir)
+    return DevicePluginRuntime(PluginConfig(resource, paths, rescan_interval=30.0), source)
+
+
+class TestRegistration:
+    async def test_registers_and_the_kubelet_sees_every_device(self, kubelet, state_dir):
+        async with running(runtime_for(kubelet, FileBackedWidgets(state_dir))):
+            await kubelet.wait_for(lambda k: counts(k) == (4, 4))
+        record = kubelet.registrations[0]
+        assert record.accepted and record.version == "v1beta1"
+        assert record.endpoint.startswith("plugvisor-widget-") and "/" not in record.endpoint
+
+    async def test_the_kubelet_uses_the_options_the_hooks_imply(self, kubelet, state_dir):
+        async with running(runtime_for(kubelet, FileBackedWidgets(state_dir))):
+            await kubelet.wait_for(lambda k: counts(k) == (4, 4))
+            options = kubelet.resource(RESOURCE).options
+        assert options.pre_start_required and options.get_preferred_allocation_available
+
+    async def test_waits_for_a_kubelet_that_is_not_there_yet(self, short_dir, state_dir):
+        kubelet = EmulatedKubelet(short_dir / "dp", grace_period=60.0)
+        (short_dir / "dp").mkdir()
+        runtime = runtime_for(kubelet, FileBackedWidgets(state_dir))
+        async with running(runtime):
+            await asyncio.sleep(0.2)
+            assert runtime.registrations.value is None
+            await kubelet.start()
+            try:
+                await kubelet.wait_for(lambda k: counts(k) == (4, 4))
+            finally:
+                await kubelet.stop()
+
+    async def test_two_resources_side_by_side(self, kubelet, state_dir, short_dir):
+        other = short_dir / "other"
+        other.mkdir()
+        async with (
+            running(runtime_for(kubelet, FileBackedWidgets(state_dir, 2))),
+            running(runtime_for(kubelet, FileBackedWidgets(other, 3), "example.com/gadget")),
+        ):
+            await kubelet.wait_for(
+                lambda k: counts(k) == (2, 2) and counts(k, "example.com/gadget") == (3, 3)
+            )
+            endpoints = {kubelet.resource(r).endpoint for r in (RESOURCE, "example.com/gadget")}
+        assert len(endpoints) == 2
+
+    async def test_a_second_instance_for_the_same_resource_gets_its_own_socket(self, kubelet, state_dir):
+        first, second = (
+            runtime_for(kubelet, FileBackedWidgets(state_dir)),
+            runtime_for(kubelet, FileBackedWidgets(state_dir)),
+        )
+        async with running(first), running(second):
+            await first.registrations.wait_newer(0)
+            await second.registrations.wait_newer(0)
+            assert first.endpoint.path != second.endpoint.path
+            assert first.endpoint.path.exists() and second.endpoint.path.exists()
+
+
+class TestUpdates:
+    async def test_a_health_change_reaches_the_kubelet_and_recovers(self, kubelet, state_dir):
+        async with running(runtime_for(kubelet, FileBackedWidgets(state_dir))):
+            await kubelet.wait_for(lambda k: counts(k) == (4, 4))
+            (state_dir / "sick-w2").touch()
+            await kubelet.wait_for(lambda k: counts(k) == (3, 4))
+            assert kubelet.resource(RESOURCE).devices["w2"].health == "Unhealthy"
+            (state_dir / "sick-w2").unlink()
+            await kubelet.wait_for(lambda k: counts(k) == (4, 4))
+
+    async def test_a_vanished_device_leaves_the_list(self, kubelet, state_dir):
+        async with running(runtime_for(kubelet, FileBackedWidgets(state_dir))):
+            await kubelet.wait_for(lambda k: counts(k) == (4, 4))
+            (state_dir / "gone-w0").touch()
+            await kubelet.wait_for(lambda k: counts(k) == (3, 3))
+            assert "w0" not in kubelet.resource(RESOURCE).devices
+
+    async def test_stopping_the_plugin_ends_its_stream(self, kubelet, state_dir):
+        async with running(runtime_for(kubelet, FileBackedWidgets(state_dir))):
+            await kubelet.wait_for(lambda k: counts(k) == (4, 4))
+        await kubelet.wait_for(lambda k: counts(k) == (0, 4))
+
+
+class TestKubeletRestart:
+    async def test_registers_again_on_a_fresh_socket_with_the_same_devices(self, kubelet, state_dir):
+        runtime = runtime_for(kubelet, FileBackedWidgets(state_dir))
+        async with running(runtime):
+            await kubelet.wait_for(lambda k: counts(k) == (4, 4))
+            first_endpoint = kubelet.resource(RESOURCE).endpoint
+            for restart in range(1, 4):
+                await kubelet.restart()
+                await kubelet.wait_for(
+                    lambda k, r=restart: (
+                        k.generation == r + 1 and counts(k) == (4, 4) and k.resource(RESOURCE).registered
+                    )
+                )
+            assert kubelet.resource(RESOURCE).endpoint != first_endpoint
+        accepted = [r for r in kubelet.registrations if r.accepted]
+        assert len(accepted) == 4  # one per kubelet generation: no spurious re-registration
+        assert [r.generation for r in accepted] == [1, 2, 3, 4]
+
+
+class TestAllocation:
+    async def test_the_kubelet_allocates_with_preference_and_pre_start(self, kubelet, state_dir):
+        source = FileBackedWidgets(state_dir)
+        async with running(runtime_for(kubelet, source)):
+            await kubelet.wait_for(lambda k: counts(k) == (4, 4))
+            allocation = await kubelet.allocate(RESOURCE, 2, pod_uid="p1", container="c")
+        assert sorted(allocation.device_ids) == ["w2", "w3"]
+        assert [d.host_path for d in allocation.response.devices] == [
+            f"/dev/{i}" for i in allocation.device_ids
+        ]
+        assert allocation.preferred_called and allocation.pre_start_called
+        assert source.preferred_calls == 1
+        assert sorted(source.pre_started[0]) == ["w2", "w3"]
+        assert kubelet.calls_for(RESOURCE)[:2] == [
+            PluginMethod.GET_DEVICE_PLUGIN_OPTIONS,
+            PluginMethod.LIST_AND_WATCH,
+        ]
