@@ -11,9 +11,12 @@ framework adds (request checks, merge, conversion).
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # before grpc is imported: no info lines
+
 import argparse
 import asyncio
-import os
 import shutil
 import signal
 import statistics
