@@ -14,6 +14,7 @@ import os
 # structured log says what matters; an explicit GRPC_VERBOSITY in the environment still wins.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
+import json
 import sys
 from pathlib import Path
 from typing import Any, Final
@@ -79,6 +80,19 @@ def _load_options_file(path: Path) -> dict[str, Any]:
     return data
 
 
+def _parse_options_json(text: str) -> dict[str, Any]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"not valid JSON: {exc}", param_hint="--options-json") from exc
+    if not isinstance(data, dict):
+        raise click.BadParameter(
+            f"must be a JSON object of the kind's keys, not {type(data).__name__}",
+            param_hint="--options-json",
+        )
+    return data
+
+
 @main.command("plugin")
 @click.argument("kind")
 @click.option(
@@ -116,6 +130,18 @@ def _load_options_file(path: Path) -> dict[str, Any]:
     help="YAML mapping of the kind's configuration keys (as in a resources entry).",
 )
 @click.option(
+    "--options-json",
+    help="The kind's configuration keys as one JSON object (how the supervisor hands a child its entry).",
+)
+@click.option(
+    "--on-kubelet-restart",
+    type=click.Choice(["reregister", "exit"]),
+    default="reregister",
+    show_default=True,
+    help="reregister: serve a fresh socket and register again in process; exit: exit with status 3 "
+    "so that a supervisor restarts the process.",
+)
+@click.option(
     "--rescan-interval",
     type=click.FloatRange(min=0.05),
     default=30.0,
@@ -133,11 +159,17 @@ def plugin_command(
     paths: tuple[str, ...],
     count: int | None,
     options_file: Path | None,
+    options_json: str | None,
+    on_kubelet_restart: str,
     rescan_interval: float,
     log_level: str,
     log_format: str,
 ) -> None:
-    """Run one device plugin for one resource in this process (no configuration file needed)."""
+    """Run one device plugin for one resource in this process (no configuration file needed).
+
+    When PLUGVISOR_STATUS_SOCKET names a unix datagram socket, the plugin reports its
+    registrations and device counts there in sd_notify format (see plugvisor.deviceplugin.status).
+    """
     from plugvisor.deviceplugin.runtime import PluginConfig, run_plugin
     from plugvisor.plugins.kinds import UnknownKindError, get_kind
 
@@ -146,7 +178,11 @@ def plugin_command(
         plugin_kind = get_kind(kind)
     except UnknownKindError as exc:
         raise click.BadParameter(str(exc), param_hint="KIND") from exc
+    if options_file and options_json:
+        raise click.UsageError("give --options-file or --options-json, not both")
     raw: dict[str, Any] = _load_options_file(options_file) if options_file else {}
+    if options_json is not None:
+        raw = _parse_options_json(options_json)
     if paths or count is not None:
         if kind != "generic":
             raise click.UsageError("--path and --count apply to the generic kind only; use --options-file")
@@ -154,7 +190,9 @@ def plugin_command(
             raw["paths"] = list(paths)
         if count is not None:
             raw["count"] = count
-    source_name = str(options_file) if options_file else "command-line options"
+    source_name = (
+        str(options_file) if options_file else "--options-json" if options_json else "command-line options"
+    )
     try:
         options = plugin_kind.options_model.model_validate(raw)
     except pydantic.ValidationError as exc:
@@ -163,7 +201,12 @@ def plugin_command(
     resource_name = resource or f"plugvisor.io/{kind}"
     host = HostPaths(root=host_root.absolute(), kubelet_dir=kubelet_dir.absolute(), spec_root=spec_root)
     try:
-        config = PluginConfig(resource_name, host, rescan_interval=rescan_interval)
+        config = PluginConfig(
+            resource_name,
+            host,
+            rescan_interval=rescan_interval,
+            on_kubelet_restart="exit" if on_kubelet_restart == "exit" else "reregister",
+        )
         source = plugin_kind.build(options, host, resource=resource_name)
     except ConfigurationError as exc:
         click.echo(f"plugvisor plugin {kind}: {exc}", err=True)

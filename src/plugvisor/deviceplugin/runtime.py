@@ -18,6 +18,7 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Final, Literal
 
 import structlog
 
@@ -30,17 +31,37 @@ from plugvisor.deviceplugin.hostpaths import HostPaths
 from plugvisor.deviceplugin.names import extended_resource_name_problem
 from plugvisor.deviceplugin.registration import EndpointLostError, KubeletDirWatch, Registrar
 from plugvisor.deviceplugin.server import PluginServer
+from plugvisor.deviceplugin.status import StatusReporter
 from plugvisor.deviceplugin.watch import DeviceWatcher
+
+EXIT_OK: Final = 0
+EXIT_FAILURE: Final = 1
+EXIT_CONFIGURATION: Final = 2
+EXIT_KUBELET_RESTARTED: Final = 3
+"""With ``on_kubelet_restart="exit"``: the kubelet restarted; whoever owns restarts starts us again now."""
+
+KubeletRestartPolicy = Literal["reregister", "exit"]
+
+
+class KubeletRestartedError(Exception):
+    """The kubelet restarted and the policy says the process should exit (its owner restarts it)."""
 
 
 @dataclass(frozen=True, slots=True)
 class PluginConfig:
-    """Everything one plugin process needs besides its device source."""
+    """Everything one plugin process needs besides its device source.
+
+    ``on_kubelet_restart``: ``"reregister"`` (default) serves a fresh socket and
+    registers again in process; ``"exit"`` ends the run with
+    :data:`EXIT_KUBELET_RESTARTED` so that a supervisor owning restarts starts a
+    new process at once.
+    """
 
     resource: str
     paths: HostPaths = field(default_factory=HostPaths)
     rescan_interval: float = 30.0
     register_timeout: float = 30.0
+    on_kubelet_restart: KubeletRestartPolicy = "reregister"
 
     def __post_init__(self) -> None:
         problem = extended_resource_name_problem(self.resource)
@@ -50,6 +71,10 @@ class PluginConfig:
             raise ConfigurationError(f"rescan interval must be positive, got {self.rescan_interval}")
         if self.register_timeout <= 0:
             raise ConfigurationError(f"register timeout must be positive, got {self.register_timeout}")
+        if self.on_kubelet_restart not in ("reregister", "exit"):
+            raise ConfigurationError(
+                f"on_kubelet_restart must be 'reregister' or 'exit', got {self.on_kubelet_restart!r}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,8 +94,16 @@ class DevicePluginRuntime:
     readiness can await: it holds the latest successful :class:`Registration`.
     """
 
-    def __init__(self, config: PluginConfig, source: DeviceSource, *, hooks: Hooks | None = None) -> None:
+    def __init__(
+        self,
+        config: PluginConfig,
+        source: DeviceSource,
+        *,
+        hooks: Hooks | None = None,
+        status: StatusReporter | None = None,
+    ) -> None:
         self.config = config
+        self.status = status if status is not None else StatusReporter()
         self.devices: SnapshotCell[DeviceSet] = SnapshotCell(DeviceSet())
         self.hooks = hooks if hooks is not None else resolve_hooks(source)
         self.server = PluginServer(config.resource, self.devices, self.hooks)
@@ -92,6 +125,8 @@ class DevicePluginRuntime:
             asyncio.create_task(self.watcher.run(), name="discovery"),
             asyncio.create_task(dir_watch.run(), name="kubelet-dir-watch"),
         ]
+        if self.status.enabled:
+            tasks.append(asyncio.create_task(self._report_devices(), name="status"))
         lifecycle = asyncio.create_task(self._serve_and_register(registrar), name="serve-and-register")
         stopper = asyncio.create_task(stop.wait(), name="stop")
         try:
@@ -113,6 +148,7 @@ class DevicePluginRuntime:
             if self.endpoint is not None:
                 await self.endpoint.stop(grace=0.5)
             dir_watch.close()
+            self.status.close()
             self._log.info("stopped")
 
     async def _serve_and_register(self, registrar: Registrar) -> None:
@@ -136,8 +172,23 @@ class DevicePluginRuntime:
             self.registrations.publish(
                 Registration(number, endpoint.name, round(time.monotonic() - detected, 6), reason)
             )
+            devices = self.devices.value
+            self.status.send(
+                REGISTERED=number,
+                ENDPOINT=endpoint.name,
+                DEVICES=f"{len(devices.healthy_ids)}/{len(devices)}",
+            )
             reason = await registrar.wait_for_restart()
             self._log.info("kubelet_restart_detected", reason=reason)
+            self.status.send(KUBELET_RESTART=reason)
+            if self.config.on_kubelet_restart == "exit":
+                raise KubeletRestartedError(reason)
+
+    async def _report_devices(self) -> None:
+        seen = -1
+        while True:
+            seen, devices = await self.devices.wait_newer(seen)
+            self.status.send(DEVICES=f"{len(devices.healthy_ids)}/{len(devices)}")
 
 
 ExitCode = int
@@ -153,7 +204,8 @@ def run_plugin(
     """Run a plugin in this process until SIGTERM or SIGINT; returns the process exit code.
 
     0 after a clean stop, 2 for configuration problems (a bad resource name, a
-    socket path that is too long, a refusal by the kubelet), 1 for anything else.
+    socket path that is too long, a refusal by the kubelet), 3 when the kubelet
+    restarted and ``on_kubelet_restart="exit"``, 1 for anything else.
     """
     log = structlog.get_logger("plugvisor.plugin").bind(resource=config.resource)
 
@@ -171,8 +223,11 @@ def run_plugin(
         asyncio.run(main())
     except (ConfigurationError, RegistrationRejectedError) as exc:
         log.error("cannot_run", error=str(exc))
-        return 2
+        return EXIT_CONFIGURATION
     except SocketInUseError as exc:
         log.error("cannot_run", error=str(exc))
-        return 1
-    return 0
+        return EXIT_FAILURE
+    except KubeletRestartedError as exc:
+        log.info("exiting_for_restart", reason=str(exc))
+        return EXIT_KUBELET_RESTARTED
+    return EXIT_OK

@@ -209,3 +209,57 @@ class TestAllocation:
             PluginMethod.GET_DEVICE_PLUGIN_OPTIONS,
             PluginMethod.LIST_AND_WATCH,
         ]
+
+
+class TestSupervision:
+    """The hooks a supervisor uses: status datagrams and exiting on a kubelet restart."""
+
+    async def test_reports_registrations_and_devices_on_the_status_socket(
+        self, kubelet, state_dir, short_dir
+    ):
+        import socket
+
+        from plugvisor.deviceplugin.status import StatusReporter, decode
+
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        listener.bind(str(short_dir / "status.sock"))
+        listener.setblocking(False)
+        loop = asyncio.get_running_loop()
+        paths = HostPaths(root=Path("/"), kubelet_dir=kubelet.socket_dir)
+        runtime = DevicePluginRuntime(
+            PluginConfig(RESOURCE, paths),
+            FileBackedWidgets(state_dir),
+            status=StatusReporter(str(short_dir / "status.sock")),
+        )
+        messages = []
+
+        async def until(predicate):
+            while not any(predicate(m) for m in messages):
+                messages.append(decode(await asyncio.wait_for(loop.sock_recv(listener, 4096), 10)))
+
+        try:
+            async with running(runtime):
+                await until(lambda m: m.get("REGISTERED") == "1")
+                (state_dir / "sick-w1").touch()
+                await until(lambda m: m.get("DEVICES") == "3/4")
+                await kubelet.restart()
+                await until(lambda m: "KUBELET_RESTART" in m)
+                await until(lambda m: m.get("REGISTERED") == "2")
+        finally:
+            listener.close()
+        registered = [m for m in messages if "REGISTERED" in m]
+        assert registered[0]["ENDPOINT"].startswith("plugvisor-widget-")
+        assert registered[0]["DEVICES"] == "4/4"
+
+    async def test_exits_on_a_kubelet_restart_when_told_to(self, kubelet, state_dir):
+        from plugvisor.deviceplugin.runtime import KubeletRestartedError
+
+        paths = HostPaths(root=Path("/"), kubelet_dir=kubelet.socket_dir)
+        runtime = DevicePluginRuntime(
+            PluginConfig(RESOURCE, paths, on_kubelet_restart="exit"), FileBackedWidgets(state_dir)
+        )
+        task = asyncio.create_task(runtime.run(asyncio.Event()))
+        await kubelet.wait_for(lambda k: counts(k) == (4, 4))
+        await kubelet.restart()
+        with pytest.raises(KubeletRestartedError):
+            await asyncio.wait_for(task, 10)

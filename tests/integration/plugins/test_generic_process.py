@@ -109,3 +109,17 @@ async def test_an_options_file_that_is_not_a_mapping_is_refused(node):
     _, stderr = await asyncio.wait_for(proc.communicate(), 20)
     assert proc.returncode == 2
     assert "must hold a mapping of the kind's keys, not list" in stderr.decode()
+
+
+async def test_exits_3_on_a_kubelet_restart_when_a_supervisor_owns_restarts(node):
+    (node / "root/dev/fuse").touch()
+    async with EmulatedKubelet(node / "dp") as kubelet:
+        proc = await asyncio.create_subprocess_exec(
+            *plugin_argv(node, "--options-json", '{"paths": ["/dev/fuse"]}', "--on-kubelet-restart", "exit"),
+            stderr=asyncio.subprocess.PIPE,
+        )
+        await kubelet.wait_for(lambda k: allocatable("plugvisor.io/generic")(k) == 1, timeout=20)
+        await kubelet.restart()
+        _, stderr = await asyncio.wait_for(proc.communicate(), 10)
+    assert proc.returncode == 3, stderr.decode()
+    assert "exiting_for_restart" in stderr.decode()
