@@ -148,6 +148,11 @@ def _parse_options_json(text: str) -> dict[str, Any]:
     show_default=True,
     help="Seconds between safety-net rescans (changes under watched paths trigger one at once).",
 )
+@click.option(
+    "--metrics-listen",
+    metavar="HOST:PORT",
+    help="Serve this plugin's Prometheus metrics (the supervisor serves them for its children instead).",
+)
 @log_options
 def plugin_command(
     *,
@@ -162,6 +167,7 @@ def plugin_command(
     options_json: str | None,
     on_kubelet_restart: str,
     rescan_interval: float,
+    metrics_listen: str | None,
     log_level: str,
     log_format: str,
 ) -> None:
@@ -211,7 +217,23 @@ def plugin_command(
     except ConfigurationError as exc:
         click.echo(f"plugvisor plugin {kind}: {exc}", err=True)
         sys.exit(EXIT_USAGE)
+    if metrics_listen:
+        _serve_metrics(metrics_listen)
     sys.exit(run_plugin(config, source))
+
+
+def _serve_metrics(listen: str) -> None:
+    from prometheus_client import start_http_server
+
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit():
+        raise click.BadParameter(f"{listen!r} is not HOST:PORT", param_hint="--metrics-listen")
+    try:
+        start_http_server(int(port), addr=host or "127.0.0.1")
+    except OSError as exc:
+        raise click.BadParameter(
+            f"cannot listen on {listen}: {exc.strerror}", param_hint="--metrics-listen"
+        ) from exc
 
 
 def _register_subcommands() -> None:

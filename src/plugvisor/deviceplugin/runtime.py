@@ -22,6 +22,7 @@ from typing import Final, Literal
 
 import structlog
 
+from plugvisor.deviceplugin import metrics
 from plugvisor.deviceplugin.cell import SnapshotCell
 from plugvisor.deviceplugin.devices import DeviceSet
 from plugvisor.deviceplugin.endpoint import PluginEndpoint
@@ -169,6 +170,7 @@ class DevicePluginRuntime:
                 self._log.info("kubelet_restart_detected", reason=reason, detail=str(exc))
                 continue
             number += 1
+            metrics.PLUGIN_REGISTRATIONS.labels(self.config.resource).inc()
             self.registrations.publish(
                 Registration(number, endpoint.name, round(time.monotonic() - detected, 6), reason)
             )

@@ -19,7 +19,7 @@ import structlog
 
 from plugvisor.api import constants
 from plugvisor.api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
-from plugvisor.deviceplugin import allocation
+from plugvisor.deviceplugin import allocation, metrics
 from plugvisor.deviceplugin.cell import CellClosedError, SnapshotCell
 from plugvisor.deviceplugin.devices import DeviceSet
 from plugvisor.deviceplugin.errors import RequestError
@@ -80,6 +80,13 @@ class PluginServer(api_pb2_grpc.DevicePluginServicer):
         self._message = api_pb2.ListAndWatchResponse()
         self._log = structlog.get_logger("plugvisor.server").bind(resource=resource)
         self.open_streams = 0
+        # Label lookups resolved once: the Allocate path pays one observe and one inc.
+        self._errors = metrics.RPC_ERRORS
+        self._allocated = metrics.ALLOCATED_DEVICES.labels(resource)
+        self._streams = metrics.STREAMS.labels(resource)
+        self._allocate_seconds = metrics.RPC_SECONDS.labels(resource, "Allocate")
+        self._preferred_seconds = metrics.RPC_SECONDS.labels(resource, "GetPreferredAllocation")
+        self._pre_start_seconds = metrics.RPC_SECONDS.labels(resource, "PreStartContainer")
 
     @property
     def options(self) -> api_pb2.DevicePluginOptions:
@@ -105,6 +112,7 @@ class PluginServer(api_pb2_grpc.DevicePluginServicer):
         cell = self._devices
         version = cell.version
         self.open_streams += 1
+        self._streams.inc()
         self._log.info("list_and_watch_opened", devices=len(cell.value), streams=self.open_streams)
         try:
             yield self._list_message(version, cell.value)
@@ -116,17 +124,23 @@ class PluginServer(api_pb2_grpc.DevicePluginServicer):
                 yield self._list_message(version, devices)
         finally:
             self.open_streams -= 1
+            self._streams.dec()
             self._log.info("list_and_watch_closed", streams=self.open_streams)
+
+    async def _abort(self, context: Context, method: str, code: grpc.StatusCode, message: str) -> None:
+        self._errors.labels(self.resource, method, code.name).inc()
+        await context.abort(code, message)
 
     async def Allocate(self, request: api_pb2.AllocateRequest, context: Context) -> api_pb2.AllocateResponse:
         """Hand out the requested devices, one response per container request, in order."""
+        started = time.perf_counter()
         devices = self._devices.value
         containers = [list(c.devices_ids) for c in request.container_requests]
         try:
             allocation.check_allocate(containers, devices, resource=self.resource)
         except RequestError as err:
             self._log.warning("allocate_rejected", code=err.code.name, reason=err.message)
-            await context.abort(err.code, err.message)
+            await self._abort(context, "Allocate", err.code, err.message)
         response = api_pb2.AllocateResponse()
         post = self._hooks.post_allocate
         for ids in containers:
@@ -137,10 +151,15 @@ class PluginServer(api_pb2_grpc.DevicePluginServicer):
                     alloc = post.post_allocate(alloc, chosen)
                 except Exception as exc:  # a hook bug must fail the call, not the server
                     self._log.exception("post_allocate_failed", devices=ids)
-                    await context.abort(
-                        grpc.StatusCode.INTERNAL, f"post-allocate hook failed for {ids}: {exc}"
+                    await self._abort(
+                        context,
+                        "Allocate",
+                        grpc.StatusCode.INTERNAL,
+                        f"post-allocate hook failed for {ids}: {exc}",
                     )
             response.container_responses.append(allocation_message(alloc))
+        self._allocated.inc(sum(len(ids) for ids in containers))
+        self._allocate_seconds.observe(time.perf_counter() - started)
         self._log.debug("allocated", devices=containers)
         return response
 
@@ -148,10 +167,13 @@ class PluginServer(api_pb2_grpc.DevicePluginServicer):
         self, request: api_pb2.PreferredAllocationRequest, context: Context
     ) -> api_pb2.PreferredAllocationResponse:
         """Choose devices per container request: the plugin's hook if it has one, else the default."""
+        started = time.perf_counter()
         devices = self._devices.value
         response = api_pb2.PreferredAllocationResponse()
         if not request.container_requests:
-            await context.abort(
+            await self._abort(
+                context,
+                "GetPreferredAllocation",
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"GetPreferredAllocation for {self.resource}: the request has no container requests",
             )
@@ -165,11 +187,12 @@ class PluginServer(api_pb2_grpc.DevicePluginServicer):
                 )
             except RequestError as err:
                 self._log.warning("preferred_allocation_rejected", code=err.code.name, reason=err.message)
-                await context.abort(err.code, err.message)
+                await self._abort(context, "GetPreferredAllocation", err.code, err.message)
             chosen = self._prefer(available, must, size, devices)
             response.container_responses.append(
                 api_pb2.ContainerPreferredAllocationResponse(deviceIDs=chosen)
             )
+        self._preferred_seconds.observe(time.perf_counter() - started)
         return response
 
     def _prefer(self, available: list[str], must: list[str], size: int, devices: DeviceSet) -> list[str]:
@@ -196,7 +219,7 @@ class PluginServer(api_pb2_grpc.DevicePluginServicer):
         try:
             allocation.check_pre_start(ids, devices, resource=self.resource)
         except RequestError as err:
-            await context.abort(err.code, err.message)
+            await self._abort(context, "PreStartContainer", err.code, err.message)
         hook = self._hooks.pre_start
         if hook is None:
             return api_pb2.PreStartContainerResponse()
@@ -208,11 +231,18 @@ class PluginServer(api_pb2_grpc.DevicePluginServicer):
         try:
             await asyncio.wait_for(asyncio.to_thread(hook.pre_start_container, devices.subset(ids)), budget)
         except TimeoutError:
-            await context.abort(
-                grpc.StatusCode.DEADLINE_EXCEEDED, f"pre-start of {ids} did not finish within {budget:.1f} s"
+            await self._abort(
+                context,
+                "PreStartContainer",
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"pre-start of {ids} did not finish within {budget:.1f} s",
             )
         except Exception as exc:  # the hook's failure is the container's failure, reported by name
             self._log.exception("pre_start_failed", devices=ids)
-            await context.abort(grpc.StatusCode.INTERNAL, f"pre-start of {ids} failed: {exc}")
-        self._log.info("pre_started", devices=ids, seconds=round(time.monotonic() - started, 4))
+            await self._abort(
+                context, "PreStartContainer", grpc.StatusCode.INTERNAL, f"pre-start of {ids} failed: {exc}"
+            )
+        elapsed = time.monotonic() - started
+        self._pre_start_seconds.observe(elapsed)
+        self._log.info("pre_started", devices=ids, seconds=round(elapsed, 4))
         return api_pb2.PreStartContainerResponse()

@@ -265,3 +265,22 @@ class TestEndpoint:
                 await api_pb2_grpc.DevicePluginStub(channel).GetDevicePluginOptions(api_pb2.Empty())
         finally:
             await endpoint.stop(grace=0)
+
+
+class TestMetrics:
+    async def test_allocations_errors_and_latency_are_counted(self, serve):
+        from prometheus_client import REGISTRY
+
+        def sample(name, **labels):
+            return REGISTRY.get_sample_value(name, {"resource": RESOURCE, **labels}) or 0.0
+
+        served = await serve()
+        allocated = sample("plugvisor_plugin_allocated_devices_total")
+        errors = sample("plugvisor_plugin_rpc_errors_total", method="Allocate", code="NOT_FOUND")
+        observed = sample("plugvisor_plugin_rpc_duration_seconds_count", method="Allocate")
+        await served.stub.Allocate(allocate_request(["w0", "w1"]))
+        with pytest.raises(grpc.aio.AioRpcError):
+            await served.stub.Allocate(allocate_request(["ghost"]))
+        assert sample("plugvisor_plugin_allocated_devices_total") == allocated + 2
+        assert sample("plugvisor_plugin_rpc_errors_total", method="Allocate", code="NOT_FOUND") == errors + 1
+        assert sample("plugvisor_plugin_rpc_duration_seconds_count", method="Allocate") == observed + 1

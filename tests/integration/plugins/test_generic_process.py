@@ -123,3 +123,28 @@ async def test_exits_3_on_a_kubelet_restart_when_a_supervisor_owns_restarts(node
         _, stderr = await asyncio.wait_for(proc.communicate(), 10)
     assert proc.returncode == 3, stderr.decode()
     assert "exiting_for_restart" in stderr.decode()
+
+
+async def test_serves_its_metrics_on_loopback_when_asked(node):
+    import socket
+    import urllib.request
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    (node / "root/dev/fuse").touch()
+    async with EmulatedKubelet(node / "dp") as kubelet:
+        proc = await asyncio.create_subprocess_exec(
+            *plugin_argv(node, "--path", "/dev/fuse", "--metrics-listen", f"127.0.0.1:{port}"),
+            stderr=asyncio.subprocess.PIPE,
+        )
+        try:
+            await kubelet.wait_for(lambda k: allocatable("plugvisor.io/generic")(k) == 1, timeout=20)
+            body = await asyncio.to_thread(
+                lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            )
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(proc.communicate(), 10)
+    assert 'plugvisor_plugin_registrations_total{resource="plugvisor.io/generic"} 1.0' in body
+    assert 'plugvisor_plugin_list_and_watch_streams{resource="plugvisor.io/generic"} 1.0' in body
