@@ -40,13 +40,28 @@ def _duplicates(ids: Sequence[str]) -> set[str]:
     return dups
 
 
-def _check_known_and_healthy(ids: Sequence[str], devices: DeviceSet, *, where: str, resource: str) -> None:
+def _check_listed(ids: Sequence[str], *, where: str, resource: str, what: str = "device IDs") -> None:
+    """Refuse an empty list, or one that names a device twice."""
+    if not ids:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: no {what} for resource {resource}")
+    dups = _duplicates(ids)
+    if dups:
+        raise RequestError(
+            grpc.StatusCode.INVALID_ARGUMENT, f"{where}: {what} {format_ids(dups)} are listed more than once"
+        )
+
+
+def _check_known(ids: Sequence[str], devices: DeviceSet, *, where: str, resource: str) -> None:
     unknown = [i for i in ids if i not in devices]
     if unknown:
         raise RequestError(
             grpc.StatusCode.NOT_FOUND,
             f"{where}: unknown device IDs {format_ids(unknown)} for resource {resource}",
         )
+
+
+def _check_known_and_healthy(ids: Sequence[str], devices: DeviceSet, *, where: str, resource: str) -> None:
+    _check_known(ids, devices, where=where, resource=resource)
     healthy = devices.healthy_ids
     unhealthy = [i for i in ids if i not in healthy]
     if unhealthy:
@@ -71,16 +86,7 @@ def check_allocate(containers: Sequence[Sequence[str]], devices: DeviceSet, *, r
     seen: dict[str, int] = {}
     for index, ids in enumerate(containers):
         where = f"Allocate container request {index}"
-        if not ids:
-            raise RequestError(
-                grpc.StatusCode.INVALID_ARGUMENT, f"{where}: no device IDs for resource {resource}"
-            )
-        dups = _duplicates(ids)
-        if dups:
-            raise RequestError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"{where}: device IDs {format_ids(dups)} are listed more than once",
-            )
+        _check_listed(ids, where=where, resource=resource)
         _check_known_and_healthy(ids, devices, where=where, resource=resource)
         shared = [i for i in ids if i in seen]
         if shared:
@@ -100,23 +106,8 @@ def check_pre_start(ids: Sequence[str], devices: DeviceSet, *, resource: str) ->
     unhealthy is the kubelet's call to make, and the pre-start hook may be what
     brings the device back.
     """
-    where = "PreStartContainer"
-    if not ids:
-        raise RequestError(
-            grpc.StatusCode.INVALID_ARGUMENT, f"{where}: no device IDs for resource {resource}"
-        )
-    dups = _duplicates(ids)
-    if dups:
-        raise RequestError(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"{where}: device IDs {format_ids(dups)} are listed more than once",
-        )
-    unknown = [i for i in ids if i not in devices]
-    if unknown:
-        raise RequestError(
-            grpc.StatusCode.NOT_FOUND,
-            f"{where}: unknown device IDs {format_ids(unknown)} for resource {resource}",
-        )
+    _check_listed(ids, where="PreStartContainer", resource=resource)
+    _check_known(ids, devices, where="PreStartContainer", resource=resource)
 
 
 def check_preferred(
@@ -130,17 +121,12 @@ def check_preferred(
 ) -> None:
     """Refuse a GetPreferredAllocation container request that has no valid answer."""
     where = f"GetPreferredAllocation container request {index}"
-    if not available:
-        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: no available device IDs")
-    for name, ids in (("available", available), ("must-include", must_include)):
-        dups = _duplicates(ids)
-        if dups:
-            raise RequestError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"{where}: {name} device IDs {format_ids(dups)} are listed more than once",
-            )
+    _check_listed(available, where=where, resource=resource, what="available device IDs")
+    if must_include:
+        _check_listed(must_include, where=where, resource=resource, what="must-include device IDs")
     _check_known_and_healthy(available, devices, where=where, resource=resource)
-    outside = [i for i in must_include if i not in set(available)]
+    offered = set(available)
+    outside = [i for i in must_include if i not in offered]
     if outside:
         raise RequestError(
             grpc.StatusCode.INVALID_ARGUMENT,
