@@ -13,8 +13,9 @@ import re
 from typing import Final
 
 _DNS1123_LABEL: Final = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
-_DNS1123_SUBDOMAIN_RE: Final = re.compile(rf"^{_DNS1123_LABEL}(\.{_DNS1123_LABEL})*$")
-_QUALIFIED_NAME_RE: Final = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+# Matched with fullmatch: "$" would also accept a trailing newline, which Go's regexp (and so the kubelet) rejects.
+_DNS1123_SUBDOMAIN_RE: Final = re.compile(rf"{_DNS1123_LABEL}(\.{_DNS1123_LABEL})*")
+_QUALIFIED_NAME_RE: Final = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
 _DNS1123_SUBDOMAIN_MAX: Final = 253
 _QUALIFIED_NAME_MAX: Final = 63
 
@@ -35,7 +36,7 @@ def qualified_name_errors(value: str) -> list[str]:
             errors.append("prefix part must be non-empty")
         elif len(prefix) > _DNS1123_SUBDOMAIN_MAX:
             errors.append(f"prefix part must be no more than {_DNS1123_SUBDOMAIN_MAX} characters")
-        elif not _DNS1123_SUBDOMAIN_RE.match(prefix):
+        elif not _DNS1123_SUBDOMAIN_RE.fullmatch(prefix):
             errors.append("prefix part must be a lowercase RFC 1123 subdomain")
     else:
         return ["a qualified name must consist of alphanumeric characters and at most one '/'"]
@@ -43,7 +44,7 @@ def qualified_name_errors(value: str) -> list[str]:
         errors.append("name part must be non-empty")
     elif len(name) > _QUALIFIED_NAME_MAX:
         errors.append(f"name part must be no more than {_QUALIFIED_NAME_MAX} characters")
-    elif not _QUALIFIED_NAME_RE.match(name):
+    elif not _QUALIFIED_NAME_RE.fullmatch(name):
         errors.append(
             "name part must consist of alphanumeric characters, '-', '_' or '.', "
             "and must start and end with an alphanumeric character"

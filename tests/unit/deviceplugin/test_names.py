@@ -29,6 +29,8 @@ class TestExtendedResourceName:
             "example.com/" + "x" * 64,
             "a" * 245 + ".com/x",
             "exa mple.com/gpu",
+            "example.com/gpu\n",
+            "example.com\n/gpu",
         ],
     )
     def test_rejects_names_the_kubelet_rejects(self, name):
