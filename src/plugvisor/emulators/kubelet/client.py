@@ -1,0 +1,131 @@
+"""The kubelet's client for one registered plugin: dial, hand over, stream.
+
+This mirrors the kubelet's ``client.go``. ``connect`` dials the plugin's socket
+*blocking*, with a deadline (10 s upstream), then lets the handler fetch the
+plugin's options; ``run`` opens ListAndWatch once and feeds every message to the
+handler until the stream ends; ``disconnect`` closes the channel and tells the
+handler. Nothing here ever re-dials or re-opens the stream: upstream does not,
+and plugins must survive that (kubernetes#92958).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Final, Protocol
+
+import grpc
+
+from plugvisor.api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from plugvisor.emulators.kubelet import errors, journal, model
+
+#: grpc-go reports a stream that ended with the server returning nil as io.EOF.
+STREAM_EOF: Final = "EOF"
+
+
+class ConnectError(Exception):
+    """Connecting failed; ``str()`` is the error text Register returns to the plugin."""
+
+
+class ClientHandler(Protocol):
+    """**Protocol:** what a plugin client reports to (the device manager's side)."""
+
+    async def plugin_connected(self, resource: str, client: PluginClient) -> None:
+        """Fetch options and install an endpoint; raise :class:`ConnectError` to refuse."""
+
+    def plugin_list_and_watch_receiver(self, resource: str, response: api_pb2.ListAndWatchResponse) -> None:
+        """Apply one full device list."""
+
+    def plugin_disconnected(self, resource: str) -> None:
+        """The current client of ``resource`` was disconnected."""
+
+
+class PluginClient:
+    """One plugin connection, created per Register call, never reused."""
+
+    def __init__(
+        self,
+        *,
+        resource: str,
+        socket_path: str,
+        handler: ClientHandler,
+        journal: journal.Journal,
+        dial_timeout: float,
+    ) -> None:
+        self.resource = resource
+        self.socket_path = socket_path
+        self._handler = handler
+        self._journal = journal
+        self._dial_timeout = dial_timeout
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: api_pb2_grpc.DevicePluginAsyncStub | None = None
+        self.end_reason: str | None = None
+        """Why ListAndWatch ended, in grpc-go's words (``EOF``, ``rpc error: ...``)."""
+
+    @property
+    def stub(self) -> api_pb2_grpc.DevicePluginAsyncStub:
+        """The dialled stub; only valid after :meth:`connect` succeeded in dialling."""
+        if self._stub is None:
+            raise RuntimeError(f"client for {self.resource} at {self.socket_path} is not connected")
+        return self._stub
+
+    async def connect(self) -> None:
+        """Dial blocking with the deadline, then hand the client to the handler."""
+        channel = grpc.aio.insecure_channel(
+            "unix:" + self.socket_path,
+            options=[
+                ("grpc.default_authority", "localhost"),
+                # Never share a connection with an older client of the same path:
+                # each Register gets a fresh dial, as with grpc-go's DialContext.
+                ("grpc.use_local_subchannel_pool", 1),
+            ],
+        )
+        self._channel = channel
+        try:
+            await asyncio.wait_for(channel.channel_ready(), self._dial_timeout)
+        except TimeoutError:
+            await self.close()
+            raise ConnectError(f"failed to dial device plugin: {errors.GO_DEADLINE_EXCEEDED}") from None
+        except BaseException:
+            await self.close()
+            raise
+        self._stub = api_pb2_grpc.DevicePluginStub(channel)
+        await self._handler.plugin_connected(self.resource, self)
+
+    async def get_device_plugin_options(self) -> api_pb2.DevicePluginOptions:
+        """Call GetDevicePluginOptions with no deadline (as upstream)."""
+        self._journal.call(self.resource, self.socket_path, model.PluginMethod.GET_DEVICE_PLUGIN_OPTIONS)
+        return await self.stub.GetDevicePluginOptions(api_pb2.Empty())
+
+    async def run(self) -> None:
+        """Consume ListAndWatch until it ends; record why in :attr:`end_reason`.
+
+        Cancellation of this task (the kubelet going away) propagates; a stream
+        cancelled because *another* task closed this channel counts as ended.
+        """
+        self._journal.call(self.resource, self.socket_path, model.PluginMethod.LIST_AND_WATCH)
+        call = self.stub.ListAndWatch(api_pb2.Empty())
+        try:
+            async for response in call:
+                self._handler.plugin_list_and_watch_receiver(self.resource, response)
+        except grpc.aio.AioRpcError as error:
+            self.end_reason = errors.go_rpc_error(error)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
+            self.end_reason = errors.go_status_error(
+                grpc.StatusCode.CANCELLED, "grpc: the client connection is closing"
+            )
+        else:
+            self.end_reason = STREAM_EOF
+
+    async def close(self) -> None:
+        """Close the channel without telling anyone (the kubelet process is going away)."""
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            await channel.close()
+
+    async def disconnect(self) -> None:
+        """Close the channel, then report the disconnection (``client.Disconnect``)."""
+        await self.close()
+        self._handler.plugin_disconnected(self.resource)

@@ -1,0 +1,228 @@
+"""The kubelet's Registration server on ``<dir>/kubelet.sock``, and its start-up cleanup.
+
+This mirrors the kubelet's ``server.go``/``handler.go`` of v1.31-v1.35, in order,
+inside one synchronous Register call:
+
+1. count the attempt (before any validation, as the kubelet's metric does);
+2. the version must be supported -
+   ``requested API version %q is not supported by kubelet. Supported version is %q``
+   (``%q`` of the supported-versions *array*, so ``["v1beta1"]``);
+3. the name must be an extended resource name - ``the ResourceName %q is invalid``;
+4. the new client is stored under the name, replacing any previous one
+   *without closing it*;
+5. a blocking dial of ``join(dir, endpoint)`` - ``failed to dial device plugin: ...``;
+6. GetDevicePluginOptions - ``failed to get device plugin options: ...``;
+7. the endpoint is installed and ListAndWatch opened in the background while
+   Register returns.
+
+Errors reach the plugin as gRPC ``UNKNOWN`` with the text, as a Go handler that
+returns a plain error does. The client table keeps upstream's quirks: a failed
+Register removes *whatever* client the name had, and when any client's stream
+ends, the *current* client of that name is disconnected (kubernetes#121994).
+
+At start, every unix socket in the directory is deleted (following symlinks,
+as ``os.Stat`` does) - directories, regular files and the checkpoint stay. That
+deletion is how plugins learn the kubelet restarted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import stat
+from pathlib import Path
+
+import grpc
+import structlog
+
+from plugvisor.api import constants
+from plugvisor.api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from plugvisor.deviceplugin import names
+from plugvisor.emulators.kubelet import client as client_
+from plugvisor.emulators.kubelet import errors, journal, model
+
+_log = structlog.get_logger(__name__)
+
+SOCKET_DIR_MODE = 0o750
+
+
+def cleanup_plugin_directory(directory: Path, *, keep: frozenset[str] = frozenset()) -> list[Path]:
+    """Delete every unix socket in ``directory`` (not ``keep``), like ``CleanupPluginDirectory``.
+
+    Entries that cannot be stat'ed (dangling links) are skipped. Returns the
+    removed paths; raises :class:`OSError` naming every entry it failed to remove.
+    """
+    removed: list[Path] = []
+    failures: list[str] = []
+    for entry in sorted(directory.iterdir()):
+        if entry.name in keep:
+            continue
+        try:
+            mode = entry.stat().st_mode
+        except OSError:
+            continue
+        if stat.S_ISDIR(mode) or not stat.S_ISSOCK(mode):
+            continue
+        try:
+            entry.unlink()
+        except FileNotFoundError:
+            continue
+        except OSError as error:
+            failures.append(f"{entry}: {error.strerror}")
+            continue
+        removed.append(entry)
+    if failures:
+        raise OSError("failed to clean up the device plugin directory: " + "; ".join(failures))
+    return removed
+
+
+def _go_quote_list(values: tuple[str, ...]) -> str:
+    """Render a string array as Go's ``%q`` does: ``["a" "b"]``."""
+    return "[" + " ".join(names.go_quote(value) for value in values) + "]"
+
+
+class RegistrationServer(api_pb2_grpc.RegistrationServicer):
+    """Serves ``v1beta1.Registration`` and owns the plugin clients it connected."""
+
+    def __init__(
+        self,
+        *,
+        socket_dir: Path,
+        handler: client_.ClientHandler,
+        journal: journal.Journal,
+        dial_timeout: float,
+    ) -> None:
+        self.socket_dir = socket_dir
+        self.socket_path = socket_dir / constants.KUBELET_SOCKET_NAME
+        self._handler = handler
+        self._journal = journal
+        self._dial_timeout = dial_timeout
+        self.clients: dict[str, client_.PluginClient] = {}
+        """The current client per resource name (``server.clients``)."""
+        self.registration_counts: collections.Counter[str] = collections.Counter()
+        """Register attempts per resource name, valid or not (the kubelet's metric)."""
+        self._server: grpc.aio.Server | None = None
+        self._runs: dict[asyncio.Task[None], client_.PluginClient] = {}
+
+    async def start(self) -> list[Path]:
+        """Create the directory, delete its sockets, then listen; return the removed sockets."""
+        self.socket_dir.mkdir(mode=SOCKET_DIR_MODE, parents=True, exist_ok=True)
+        removed = cleanup_plugin_directory(self.socket_dir, keep=frozenset({constants.CHECKPOINT_NAME}))
+        server = grpc.aio.server()
+        api_pb2_grpc.add_RegistrationServicer_to_server(self, server)
+        server.add_insecure_port("unix:" + os.fspath(self.socket_path))
+        await server.start()
+        self._server = server
+        return removed
+
+    async def stop(self) -> None:
+        """Stop as a dying kubelet process would: streams cut, no state change reported."""
+        server, self._server = self._server, None
+        if server is not None:
+            await server.stop(None)
+        runs = dict(self._runs)
+        for task in runs:
+            task.cancel()
+        await asyncio.gather(*runs, return_exceptions=True)
+        for plugin_client in runs.values():
+            await plugin_client.close()
+        self._runs.clear()
+        self.clients.clear()
+
+    async def Register(
+        self,
+        request: api_pb2.RegisterRequest,
+        context: grpc.aio.ServicerContext[api_pb2.RegisterRequest, api_pb2.Empty],
+    ) -> api_pb2.Empty:
+        """Handle one registration synchronously; answer UNKNOWN with the kubelet's text on error."""
+        received_at = self._journal.clock()
+        self.registration_counts[request.resource_name] += 1
+        error = await self._register(request)
+        self._journal.registration(
+            model.RegistrationRecord(
+                resource=request.resource_name,
+                endpoint=request.endpoint,
+                version=request.version,
+                requested_options=(
+                    model.PluginOptions.from_proto(request.options) if request.HasField("options") else None
+                ),
+                accepted=error is None,
+                error=error,
+                received_at=received_at,
+                finished_at=self._journal.clock(),
+                generation=self._journal.generation,
+            )
+        )
+        if error is not None:
+            self._journal.event(
+                model.EventKind.REGISTRATION_FAILED,
+                error,
+                resource=request.resource_name,
+                endpoint=request.endpoint,
+                version=request.version,
+            )
+            await context.abort(grpc.StatusCode.UNKNOWN, error)
+        self._journal.event(
+            model.EventKind.REGISTERED,
+            f"{request.resource_name} registered at {request.endpoint}",
+            resource=request.resource_name,
+            endpoint=request.endpoint,
+        )
+        return api_pb2.Empty()
+
+    async def _register(self, request: api_pb2.RegisterRequest) -> str | None:
+        if request.version not in constants.SUPPORTED_VERSIONS:
+            return (
+                f"requested API version {names.go_quote(request.version)} is not supported by kubelet. "
+                f"Supported version is {_go_quote_list(constants.SUPPORTED_VERSIONS)}"
+            )
+        if not names.is_extended_resource_name(request.resource_name):
+            return f"the ResourceName {names.go_quote(request.resource_name)} is invalid"
+        socket_path = errors.go_join(os.fspath(self.socket_dir), request.endpoint)
+        try:
+            await self._connect_client(request.resource_name, socket_path)
+        except client_.ConnectError as error:
+            return str(error)
+        return None
+
+    async def _connect_client(self, name: str, socket_path: str) -> None:
+        plugin_client = client_.PluginClient(
+            resource=name,
+            socket_path=socket_path,
+            handler=self._handler,
+            journal=self._journal,
+            dial_timeout=self._dial_timeout,
+        )
+        self.clients[name] = plugin_client
+        try:
+            await plugin_client.connect()
+        except client_.ConnectError as error:
+            self.clients.pop(name, None)
+            _log.info("failed to connect to new client", resource=name, err=str(error))
+            await plugin_client.close()
+            raise
+        except BaseException:
+            # Cancelled (the kubelet is stopping): leave no channel behind.
+            if self.clients.get(name) is plugin_client:
+                del self.clients[name]
+            await plugin_client.close()
+            raise
+        task = asyncio.create_task(self._run_client(name, plugin_client), name=f"ListAndWatch {name}")
+        self._runs[task] = plugin_client
+        task.add_done_callback(lambda done: self._runs.pop(done, None))
+
+    async def _run_client(self, name: str, plugin_client: client_.PluginClient) -> None:
+        await plugin_client.run()
+        self._journal.event(
+            model.EventKind.STREAM_ENDED,
+            f"ListAndWatch ended unexpectedly for device plugin {name}: {plugin_client.end_reason}",
+            resource=name,
+            endpoint=plugin_client.socket_path,
+            error=plugin_client.end_reason,
+        )
+        current = self.clients.get(name)
+        if current is None:
+            return
+        self.clients.pop(name, None)
+        await current.disconnect()

@@ -1,0 +1,101 @@
+"""``kubelet_command`` as a real process: SIGHUP restarts like a kubelet, SIGTERM stops cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from plugvisor.api import constants
+
+RUN = "from plugvisor.emulators.kubelet.cli import kubelet_command; kubelet_command()"
+
+
+def make_socket(path: Path) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(os.fspath(path))
+
+
+class Kubelet:
+    """A running ``kubelet_command`` whose stderr is read line by line."""
+
+    def __init__(self, *args: str) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", RUN, *args],
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
+        )
+        self.lines: list[str] = []
+
+    def wait_for_line(self, *fragments: str) -> str:
+        """Read stderr until a line contains every fragment; fail if the process ends first."""
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            self.lines.append(line)
+            if all(fragment in line for fragment in fragments):
+                return line
+        pytest.fail(f"process ended without a line containing {fragments}: {''.join(self.lines)}")
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=30)
+
+
+@pytest.fixture
+def cli_kubelet(socket_dir: Path) -> Iterator[Kubelet]:
+    running = Kubelet("--dir", str(socket_dir), "--grace-period", "5")
+    yield running
+    if running.process.poll() is None:
+        running.process.kill()
+        running.process.wait()
+
+
+class TestKubeletCommand:
+    def test_sighup_restarts_and_sigterm_exits_zero(self, cli_kubelet: Kubelet, socket_dir: Path) -> None:
+        """SIGHUP deletes only sockets and serves kubelet.sock again; SIGTERM exits 0."""
+        cli_kubelet.wait_for_line("event='started'", "generation=1")
+        make_socket(socket_dir / "plugin.sock")
+        (socket_dir / "keep.txt").write_text("x")
+        (socket_dir / "keep.d").mkdir()
+        cli_kubelet.process.send_signal(signal.SIGHUP)
+        cli_kubelet.wait_for_line("event='started'", "generation=2")
+        assert sorted(p.name for p in socket_dir.iterdir()) == sorted(
+            [constants.KUBELET_SOCKET_NAME, "keep.txt", "keep.d"]
+        )
+        assert any("event='socket_removed'" in line and "plugin.sock" in line for line in cli_kubelet.lines)
+        assert cli_kubelet.stop() == 0
+        document = json.loads(Path(f"{socket_dir}.kubelet.json").read_text())
+        assert document["kubelet"]["generation"] == 2
+        assert document["kubelet"]["running"] is False
+
+    def test_sigint_also_exits_zero(self, cli_kubelet: Kubelet) -> None:
+        """Ctrl-C is a clean stop."""
+        cli_kubelet.wait_for_line("event='started'")
+        cli_kubelet.process.send_signal(signal.SIGINT)
+        assert cli_kubelet.process.wait(timeout=30) == 0
+
+    @pytest.mark.parametrize(
+        ("args", "option"),
+        [
+            ((), "--dir"),
+            (("--dir", "/tmp/x", "--grace-period", "-1"), "--grace-period"),
+            (("--dir", "/tmp/" + "d" * 120), "--dir"),
+        ],
+        ids=["missing-dir", "negative-grace", "socket-path-too-long"],
+    )
+    def test_bad_usage_exits_2_naming_the_option(self, args: tuple[str, ...], option: str) -> None:
+        """Usage errors are exit status 2 with the option in the message."""
+        result = subprocess.run(
+            [sys.executable, "-c", RUN, *args], capture_output=True, text=True, timeout=60, check=False
+        )
+        assert result.returncode == 2
+        assert option in result.stderr
