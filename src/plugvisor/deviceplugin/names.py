@@ -13,7 +13,8 @@ import re
 from typing import Final
 
 _DNS1123_LABEL: Final = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
-# Matched with fullmatch: "$" would also accept a trailing newline, which Go's regexp (and so the kubelet) rejects.
+# Matched with fullmatch: "$" would also accept a trailing newline, which Go's regexp
+# (and so the kubelet) rejects.
 _DNS1123_SUBDOMAIN_RE: Final = re.compile(rf"{_DNS1123_LABEL}(\.{_DNS1123_LABEL})*")
 _QUALIFIED_NAME_RE: Final = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
 _DNS1123_SUBDOMAIN_MAX: Final = 253
