@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Final
 
 import grpc
 import structlog
@@ -26,6 +27,8 @@ from plugvisor.deviceplugin.errors import RequestError
 from plugvisor.deviceplugin.hooks import ContainerAllocation, Hooks
 
 Context = grpc.aio.ServicerContext[Any, Any]
+
+_RESPONSE_CACHE_SIZE: Final = 1024
 
 
 def device_list_message(devices: DeviceSet) -> api_pb2.ListAndWatchResponse:
@@ -87,6 +90,11 @@ class PluginServer(api_pb2_grpc.DevicePluginServicer):
         self._allocate_seconds = metrics.RPC_SECONDS.labels(resource, "Allocate")
         self._preferred_seconds = metrics.RPC_SECONDS.labels(resource, "GetPreferredAllocation")
         self._pre_start_seconds = metrics.RPC_SECONDS.labels(resource, "PreStartContainer")
+        # Without a post-allocate hook a container's response depends only on the device set's
+        # version and the IDs, so it is built once (appending copies it into the reply).
+        self._responses: OrderedDict[tuple[int, tuple[str, ...]], api_pb2.ContainerAllocateResponse] = (
+            OrderedDict()
+        )
 
     @property
     def options(self) -> api_pb2.DevicePluginOptions:
@@ -127,6 +135,11 @@ class PluginServer(api_pb2_grpc.DevicePluginServicer):
             self._streams.dec()
             self._log.info("list_and_watch_closed", streams=self.open_streams)
 
+    def _remember(self, key: tuple[int, tuple[str, ...]], message: api_pb2.ContainerAllocateResponse) -> None:
+        self._responses[key] = message
+        if len(self._responses) > _RESPONSE_CACHE_SIZE:
+            self._responses.popitem(last=False)
+
     async def _abort(self, context: Context, method: str, code: grpc.StatusCode, message: str) -> None:
         self._errors.labels(self.resource, method, code.name).inc()
         await context.abort(code, message)
@@ -143,7 +156,16 @@ class PluginServer(api_pb2_grpc.DevicePluginServicer):
             await self._abort(context, "Allocate", err.code, err.message)
         response = api_pb2.AllocateResponse()
         post = self._hooks.post_allocate
+        version = self._devices.version
         for ids in containers:
+            if post is None:
+                key = (version, tuple(ids))
+                cached = self._responses.get(key)
+                if cached is None:
+                    cached = allocation_message(allocation.build_allocation(devices.subset(ids)))
+                    self._remember(key, cached)
+                response.container_responses.append(cached)
+                continue
             chosen = devices.subset(ids)
             alloc = allocation.build_allocation(chosen)
             if post is not None:

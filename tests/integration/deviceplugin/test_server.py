@@ -156,6 +156,15 @@ class TestAllocate:
         # ... and the server keeps serving.
         assert (await served.stub.Allocate(allocate_request(["w0"]))).container_responses
 
+    async def test_a_changed_device_set_changes_the_answer_for_the_same_ids(self, serve):
+        served = await serve()
+        first = await served.stub.Allocate(allocate_request(["w1"]))
+        assert dict(first.container_responses[0].envs) == {"WIDGETS": "w1"}
+        served.cell.publish(DeviceSet([Device("w1", envs={"WIDGETS": "renamed"})]))
+        again = await served.stub.Allocate(allocate_request(["w1"]))
+        assert dict(again.container_responses[0].envs) == {"WIDGETS": "renamed"}
+        assert list(again.container_responses[0].devices) == []
+
     async def test_unhealthy_devices_are_refused(self, serve):
         served = await serve(DeviceSet([Device("ok"), Device("sick", health=Health.UNHEALTHY)]))
         with pytest.raises(grpc.aio.AioRpcError) as info:
