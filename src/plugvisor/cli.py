@@ -240,8 +240,10 @@ def _register_subcommands() -> None:
     """Attach the commands that live beside the code they drive (imported lazily by click)."""
     from plugvisor.demo import demo_command
     from plugvisor.emulators.kubelet.cli import kubelet_command
+    from plugvisor.emulators.lab.cli import lab_group
 
     main.add_command(kubelet_command)
+    main.add_command(lab_group)
     main.add_command(demo_command)
 
 

@@ -1,0 +1,102 @@
+"""Faults a real node shows, as changes to the lab's state.
+
+Each fault is what the kernel would make visible, nothing more: an AER counter
+that rises, a GPU whose driver link and nodes vanish and whose config space
+reads all ones, a NIC whose ``operstate`` goes ``down`` (taking its VFs'
+links with it), an FPGA port whose ``afu_id`` reads all ``f``, a Xilinx card
+whose ``rom`` directory disappears (as after ``xbutil reset``), a PF whose VFs
+drop to zero (as after a PF driver reload). How a plugin reacts is the plugin's
+business; the lab only makes the tree tell the truth.
+
+``heal`` undoes a fault. For AER that means the counters go back to zero: a real
+kernel only resets them on re-enumeration, but tests want "healthy again" to be
+observable, and re-plugging the device gives the faithful reset too.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from plugvisor.emulators.lab import catalog, errors, fpga, gpu, nic
+from plugvisor.emulators.lab.state import DeviceKind, DeviceState, LabState
+
+
+class FaultKind(StrEnum):
+    """The faults the lab can inject."""
+
+    AER_FATAL = "aer-fatal"
+    AER_NONFATAL = "aer-nonfatal"
+    AER_CORRECTABLE = "aer-correctable"
+    FALLEN_OFF_BUS = gpu.FALLEN_OFF_BUS
+    LINK_DOWN = nic.LINK_DOWN
+    AFU_ID_INVALID = fpga.AFU_ID_INVALID
+    ROM_MISSING = fpga.ROM_MISSING
+    VFS_RESET = "vfs-reset"
+
+
+_AER = {FaultKind.AER_FATAL: 0, FaultKind.AER_NONFATAL: 1, FaultKind.AER_CORRECTABLE: 2}
+
+
+def applicable(dev: DeviceState) -> tuple[FaultKind, ...]:
+    """Return the faults that make sense for a device, in a stable order."""
+    kinds = list(_AER)
+    if dev.kind is DeviceKind.GPU:
+        kinds.append(FaultKind.FALLEN_OFF_BUS)
+    elif dev.kind is DeviceKind.FPGA:
+        kinds.append(FaultKind.FALLEN_OFF_BUS)
+        flavor = catalog.FPGAS[dev.model].flavor
+        kinds.append(FaultKind.AFU_ID_INVALID if flavor == "dfl" else FaultKind.ROM_MISSING)
+    elif dev.kind is DeviceKind.NIC_PF:
+        kinds += [FaultKind.LINK_DOWN, FaultKind.VFS_RESET]
+    elif dev.netdev:
+        kinds.append(FaultKind.LINK_DOWN)
+    return tuple(kinds)
+
+
+def parse(kind: str | FaultKind, dev: DeviceState) -> FaultKind:
+    """Return the fault kind a user named, checked against the device."""
+    allowed = applicable(dev)
+    try:
+        fault = FaultKind(kind)
+    except ValueError:
+        raise errors.UsageError(
+            f"unknown fault kind {kind!r}; expected one of: {', '.join(k.value for k in FaultKind)}"
+        ) from None
+    if fault not in allowed:
+        raise errors.UsageError(
+            f"fault {fault.value!r} does not apply to {dev.name} ({dev.kind.value} {dev.model}); "
+            f"expected one of: {', '.join(k.value for k in allowed)}"
+        )
+    return fault
+
+
+def inject(state: LabState, dev: DeviceState, fault: FaultKind) -> None:
+    """Apply ``fault`` to the state (repeating an AER fault raises the counter again)."""
+    if not dev.present:
+        raise errors.UsageError(f"{dev.name} is unplugged; plug it back before injecting a fault")
+    if fault in _AER:
+        counts = list(dev.aer)
+        counts[_AER[fault]] += 1
+        dev.aer = (counts[0], counts[1], counts[2])
+    elif fault is FaultKind.VFS_RESET:
+        if FaultKind.VFS_RESET.value not in dev.faults:
+            dev.saved_num_vfs = dev.num_vfs
+        nic.set_vf_states(state, dev, 0)
+    if fault.value not in dev.faults:
+        dev.faults.append(fault.value)
+
+
+def heal(state: LabState, dev: DeviceState, fault: FaultKind | None = None) -> None:
+    """Undo one fault, or all of a device's faults."""
+    targets = [FaultKind(f) for f in dev.faults] if fault is None else [fault]
+    for kind in targets:
+        if kind.value not in dev.faults:
+            continue
+        dev.faults.remove(kind.value)
+        if kind in _AER:
+            counts = list(dev.aer)
+            counts[_AER[kind]] = 0
+            dev.aer = (counts[0], counts[1], counts[2])
+        elif kind is FaultKind.VFS_RESET:
+            nic.set_vf_states(state, dev, dev.saved_num_vfs or 0)
+            dev.saved_num_vfs = None

@@ -1,0 +1,131 @@
+"""A reader's-eye check of a lab tree: what real plugins would trip over.
+
+The checks are the fidelity checklist of the hardware notes, run against the
+files rather than against the lab's intentions, so they also catch a renderer
+that drifted from the state: every link relative and resolving inside the root,
+``modalias`` agreeing with the ID attributes, ``virtfn``/``physfn`` pairing up
+and matching ``sriov_numvfs``, ``driver`` and ``iommu_group`` links answered by
+their back-links, and every device node matched by ``sys/dev/char`` and
+``dev/char`` entries with the same numbers (and the same ``st_rdev`` for real
+nodes). Tests assert an empty report; a person can run ``plugvisor lab check``.
+"""
+
+# Paths here are strings joined to a root, as a plugin with a host-root prefix handles them.
+# ruff: noqa: PTH110, PTH114, PTH115, PTH116, PTH117, PTH118, PTH119, PTH123, PTH207
+
+from __future__ import annotations
+
+import glob
+import os
+import stat
+
+
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8") as handle:
+        return handle.read().strip()
+
+
+def _modalias(dev: str) -> str:
+    vendor, device = int(_read(f"{dev}/vendor"), 16), int(_read(f"{dev}/device"), 16)
+    sv, sd = int(_read(f"{dev}/subsystem_vendor"), 16), int(_read(f"{dev}/subsystem_device"), 16)
+    cls = int(_read(f"{dev}/class"), 16)
+    return (
+        f"pci:v{vendor:08X}d{device:08X}sv{sv:08X}sd{sd:08X}"
+        f"bc{cls >> 16:02X}sc{(cls >> 8) & 0xFF:02X}i{cls & 0xFF:02X}"
+    )
+
+
+def _links(root: str) -> list[str]:
+    problems = []
+    for top in ("sys", "dev", "proc"):
+        for base, dirs, files in os.walk(os.path.join(root, top)):
+            for name in dirs + files:
+                path = os.path.join(base, name)
+                if not os.path.islink(path):
+                    continue
+                target = os.readlink(path)
+                rel = os.path.relpath(path, root)
+                if os.path.isabs(target):
+                    problems.append(f"{rel}: link target {target!r} is absolute")
+                    continue
+                resolved = os.path.realpath(path)
+                if not resolved.startswith(root + "/"):
+                    problems.append(f"{rel}: link resolves outside the root ({resolved})")
+                elif not os.path.exists(resolved):
+                    problems.append(f"{rel}: link {target!r} dangles")
+    return problems
+
+
+def _pci(root: str) -> list[str]:
+    problems = []
+    for entry in sorted(glob.glob(f"{root}/sys/bus/pci/devices/*")):
+        bdf = os.path.basename(entry)
+        dev = os.path.realpath(entry)
+        if os.path.basename(dev) != bdf:
+            problems.append(f"{bdf}: sys/bus/pci/devices entry points at {dev}")
+            continue
+        if _read(f"{dev}/modalias") != _modalias(dev):
+            problems.append(f"{bdf}: modalias {_read(f'{dev}/modalias')} disagrees with the ID attributes")
+        if int(_read(f"{dev}/numa_node")) < -1:
+            problems.append(f"{bdf}: numa_node is not a node number")
+        if os.path.islink(f"{dev}/driver"):
+            drv = os.path.realpath(f"{dev}/driver")
+            if os.path.realpath(f"{drv}/{bdf}") != dev:
+                problems.append(f"{bdf}: driver {os.path.basename(drv)} has no link back to the device")
+        if os.path.islink(f"{dev}/iommu_group"):
+            group = os.path.realpath(f"{dev}/iommu_group")
+            if os.path.realpath(f"{group}/devices/{bdf}") != dev:
+                problems.append(f"{bdf}: iommu group {os.path.basename(group)} does not list the device")
+        problems += _sriov(bdf, dev)
+    return problems
+
+
+def _sriov(bdf: str, dev: str) -> list[str]:
+    problems = []
+    if os.path.exists(f"{dev}/sriov_numvfs"):
+        virtfns = glob.glob(f"{dev}/virtfn*")
+        if len(virtfns) != int(_read(f"{dev}/sriov_numvfs")):
+            problems.append(
+                f"{bdf}: {len(virtfns)} virtfn links but sriov_numvfs is {_read(f'{dev}/sriov_numvfs')}"
+            )
+        for link in virtfns:
+            if os.path.realpath(f"{link}/physfn") != dev:
+                problems.append(f"{bdf}: {os.path.basename(link)} has no physfn pointing back")
+    if os.path.islink(f"{dev}/physfn"):
+        pf = os.path.realpath(f"{dev}/physfn")
+        if not any(os.path.realpath(v) == dev for v in glob.glob(f"{pf}/virtfn*")):
+            problems.append(f"{bdf}: its PF {os.path.basename(pf)} has no virtfn link to it")
+    return problems
+
+
+def _nodes(root: str) -> list[str]:
+    problems = []
+    for link in sorted(glob.glob(f"{root}/sys/dev/char/*")):
+        numbers = os.path.basename(link)
+        major, minor = (int(x) for x in numbers.split(":"))
+        if not os.path.exists(f"{root}/dev/char/{numbers}"):
+            problems.append(f"sys/dev/char/{numbers}: no dev/char/{numbers} link to a device node")
+            continue
+        node = os.path.realpath(f"{root}/dev/char/{numbers}")
+        info = os.stat(node)
+        if stat.S_ISCHR(info.st_mode) and (os.major(info.st_rdev), os.minor(info.st_rdev)) != (major, minor):
+            problems.append(f"{os.path.relpath(node, root)}: rdev disagrees with sys/dev/char/{numbers}")
+        target = os.path.realpath(link)
+        if os.path.exists(f"{target}/dev") and _read(f"{target}/dev") != numbers:
+            problems.append(f"sys/dev/char/{numbers}: its device says dev={_read(f'{target}/dev')}")
+    for base, _, files in os.walk(f"{root}/dev"):
+        if base.startswith(f"{root}/dev/char") or "by-path" in base:
+            continue
+        for name in files:
+            path = os.path.join(base, name)
+            if os.path.islink(path):
+                continue
+            if not any(os.path.realpath(c) == path for c in glob.glob(f"{root}/dev/char/*")):
+                problems.append(f"{os.path.relpath(path, root)}: device node without a dev/char link")
+    return problems
+
+
+def problems(root: str | os.PathLike[str]) -> list[str]:
+    """Return every way the tree under ``root`` would mislead a real reader (empty when faithful)."""
+    real = os.path.realpath(root)
+    return _links(real) + _pci(real) + _nodes(real)

@@ -1,0 +1,254 @@
+"""GPUs in the three shapes real plugins know.
+
+* **NVIDIA-like**: ``/dev/nvidia<minor>`` (195:minor) and the procfs
+  ``information`` file the container toolkit parses; the shared control nodes are
+  platform-wide (see :mod:`.platform`).
+* **Intel-like DRM**: ``drm/cardN`` and ``renderD<128+N>`` under the PCI
+  function, ``sys/class/drm/cardN`` as a link into it (Intel's plugin parses the
+  BDF from that link's target), ``/dev/dri`` nodes and ``by-path`` links.
+* **AMD-like**: the same DRM nodes plus a KFD topology node whose
+  ``properties`` (``location_id``, ``drm_render_minor``, ``gfx_target_version``)
+  and ``io_links`` are what ROCm's plugin maps and scores.
+
+A GPU that has fallen off the bus keeps its PCI directory (the kernel does) but
+loses its driver, its device nodes and its readable config space.
+"""
+
+from __future__ import annotations
+
+from plugvisor.emulators.lab import catalog, majors, pci
+from plugvisor.emulators.lab.catalog import GpuModel
+from plugvisor.emulators.lab.spec import Dir, File, Spec, add_link, add_node, text
+from plugvisor.emulators.lab.state import DeviceKind, DeviceState, LabState
+
+FALLEN_OFF_BUS = "fallen-off-bus"
+KFD_NODES = "sys/devices/virtual/kfd/kfd/topology/nodes"
+KFD_PROPERTIES = (
+    "cpu_cores_count",
+    "simd_count",
+    "mem_banks_count",
+    "caches_count",
+    "io_links_count",
+    "p2p_links_count",
+    "cpu_core_id_base",
+    "simd_id_base",
+    "max_waves_per_simd",
+    "lds_size_in_kb",
+    "gds_size_in_kb",
+    "num_gws",
+    "wave_front_size",
+    "array_count",
+    "simd_arrays_per_engine",
+    "cu_per_simd_array",
+    "simd_per_cu",
+    "max_slots_scratch_cu",
+    "gfx_target_version",
+    "vendor_id",
+    "device_id",
+    "location_id",
+    "domain",
+    "drm_render_minor",
+    "hive_id",
+    "num_sdma_engines",
+    "num_sdma_xgmi_engines",
+    "num_sdma_queues_per_engine",
+    "num_cp_queues",
+    "max_engine_clk_fcompute",
+    "local_mem_size",
+    "fw_version",
+    "capability",
+    "debug_prop",
+    "sdma_fw_version",
+    "unique_id",
+    "num_xcc",
+    "max_engine_clk_ccompute",
+)
+"""The keys of a KFD node's ``properties``, in the order the kernel prints them."""
+
+
+def render_drm(spec: Spec, fn_path: str, bdf: str, card: int, *, lmem_bytes: int = 0) -> None:
+    """Add ``cardN`` and ``renderD<128+N>`` under a PCI function, with their class links and nodes."""
+    for name, minor in (
+        (f"card{card}", card),
+        (f"renderD{majors.RENDER_BASE + card}", majors.RENDER_BASE + card),
+    ):
+        d = f"{fn_path}/drm/{name}"
+        spec[d] = Dir()
+        spec[f"{d}/dev"] = text(f"{majors.DRM}:{minor}")
+        spec[f"{d}/uevent"] = text(
+            f"MAJOR={majors.DRM}\nMINOR={minor}\nDEVNAME=dri/{name}\nDEVTYPE=drm_minor"
+        )
+        add_link(spec, f"{d}/device", fn_path)
+        add_link(spec, f"{d}/subsystem", "sys/class/drm")
+        add_link(spec, f"sys/class/drm/{name}", d)
+        add_node(spec, at=f"dev/dri/{name}", major=majors.DRM, minor=minor, sys_target=d)
+        kind = "card" if name.startswith("card") else "render"
+        add_link(spec, f"dev/dri/by-path/pci-{bdf}-{kind}", f"dev/dri/{name}")
+    if lmem_bytes:
+        card_dir = f"{fn_path}/drm/card{card}"
+        spec[f"{card_dir}/lmem_total_bytes"] = text(lmem_bytes)
+        spec[f"{card_dir}/gt/gt0/id"] = text(0)
+
+
+def _information(model: GpuModel, dev: DeviceState) -> bytes:
+    """The NVIDIA driver's ``/proc/driver/nvidia/gpus/<BDF>/information``, spacing included."""
+    lines = [
+        f"Model: \t\t {model.name}",
+        "IRQ:   \t\t 0",
+        f"GPU UUID: \t {dev.uuid}",
+        f"Video BIOS: \t {model.vbios}",
+        "Bus Type: \t PCIe",
+        "DMA Size: \t 52 bits",
+        "DMA Mask: \t 0xfffffffffffff",
+        f"Bus Location: \t {dev.primary.bdf}",
+        f"Device Minor: \t {dev.minor}",
+        "GPU Excluded:\t No",
+    ]
+    return ("\n".join(lines) + "\n").encode()
+
+
+def _properties(values: dict[str, int]) -> bytes:
+    return "".join(f"{k} {v}\n" for k, v in values.items()).encode()
+
+
+def kfd_properties(
+    *,
+    cpu_cores: int = 0,
+    cpu_core_base: int = 0,
+    io_links: int = 0,
+    gpu: tuple[GpuModel, DeviceState] | None = None,
+) -> bytes:
+    """Return a KFD node's ``properties``: ``name value`` lines, decimal, in the kernel's order."""
+    values = dict.fromkeys(KFD_PROPERTIES, 0)
+    values.update(cpu_cores_count=cpu_cores, cpu_core_id_base=cpu_core_base, mem_banks_count=1)
+    values.update(io_links_count=io_links, max_engine_clk_ccompute=2600)
+    if gpu is not None:
+        model, dev = gpu
+        address = dev.primary.address
+        assert dev.card is not None and dev.gpu_id is not None
+        values.update(
+            simd_count=model.simd_count,
+            simd_id_base=2147487744,
+            max_waves_per_simd=8,
+            lds_size_in_kb=64,
+            num_gws=64,
+            wave_front_size=64,
+            array_count=8,
+            simd_arrays_per_engine=1,
+            cu_per_simd_array=13,
+            simd_per_cu=4,
+            max_slots_scratch_cu=32,
+            gfx_target_version=model.gfx_target_version,
+            vendor_id=model.identity.vendor,
+            device_id=model.identity.device,
+            location_id=(address.bus << 8) | (address.device << 3) | address.function,
+            domain=address.domain,
+            drm_render_minor=majors.RENDER_BASE + dev.card,
+            hive_id=int(model.identity.device) << 32 | 0xA5A5,
+            num_sdma_engines=2,
+            num_sdma_xgmi_engines=6,
+            num_sdma_queues_per_engine=8,
+            num_cp_queues=24,
+            max_engine_clk_fcompute=1700,
+            fw_version=78,
+            capability=1253392512,
+            sdma_fw_version=8,
+            unique_id=dev.gpu_id * 7919,
+            num_xcc=1,
+        )
+    return _properties(values)
+
+
+def io_link(kind: int, node_from: int, node_to: int, weight: int) -> bytes:
+    """Return an ``io_links/<k>/properties`` file (type 2 = PCIe, 11 = XGMI)."""
+    return _properties(
+        {
+            "type": kind,
+            "version_major": 0,
+            "version_minor": 0,
+            "node_from": node_from,
+            "node_to": node_to,
+            "weight": weight,
+            "min_latency": 0,
+            "max_latency": 0,
+            "min_bandwidth": 312 if kind == 2 else 50000,
+            "max_bandwidth": 64000 if kind == 2 else 100000,
+            "recommended_transfer_size": 0,
+            "flags": 1,
+        }
+    )
+
+
+def _kfd_node(spec: Spec, state: LabState, model: GpuModel, dev: DeviceState) -> None:
+    assert dev.kfd_node is not None
+    node = f"{KFD_NODES}/{dev.kfd_node}"
+    hive = [
+        d
+        for d in state.devices.values()
+        if d.kind is DeviceKind.GPU and d.model == dev.model and d.kfd_node is not None and d is not dev
+    ]
+    links = [io_link(2, dev.kfd_node, dev.numa_node, 20)]
+    links += [io_link(11, dev.kfd_node, peer.kfd_node or 0, 15) for peer in hive]
+    spec[node] = Dir()
+    spec[f"{node}/properties"] = File(kfd_properties(io_links=len(links), gpu=(model, dev)))
+    spec[f"{node}/gpu_id"] = text(dev.gpu_id or 0)
+    spec[f"{node}/name"] = text(model.asic)
+    spec[f"{node}/io_links"] = Dir()
+    spec[f"{node}/p2p_links"] = Dir()
+    spec[f"{node}/mem_banks/0/properties"] = File(
+        _properties(
+            {"heap_type": 1, "size_in_bytes": 68702699520, "flags": 0, "width": 4096, "mem_clk_max": 1600}
+        )
+    )
+    for k, content in enumerate(links):
+        spec[f"{node}/io_links/{k}/properties"] = File(content)
+
+
+def render(state: LabState, dev: DeviceState) -> Spec:
+    """Render one GPU."""
+    model = catalog.GPUS[dev.model]
+    fn = dev.primary
+    fallen = FALLEN_OFF_BUS in dev.faults
+    driver = None if fallen else fn.driver
+    spec: Spec = {}
+    extra: dict[str, str] = {}
+    if model.partitions:
+        extra = {
+            "current_compute_partition": "SPX",
+            "available_compute_partition": "SPX, DPX, QPX, CPX",
+            "current_memory_partition": "NPS1",
+            "available_memory_partition": "NPS1, NPS4",
+        }
+    pci.render_function(
+        spec,
+        pci.Function(
+            bdf=fn.address,
+            path=fn.path,
+            identity=model.identity,
+            driver=driver,
+            numa_node=dev.numa_node,
+            cpulist=state.cpulist(dev.numa_node),
+            iommu_group=fn.iommu_group,
+            link_speed=model.link_speed,
+            aer=dev.aer,
+            config_readable=not fallen,
+            extra=extra,
+        ),
+    )
+    if model.flavor == "amd":
+        _kfd_node(spec, state, model, dev)
+    if fallen:
+        return spec
+    if model.flavor == "nvidia":
+        assert dev.minor is not None
+        add_node(spec, at=f"dev/nvidia{dev.minor}", major=majors.NVIDIA, minor=dev.minor, sys_target=fn.path)
+        proc = f"proc/driver/nvidia/gpus/{fn.bdf}"
+        spec[proc] = Dir()
+        spec[f"{proc}/information"] = File(_information(model, dev))
+        spec[f"{proc}/power"] = File(
+            b"Runtime D3 status:          Disabled by default\nVideo Memory:               Active\n"
+        )
+    else:
+        assert dev.card is not None
+        render_drm(spec, fn.path, fn.bdf, dev.card, lmem_bytes=model.lmem_bytes)
+    return spec

@@ -1,0 +1,39 @@
+"""Character device numbers, coherent across ``dev/``, ``sys/dev/char`` and ``proc/devices``.
+
+Fixed majors are the kernel's (NVIDIA 195, DRM 226, misc 10). Drivers that ask
+the kernel for a dynamic major get one from this table instead, and the lab
+lists every major it uses in ``proc/devices`` under the driver's own name, which
+is where tools such as ``nvidia-modprobe`` look them up.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+MISC: Final = 10
+NVIDIA: Final = 195
+DRM: Final = 226
+NVIDIA_UVM: Final = 235
+KFD: Final = 236
+XCLMGMT: Final = 237
+DFL_FME: Final = 238
+DFL_PORT: Final = 239
+VFIO: Final = 242
+
+NVIDIACTL_MINOR: Final = 255
+NVIDIA_MODESET_MINOR: Final = 254
+VFIO_CONTAINER_MINOR: Final = 196
+RENDER_BASE: Final = 128
+
+NAMES: Final[dict[int, str]] = {
+    MISC: "misc",
+    NVIDIA: "nvidia",
+    DRM: "drm",
+    NVIDIA_UVM: "nvidia-uvm",
+    KFD: "kfd",
+    XCLMGMT: "xclmgmt",
+    DFL_FME: "dfl-fme",
+    DFL_PORT: "dfl-port",
+    VFIO: "vfio",
+}
+"""How each major appears in ``proc/devices``."""

@@ -1,0 +1,217 @@
+"""PCI functions as the kernel shows them in sysfs.
+
+One renderer, :func:`render_function`, writes every attribute a PCI function
+has, in the kernel's exact formats (the fidelity checklist: ``0x%04x`` ids,
+``0x%06x`` class, upper-case fixed-width ``modalias`` that ghw parses, decimal
+``numa_node``), plus the links every reader follows: ``driver``,
+``iommu_group``, ``subsystem`` and the ``sys/bus/pci/devices/<BDF>`` entry.
+GPU, FPGA and NIC renderers add their own files on top of it.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+
+from plugvisor.emulators.lab.spec import Dir, File, Spec, add_link, text
+
+PCI_DEVICES = "sys/bus/pci/devices"
+PCI_DRIVERS = "sys/bus/pci/drivers"
+IOMMU_GROUPS = "sys/kernel/iommu_groups"
+
+AER_UNCORRECTABLE = (
+    "Undefined", "DLP", "SDES", "TLP", "FCP", "CmpltTO", "CmpltAbrt", "UnxCmplt", "RxOF", "MalfTLP",
+    "ECRC", "UnsupReq", "ACSViol", "UncorrIntErr", "BlockedTLP", "AtomicOpBlocked", "TLPBlockedErr",
+    "PoisonTLPBlocked",
+)  # fmt: skip
+"""Names the kernel's AER code prints, in bit order (``aer_uncorrectable_error_string``)."""
+
+WRITABLE = frozenset({"sriov_numvfs", "sriov_drivers_autoprobe"})
+"""Attributes that are writable (mode 0644) in sysfs."""
+
+AER_CORRECTABLE = (
+    "RxErr",
+    "BadTLP",
+    "BadDLLP",
+    "Rollover",
+    "Timeout",
+    "NonFatalErr",
+    "CorrIntErr",
+    "HeaderOF",
+)
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Bdf:
+    """A PCI address; ``str()`` is the kernel's ``%04x:%02x:%02x.%d``."""
+
+    domain: int
+    bus: int
+    device: int
+    function: int
+
+    def __str__(self) -> str:
+        return f"{self.domain:04x}:{self.bus:02x}:{self.device:02x}.{self.function}"
+
+    @property
+    def routing_id(self) -> int:
+        """The 16-bit requester id, which SR-IOV offsets and strides count in."""
+        return (self.bus << 8) | (self.device << 3) | self.function
+
+    @classmethod
+    def from_routing_id(cls, domain: int, rid: int) -> Bdf:
+        """Return the address of a routing id (how VF addresses are derived from their PF)."""
+        return cls(domain, (rid >> 8) & 0xFF, (rid >> 3) & 0x1F, rid & 0x7)
+
+    @classmethod
+    def parse(cls, value: str) -> Bdf:
+        """Parse ``0000:3b:00.0``."""
+        domain, bus, rest = value.split(":")
+        device, function = rest.split(".")
+        return cls(int(domain, 16), int(bus, 16), int(device, 16), int(function))
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """What a PCI function says it is, read from config space by the kernel."""
+
+    vendor: int
+    device: int
+    subsystem_vendor: int
+    subsystem_device: int
+    class_code: int
+    revision: int = 0
+
+    @property
+    def modalias(self) -> str:
+        """The ``modalias`` the kernel builds (``pci:v%08Xd%08Xsv%08Xsd%08Xbc%02Xsc%02Xi%02X``)."""
+        return (
+            f"pci:v{self.vendor:08X}d{self.device:08X}sv{self.subsystem_vendor:08X}"
+            f"sd{self.subsystem_device:08X}bc{self.class_code >> 16:02X}"
+            f"sc{(self.class_code >> 8) & 0xFF:02X}i{self.class_code & 0xFF:02X}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Function:
+    """Everything needed to render one PCI function's directory and links."""
+
+    bdf: Bdf
+    path: str
+    """Root-relative path of the function's directory under ``sys/devices``."""
+    identity: Identity
+    driver: str | None
+    numa_node: int
+    cpulist: str
+    iommu_group: int | None
+    link_speed: str = "16.0 GT/s PCIe"
+    link_width: int = 16
+    bridge_buses: tuple[int, int, int] | None = None
+    """``(primary, secondary, subordinate)`` for bridges."""
+    aer: tuple[int, int, int] = (0, 0, 0)
+    """Fatal, non-fatal and correctable error counts."""
+    config_readable: bool = True
+    multifunction: bool = False
+    extra: dict[str, str] = field(default_factory=dict)
+    """More attributes of this function (``sriov_*``, ``user_pf``, ...)."""
+
+
+def config_space(fn: Function) -> bytes:
+    """Return the function's config space: a type 0/1 header, or all ``0xff`` once it is gone.
+
+    A device that fell off the bus answers every config read with ones; readers
+    that look at raw config (lspci, ghw's revision fallback) see exactly that.
+    """
+    if not fn.config_readable:
+        return b"\xff" * 256
+    ident = fn.identity
+    header_type = (1 if fn.bridge_buses else 0) | (0x80 if fn.multifunction else 0)
+    command = 0x0406 if fn.driver else 0x0000
+    head = struct.pack(
+        "<HHHHB3sBBBB",
+        ident.vendor,
+        ident.device,
+        command,
+        0x0010,
+        ident.revision,
+        ident.class_code.to_bytes(3, "little"),
+        0x10,
+        0x00,
+        header_type,
+        0x00,
+    )
+    body = bytearray(256)
+    body[: len(head)] = head
+    if fn.bridge_buses:
+        body[0x18:0x1B] = bytes(fn.bridge_buses)
+    else:
+        body[0x2C:0x30] = struct.pack("<HH", ident.subsystem_vendor, ident.subsystem_device)
+    return bytes(body)
+
+
+def _aer_text(names: tuple[str, ...], first: int, total_name: str, count: int) -> File:
+    lines = [f"{name} {count if i == first else 0}" for i, name in enumerate(names)]
+    lines.append(f"{total_name} {count}")
+    return File(("\n".join(lines) + "\n").encode())
+
+
+def render_function(spec: Spec, fn: Function) -> None:
+    """Add one PCI function (its directory, attributes and links) to ``spec``."""
+    ident = fn.identity
+    p = fn.path
+    bdf = str(fn.bdf)
+    spec[p] = Dir()
+    spec[f"{p}/vendor"] = text(f"0x{ident.vendor:04x}")
+    spec[f"{p}/device"] = text(f"0x{ident.device:04x}")
+    spec[f"{p}/subsystem_vendor"] = text(f"0x{ident.subsystem_vendor:04x}")
+    spec[f"{p}/subsystem_device"] = text(f"0x{ident.subsystem_device:04x}")
+    spec[f"{p}/class"] = text(f"0x{ident.class_code:06x}")
+    spec[f"{p}/revision"] = text(f"0x{ident.revision:02x}")
+    spec[f"{p}/modalias"] = text(ident.modalias)
+    spec[f"{p}/numa_node"] = text(fn.numa_node)
+    spec[f"{p}/local_cpulist"] = text(fn.cpulist)
+    spec[f"{p}/enable"] = File(b"1\n" if fn.driver else b"0\n", 0o644)
+    spec[f"{p}/current_link_speed"] = text(fn.link_speed)
+    spec[f"{p}/current_link_width"] = text(fn.link_width)
+    spec[f"{p}/max_link_speed"] = text(fn.link_speed)
+    spec[f"{p}/max_link_width"] = text(fn.link_width)
+    spec[f"{p}/irq"] = text(0)
+    spec[f"{p}/dma_mask_bits"] = text(64)
+    spec[f"{p}/d3cold_allowed"] = File(b"1\n", 0o644)
+    spec[f"{p}/config"] = File(config_space(fn), 0o644)
+    spec[f"{p}/remove"] = File(b"", 0o200)
+    spec[f"{p}/rescan"] = File(b"", 0o200)
+    fatal, nonfatal, correctable = fn.aer
+    spec[f"{p}/aer_dev_fatal"] = _aer_text(AER_UNCORRECTABLE, 3, "TOTAL_ERR_FATAL", fatal)
+    spec[f"{p}/aer_dev_nonfatal"] = _aer_text(AER_UNCORRECTABLE, 5, "TOTAL_ERR_NONFATAL", nonfatal)
+    spec[f"{p}/aer_dev_correctable"] = _aer_text(AER_CORRECTABLE, 0, "TOTAL_ERR_COR", correctable)
+    uevent = [f"PCI_CLASS={ident.class_code:X}", f"PCI_ID={ident.vendor:04X}:{ident.device:04X}"]
+    uevent.append(f"PCI_SUBSYS_ID={ident.subsystem_vendor:04X}:{ident.subsystem_device:04X}")
+    uevent += [f"PCI_SLOT_NAME={bdf}", f"MODALIAS={ident.modalias}"]
+    if fn.driver:
+        uevent.insert(0, f"DRIVER={fn.driver}")
+    spec[f"{p}/uevent"] = File(("\n".join(uevent) + "\n").encode(), 0o644)
+    if fn.bridge_buses:
+        spec[f"{p}/secondary_bus_number"] = text(fn.bridge_buses[1])
+        spec[f"{p}/subordinate_bus_number"] = text(fn.bridge_buses[2])
+    for name, value in fn.extra.items():
+        spec[f"{p}/{name}"] = File(f"{value}\n".encode(), 0o644 if name in WRITABLE else 0o444)
+    _links(spec, fn)
+
+
+def _links(spec: Spec, fn: Function) -> None:
+    """Add the links every reader follows: bus entry, driver, IOMMU group."""
+    p = fn.path
+    bdf = str(fn.bdf)
+    add_link(spec, f"{p}/subsystem", "sys/bus/pci")
+    add_link(spec, f"{PCI_DEVICES}/{bdf}", p)
+    if fn.driver:
+        add_link(spec, f"{p}/driver", f"{PCI_DRIVERS}/{fn.driver}")
+        add_link(spec, f"{PCI_DRIVERS}/{fn.driver}/{bdf}", p)
+    if fn.iommu_group is not None:
+        group = f"{IOMMU_GROUPS}/{fn.iommu_group}"
+        spec[group] = Dir()
+        spec[f"{group}/type"] = text("DMA-FQ")
+        spec[f"{group}/reserved_regions"] = text("0x00000000fee00000 0x00000000feefffff msi")
+        add_link(spec, f"{group}/devices/{bdf}", p)
+        add_link(spec, f"{p}/iommu_group", group)

@@ -1,0 +1,225 @@
+"""Hardware profiles: what a lab contains, as YAML, validated before anything is written.
+
+A profile says *what* hardware a node has (models, counts, NUMA placement, PCIe
+switches, VF counts); :mod:`~plugvisor.emulators.lab.layout` decides *where* it
+sits on the PCI bus. Unknown keys are errors, and every error names the file,
+the field (as spelled in the YAML) and what was expected, so a typo never turns
+into a silently different lab.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import pydantic
+import yaml
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from plugvisor.emulators.lab import catalog, errors
+
+_HEX32 = r"^[0-9a-f]{32}$"
+
+
+def _known(table: dict[str, Any], what: str) -> AfterValidator:
+    def check(value: str) -> str:
+        if value not in table:
+            raise ValueError(f"unknown {what} model {value!r}; expected one of: {', '.join(table)}")
+        return value
+
+    return AfterValidator(check)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True)
+
+
+class Placement(_Strict):
+    """Where a group of devices sits: NUMA nodes and PCIe switches."""
+
+    count: Annotated[int, Field(ge=1, le=4096)]
+    numa_nodes: list[Annotated[int, Field(ge=0)]] | None = None
+    """NUMA nodes to spread the group over, in contiguous blocks; default: all of them."""
+    per_switch: Annotated[int, Field(ge=0, le=16)] = 0
+    """Devices behind one PCIe switch; 0 puts each on its own root port."""
+
+
+class GpuGroup(Placement):
+    """GPUs of one model."""
+
+    model: Annotated[str, _known(catalog.GPUS, "GPU")]
+
+
+class FpgaGroup(Placement):
+    """FPGA cards of one model."""
+
+    model: Annotated[str, _known(catalog.FPGAS, "FPGA")]
+    afu_id: Annotated[str, Field(pattern=_HEX32)] | None = None
+    """The accelerator function loaded in each port (DFL cards), 32 lower-case hex digits."""
+    interface_id: Annotated[str, Field(pattern=_HEX32)] | None = None
+    shell: Annotated[str, Field(min_length=1, max_length=64)] | None = None
+    """The shell name (``VBNV``) of Xilinx-like cards."""
+
+
+class NicGroup(Placement):
+    """SR-IOV NIC physical functions of one model (``count`` counts PFs, i.e. ports)."""
+
+    model: Annotated[str, _known(catalog.NICS, "NIC")]
+    ports_per_card: Annotated[int, Field(ge=1, le=8)] = 1
+    total_vfs: Annotated[int, Field(ge=0)] | None = None
+    """``sriov_totalvfs`` of each PF; default and maximum: the model's limit."""
+    num_vfs: Annotated[int, Field(ge=0)] = 0
+    """VFs created at start (``sriov_numvfs``)."""
+    vf_driver: Literal["default", "vfio-pci"] = "default"
+    """``default`` binds VFs to the model's VF netdev driver; ``vfio-pci`` hands them to userspace."""
+
+
+class Profile(_Strict):
+    """A whole lab."""
+
+    name: Annotated[str, Field(min_length=1, max_length=63, pattern=r"^[a-z0-9][a-z0-9._-]*$")]
+    description: str = ""
+    numa_nodes: Annotated[int, Field(ge=1, le=8)] = 1
+    cpus_per_numa_node: Annotated[int, Field(ge=1, le=1024)] = 16
+    gpus: list[GpuGroup] = []
+    fpgas: list[FpgaGroup] = []
+    nics: list[NicGroup] = []
+
+
+def _field_name(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _cross_checks(profile: Profile) -> list[tuple[str, str]]:
+    """Return the problems pydantic cannot see field by field."""
+    problems: list[tuple[str, str]] = []
+    groups: list[tuple[str, list[Any]]] = [
+        ("gpus", profile.gpus),
+        ("fpgas", profile.fpgas),
+        ("nics", profile.nics),
+    ]
+    for section, items in groups:
+        for i, group in enumerate(items):
+            for node in group.numa_nodes or ():
+                if node >= profile.numa_nodes:
+                    problems.append(
+                        (
+                            f"{section}[{i}].numaNodes",
+                            f"NUMA node {node} does not exist; expected 0..{profile.numa_nodes - 1}",
+                        )
+                    )
+            if group.numa_nodes == []:
+                problems.append((f"{section}[{i}].numaNodes", "expected at least one NUMA node"))
+    problems += _model_checks(profile)
+    total = sum(g.count for _, items in groups for g in items)
+    if total == 0:
+        problems.append(("", "the profile has no devices; expected at least one of gpus, fpgas or nics"))
+    return problems
+
+
+def _model_checks(profile: Profile) -> list[tuple[str, str]]:
+    """Return the problems of options that depend on the chosen model."""
+    problems: list[tuple[str, str]] = []
+    for i, fpga in enumerate(profile.fpgas):
+        flavor = catalog.FPGAS[fpga.model].flavor
+        if flavor == "xilinx" and (fpga.afu_id or fpga.interface_id):
+            problems.append((f"fpgas[{i}]", f"afuId/interfaceId apply to DFL cards, not {fpga.model}"))
+        if flavor == "dfl" and fpga.shell:
+            problems.append((f"fpgas[{i}].shell", f"shell applies to Xilinx-like cards, not {fpga.model}"))
+    for i, nic in enumerate(profile.nics):
+        limit = catalog.NICS[nic.model].max_vfs
+        total = limit if nic.total_vfs is None else nic.total_vfs
+        if total > limit:
+            problems.append((f"nics[{i}].totalVfs", f"{total} is more than {nic.model} supports ({limit})"))
+        if nic.num_vfs > total:
+            problems.append((f"nics[{i}].numVfs", f"{nic.num_vfs} is more than totalVfs ({total})"))
+        if nic.count % nic.ports_per_card:
+            problems.append(
+                (
+                    f"nics[{i}].count",
+                    f"{nic.count} PFs do not fill cards of portsPerCard={nic.ports_per_card}",
+                )
+            )
+    return problems
+
+
+def parse_profile(data: object, *, source: str) -> Profile:
+    """Validate already-parsed YAML; raise :class:`~.errors.ProfileError` naming every bad field."""
+    if not isinstance(data, dict):
+        raise errors.ProfileError(source, [("", f"expected a mapping at the top, got {type(data).__name__}")])
+    try:
+        profile = Profile.model_validate(data)
+    except pydantic.ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            detail = err["msg"]
+            if err["type"] == "extra_forbidden":
+                detail = "unknown key"
+            elif err["type"] == "value_error":
+                detail = detail.removeprefix("Value error, ")
+            elif err["type"] == "literal_error":
+                detail = f"{detail}, got {err['input']!r}"
+            problems.append((_field_name(err["loc"]), detail))
+        raise errors.ProfileError(source, problems) from None
+    problems = _cross_checks(profile)
+    if problems:
+        raise errors.ProfileError(source, problems)
+    return profile
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Read and validate a profile file."""
+    source = str(path)
+    try:
+        raw = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise errors.ProfileError(source, [("", f"cannot read the file: {exc.strerror}")]) from None
+    try:
+        data = yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise errors.ProfileError(
+            source, [("", f"not valid YAML{where}: {getattr(exc, 'problem', exc)}")]
+        ) from None
+    return parse_profile(data, source=source)
+
+
+def _read_builtins() -> dict[str, str]:
+    folder = importlib.resources.files(__package__) / "profiles"
+    return {
+        p.name.removesuffix(".yaml"): p.read_text(encoding="utf-8")
+        for p in sorted(folder.iterdir(), key=lambda p: p.name)
+        if p.name.endswith(".yaml")
+    }
+
+
+_BUILTINS = _read_builtins()
+"""Read once at import, so tests that fake the file system (pyfakefs) can still use them."""
+
+
+def builtin_names() -> list[str]:
+    """Return the names of the profiles shipped with plugvisor."""
+    return sorted(_BUILTINS)
+
+
+def builtin(name: str) -> Profile:
+    """Return a shipped profile by name."""
+    if name not in _BUILTINS:
+        known = ", ".join(builtin_names())
+        raise errors.UsageError(f"unknown profile {name!r}; expected a YAML file or one of: {known}")
+    return parse_profile(yaml.safe_load(_BUILTINS[name]), source=f"built-in profile {name}")
+
+
+def resolve(name_or_path: str) -> Profile:
+    """Return the profile a user named: a built-in name, or a path to a YAML file."""
+    if name_or_path in builtin_names():
+        return builtin(name_or_path)
+    if name_or_path.endswith((".yaml", ".yml")) or "/" in name_or_path or Path(name_or_path).exists():
+        return load_profile(name_or_path)
+    return builtin(name_or_path)

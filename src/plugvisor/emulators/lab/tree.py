@@ -1,0 +1,326 @@
+"""The only code in the lab that touches the file system.
+
+:class:`FakeTree` owns three promises:
+
+* **The guard.** Nothing is created, changed or deleted under a root that is, or
+  looks like, a real ``/sys``, ``/dev`` or ``/proc`` (Intel's ``gpu_fakedev``
+  refuses the same way), and no write follows a symlink out of the root.
+* **Atomicity for readers.** A scanner polling the tree never sees a half-written
+  attribute or a half-built device: files and links are written under a
+  temporary name in the lab's own staging directory and renamed into place, and
+  a device directory is built whole in staging and renamed in as one entry.
+* **Fidelity of nodes.** Device nodes are empty regular files by default (no
+  privileges needed) or real character nodes with ``mknod``.
+"""
+
+# The writer works on root-relative POSIX strings (the keys of a Spec) and on directory
+# descriptors, which pathlib cannot express; os.* is the clearer (and faster) tool here.
+# ruff: noqa: PTH101, PTH103, PTH104, PTH105, PTH108, PTH112, PTH114, PTH115, PTH123, PTH208, PTH211
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import posixpath
+import shutil
+import stat
+from collections.abc import Iterable, Iterator, Mapping
+
+from plugvisor.emulators.lab import errors
+from plugvisor.emulators.lab.spec import Dir, Entry, File, Link, Node, Spec
+
+LAB_DIR = ".plugvisor-lab"
+"""The lab's private directory under the root: state, lock and staging area."""
+
+TOP_LEVEL = ("sys", "dev", "proc")
+"""The root's directories that belong to the lab as a whole."""
+
+_SYSFS_HINTS = frozenset({"firmware", "power", "fs", "hypervisor", "block"})
+_DEVFS_HINTS = frozenset({"pts", "shm", "mqueue", "stdin", "stdout", "console", "tty"})
+_DEVFS_NODES = ("null", "zero", "full", "random", "urandom")
+_PROCFS_HINTS = frozenset({"self", "cpuinfo", "meminfo", "uptime", "mounts"})
+_REAL_TREES = ("/sys", "/dev", "/proc")
+_SCRATCH = "/dev/shm/"
+"""A tmpfs for scratch files, inside /dev by convention only; labs may live there."""
+
+
+def _looks_like_real(path: str) -> str | None:
+    """Return which real tree ``path`` looks like, or None.
+
+    The lab never writes ``sys/firmware``, ``dev/null`` or ``proc/self``, so
+    finding one means the directory came from a kernel (or a bind mount of one).
+    """
+    try:
+        names = set(os.listdir(path))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if "kernel" in names and "devices" in names and names & _SYSFS_HINTS:
+        return "/sys"
+    if names & _DEVFS_HINTS:
+        return "/dev"
+    for name in _DEVFS_NODES:
+        if name in names:
+            with contextlib.suppress(OSError):
+                if stat.S_ISCHR(os.lstat(posixpath.join(path, name)).st_mode):
+                    return "/dev"
+    if names & _PROCFS_HINTS:
+        return "/proc"
+    return None
+
+
+def check_root(root: str | os.PathLike[str]) -> str:
+    """Return the resolved root, or raise :class:`~.errors.UnsafeRootError` if it must not be touched.
+
+    Called before every create, change and delete, so an operator who points the
+    lab at ``/`` (or at a chroot with the host's ``/sys`` bind-mounted in) gets a
+    refusal instead of a wiped sysfs.
+    """
+    given = os.fspath(root)
+    real = os.path.realpath(given)
+    if real == "/":
+        raise errors.UnsafeRootError(f"lab root {given!r} is the file system root; refusing to write there")
+    for tree in _REAL_TREES:
+        if real.startswith(_SCRATCH):
+            break
+        if real == tree or real.startswith(tree + "/"):
+            raise errors.UnsafeRootError(
+                f"lab root {given!r} resolves to {real!r}, inside the real {tree}; refusing to write there"
+            )
+    what = _looks_like_real(real)
+    if what:
+        raise errors.UnsafeRootError(f"lab root {given!r} looks like a real {what}; refusing to write there")
+    for top in TOP_LEVEL:
+        sub = posixpath.join(real, top)
+        if os.path.islink(sub):
+            raise errors.UnsafeRootError(
+                f"{sub!r} is a symlink (to {os.readlink(sub)!r}); a lab's {top}/ must be a plain directory"
+            )
+        if os.path.isdir(sub) and os.path.ismount(sub):
+            raise errors.UnsafeRootError(f"{sub!r} is a mount point; it looks like a real /{top}, refusing")
+        what = _looks_like_real(sub)
+        if what:
+            raise errors.UnsafeRootError(f"{sub!r} looks like a real {what}; refusing to write there")
+    return real
+
+
+def _ancestors(path: str) -> Iterator[str]:
+    """Yield the strict ancestors of a relative path, nearest first."""
+    while True:
+        path = posixpath.dirname(path)
+        if not path:
+            return
+        yield path
+
+
+def _tops(dirs: Iterable[str]) -> list[str]:
+    """Return the directories that have no ancestor among ``dirs``."""
+    pool = set(dirs)
+    return sorted(d for d in pool if not any(a in pool for a in _ancestors(d)))
+
+
+class FakeTree:
+    """A safe, atomic writer for one lab root.
+
+    All paths given to it are relative to the root and use ``/``.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, mknod: bool = False) -> None:
+        self.root = check_root(root)
+        self.mknod = mknod
+        self.lab_dir = posixpath.join(self.root, LAB_DIR)
+        self.staging = posixpath.join(self.lab_dir, "tmp")
+        self._counter = itertools.count()
+
+    # -- small helpers -------------------------------------------------------------------------
+
+    def abspath(self, rel: str) -> str:
+        """Return the absolute path of a root-relative path."""
+        return posixpath.join(self.root, rel)
+
+    def _tmp(self, hint: str) -> str:
+        os.makedirs(self.staging, exist_ok=True)
+        return posixpath.join(self.staging, f"{os.getpid()}-{next(self._counter)}-{posixpath.basename(hint)}")
+
+    def _ensure_parent(self, rel: str, checked: set[str]) -> None:
+        """Create the parent directories of ``rel``, refusing to follow a symlink out of the root."""
+        parent = posixpath.dirname(rel)
+        if not parent or parent in checked:
+            return
+        existing = parent
+        while existing and not os.path.lexists(self.abspath(existing)):
+            existing = posixpath.dirname(existing)
+        if existing:
+            expected = self.abspath(existing)
+            if os.path.realpath(expected) != expected:
+                raise errors.UnsafeRootError(
+                    f"{expected!r} is or passes through a symlink; the lab writes only real directories"
+                )
+        os.makedirs(self.abspath(parent), exist_ok=True)
+        checked.add(parent)
+        checked.update(_ancestors(parent))
+
+    def _create(self, full: str, entry: Entry) -> None:
+        """Create one entry at an absolute path that does not exist yet."""
+        if isinstance(entry, File):
+            fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL, entry.mode)
+            try:
+                os.write(fd, entry.content)
+            finally:
+                os.close(fd)
+        elif isinstance(entry, Link):
+            os.symlink(entry.target, full)
+        elif isinstance(entry, Node):
+            if self.mknod:
+                os.mknod(full, stat.S_IFCHR | entry.mode, os.makedev(entry.major, entry.minor))
+            else:
+                os.close(os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL, entry.mode))
+            os.chmod(full, entry.mode)
+        else:
+            os.makedirs(full, mode=entry.mode, exist_ok=True)
+
+    # -- bulk writing ----------------------------------------------------------------------------
+
+    def materialize(self, spec: Mapping[str, Entry], base: str) -> None:
+        """Write ``spec`` under the absolute directory ``base``, which nobody reads yet.
+
+        Used for staging: the result is renamed into place afterwards, so there is
+        no per-file atomicity to pay for here. Entries are created relative to an
+        open directory descriptor, which spares the kernel a full path walk per
+        file; with ``big``'s quarter of a million entries that is most of the cost.
+        """
+        os.makedirs(base, exist_ok=True)
+        made: set[str] = {""}
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        dir_fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
+        current = ""
+        try:
+            for rel, entry in spec.items():
+                cut = rel.rfind("/")
+                parent, name = (rel[:cut], rel[cut + 1 :]) if cut >= 0 else ("", rel)
+                if parent not in made:
+                    os.makedirs(base + "/" + parent, exist_ok=True)
+                    made.add(parent)
+                    made.update(_ancestors(parent))
+                if isinstance(entry, Dir):
+                    if rel not in made:
+                        os.makedirs(base + "/" + rel, mode=entry.mode, exist_ok=True)
+                        made.add(rel)
+                    continue
+                if parent != current:
+                    os.close(dir_fd)
+                    dir_fd = os.open(base + "/" + parent if parent else base, os.O_RDONLY | os.O_DIRECTORY)
+                    current = parent
+                if isinstance(entry, File):
+                    fd = os.open(name, flags, entry.mode, dir_fd=dir_fd)
+                    try:
+                        os.write(fd, entry.content)
+                    finally:
+                        os.close(fd)
+                elif isinstance(entry, Link):
+                    os.symlink(entry.target, name, dir_fd=dir_fd)
+                else:
+                    self._create(base + "/" + rel, entry)
+        finally:
+            os.close(dir_fd)
+
+    def stage(self, spec: Mapping[str, Entry]) -> str:
+        """Materialize ``spec`` in a fresh staging directory and return its absolute path."""
+        base = self._tmp("stage")
+        self.materialize(spec, base)
+        return base
+
+    def discard(self, path: str) -> None:
+        """Delete a staging or trash directory."""
+        shutil.rmtree(path, ignore_errors=True)
+
+    def check_mknod(self) -> None:
+        """Raise :class:`~.errors.MknodNotPermittedError` unless this process can create char nodes."""
+        probe = self._tmp("mknod-probe")
+        try:
+            os.mknod(probe, stat.S_IFCHR | 0o600, os.makedev(1, 3))
+        except PermissionError as exc:
+            raise errors.MknodNotPermittedError(
+                "--mknod needs CAP_MKNOD to create character device nodes, and this process lacks it "
+                f"({exc.strerror}); run as root or in a privileged container, or drop --mknod for plain files"
+            ) from exc
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(probe)
+
+    # -- atomic single-entry changes --------------------------------------------------------------
+
+    def put(self, rel: str, entry: Entry, checked: set[str] | None = None) -> None:
+        """Create or replace one non-directory entry atomically (temporary name, then rename)."""
+        self._ensure_parent(rel, checked if checked is not None else set())
+        tmp = self._tmp(rel)
+        self._create(tmp, entry)
+        os.replace(tmp, self.abspath(rel))
+
+    def remove(self, rel: str) -> None:
+        """Remove one non-directory entry if it is there."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.abspath(rel))
+
+    def remove_dir(self, rel: str) -> None:
+        """Remove a directory in one step for readers: rename it away, then delete it."""
+        full = self.abspath(rel)
+        if not os.path.lexists(full):
+            return
+        if os.path.islink(full) or not os.path.isdir(full):
+            os.unlink(full)
+            return
+        trash = self._tmp("trash")
+        os.rename(full, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def read(self, rel: str) -> bytes:
+        """Return the content of a file under the root."""
+        with open(self.abspath(rel), "rb") as handle:
+            return handle.read()
+
+    # -- the diff -------------------------------------------------------------------------------
+
+    def apply(self, old: Mapping[str, Entry], new: Mapping[str, Entry]) -> None:
+        """Change the tree from ``old`` to ``new``, writing only what differs.
+
+        Order is chosen for readers: links into a disappearing device go before the
+        device does, and a new device appears whole before any link points at it.
+        """
+        removed = [p for p in old if p not in new]
+        changed = [p for p, e in new.items() if old.get(p) != e]
+        removed_dirs = {p for p in removed if isinstance(old[p], Dir)}
+
+        def inside(path: str, dirs: set[str]) -> bool:
+            return any(a in dirs for a in _ancestors(path))
+
+        leaves = [p for p in removed if p not in removed_dirs and not inside(p, removed_dirs)]
+        leaves.sort(key=lambda p: not isinstance(old[p], Link))
+        for rel in leaves:
+            self.remove(rel)
+        for rel in reversed(_tops(removed_dirs)):
+            self.remove_dir(rel)
+
+        checked: set[str] = set()
+        new_dirs = {p for p in changed if isinstance(new[p], Dir) and not os.path.isdir(self.abspath(p))}
+        tops = _tops(new_dirs)
+        top_set = set(tops)
+        buckets: dict[str, Spec] = {top: {} for top in tops}
+        rest: list[str] = []
+        for rel in changed:
+            owner = next((a for a in _ancestors(rel) if a in top_set), None)
+            if owner is not None:
+                buckets[owner][rel[len(owner) + 1 :]] = new[rel]
+            elif rel not in top_set and not isinstance(new[rel], Dir):
+                rest.append(rel)
+            elif rel not in top_set:
+                self._ensure_parent(rel, checked)
+                os.makedirs(self.abspath(rel), exist_ok=True)
+        for top in tops:
+            self._ensure_parent(top, checked)
+            staged = self.stage(buckets[top])
+            os.chmod(staged, 0o755)  # noqa: S103 - sysfs directories are 0755
+            os.rename(staged, self.abspath(top))
+        rest.sort(key=lambda p: isinstance(new[p], Link))
+        for rel in rest:
+            self.put(rel, new[rel], checked)

@@ -1,0 +1,75 @@
+"""Writes to sriov_numvfs by anyone become VF changes, as the kernel would make them."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from plugvisor.emulators.lab import Lab
+from plugvisor.emulators.lab.watcher import NumVfsWatcher
+
+DEADLINE = 20.0
+
+
+async def until(check: object, what: str) -> None:
+    """Poll a condition (the watcher works asynchronously); fail with ``what`` if it never holds."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + DEADLINE
+    while not check():  # type: ignore[operator]
+        assert loop.time() < end, what
+        await asyncio.sleep(0.02)
+
+
+def write(path: str, value: str) -> None:
+    with open(path, "w") as handle:  # an in-place write, like `echo 4 > sriov_numvfs`
+        handle.write(value)
+
+
+def read(path: str) -> str:
+    with open(path) as handle:
+        return handle.read().strip()
+
+
+async def test_write_zero_then_n(root: str) -> None:
+    """echo 0 then echo 6 removes the VFs, then creates six with their links."""
+    lab = Lab.create(root, "small")
+    attr = f"{root}/sys/bus/pci/devices/{lab.device('nic0').bdf}/sriov_numvfs"
+    async with NumVfsWatcher(root) as watcher:
+        write(attr, "0\n")
+        await until(lambda: lab.device("nic0").num_vfs == 0, "VFs were not removed")
+        write(attr, "6\n")
+        await until(lambda: len(lab.device("nic0").vfs) == 6, "VFs were not created")
+        assert watcher.applied == 2
+    pf_dir = os.path.dirname(attr)
+    assert len([n for n in os.listdir(pf_dir) if n.startswith("virtfn")]) == 6
+    assert read(attr) == "6"
+
+
+async def test_refused_write_is_rolled_back(root: str) -> None:
+    """N -> M (EBUSY) and junk (EINVAL) leave the VFs alone and restore the file."""
+    lab = Lab.create(root, "small")
+    attr = f"{root}/sys/bus/pci/devices/{lab.device('nic0').bdf}/sriov_numvfs"
+    async with NumVfsWatcher(root) as watcher:
+        write(attr, "2\n")
+        await until(lambda: watcher.rejected == 1, "EBUSY write not refused")
+        write(attr, "lots\n")
+        await until(lambda: watcher.rejected == 2, "junk write not refused")
+        await until(lambda: read(attr) == "4", "value not restored")
+    assert len(lab.device("nic0").vfs) == 4
+
+
+async def test_follows_replug(root: str) -> None:
+    """After the PF is unplugged and plugged back, writes to its new directory still work."""
+    lab = Lab.create(root, "small")
+    attr = f"{root}/sys/bus/pci/devices/{lab.device('nic0').bdf}/sriov_numvfs"
+    async with NumVfsWatcher(root) as watcher:
+        lab.unplug("nic0")
+        lab.plug("nic0")
+        pf_dir = os.path.realpath(os.path.dirname(attr))
+        await until(
+            lambda: watcher._watches.get(pf_dir, (None, -1))[1] == os.stat(pf_dir).st_ino,
+            "re-plugged PF not watched",
+        )
+        write(attr, "0\n")
+        await until(lambda: lab.device("nic0").num_vfs == 0, "write after re-plug ignored")
+        assert watcher.applied == 1
