@@ -26,15 +26,15 @@ from plugvisor.deviceplugin.devices import DeviceSet
 from plugvisor.deviceplugin.hooks import DeviceSource
 
 CHANGE_MASK: Final = (
-    Mask.CREATE
-    | Mask.DELETE
-    | Mask.MOVED_FROM
-    | Mask.MOVED_TO
-    | Mask.CLOSE_WRITE
-    | Mask.ATTRIB
-    | Mask.DELETE_SELF
-    | Mask.MOVE_SELF
+    Mask.CREATE | Mask.DELETE | Mask.MOVED_FROM | Mask.MOVED_TO | Mask.DELETE_SELF | Mask.MOVE_SELF
 )
+"""Entries appearing, vanishing or renamed into place. Not CLOSE_WRITE or ATTRIB: in a watched
+``/dev`` every process that writes to ``/dev/null`` would trigger a rescan. Attribute writers
+(the lab, like sysfs-style tools) replace files by rename; in-place edits are caught by the
+periodic rescan."""
+
+MIN_EVENT_SCAN_INTERVAL: Final = 0.005
+"""Floor between event-triggered scans: a storm of events costs at most 200 scans a second."""
 
 
 def nearest_directory(path: Path) -> Path | None:
@@ -145,6 +145,7 @@ class DeviceWatcher:
                 # Arm the watches before scanning: a change during the scan then triggers another one.
                 watches.sync(self._source.watch_paths())
                 drain(inotify)
+                last_scan = time.monotonic()
                 await self.scan_once()
                 watches.sync(self._source.watch_paths())
                 try:
@@ -152,5 +153,6 @@ class DeviceWatcher:
                 except TimeoutError:
                     continue
                 # Coalesce the rest of a burst: let already-sent events arrive, then take them all.
-                await asyncio.sleep(0)
+                since = time.monotonic() - last_scan
+                await asyncio.sleep(max(0.0, MIN_EVENT_SCAN_INTERVAL - since))
                 drain(inotify)

@@ -1,0 +1,101 @@
+"""Event-driven discovery with real inotify: what triggers a rescan, and what does not."""
+
+import asyncio
+import contextlib
+from pathlib import Path
+
+from plugvisor.deviceplugin.cell import SnapshotCell
+from plugvisor.deviceplugin.devices import Device, DeviceSet
+from plugvisor.deviceplugin.watch import DeviceWatcher
+
+
+class DirSource:
+    """One device per file in `<root>/devs` (which may not exist yet)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def scan(self) -> DeviceSet:
+        devs = self.root / "devs"
+        names = sorted(p.name for p in devs.iterdir()) if devs.is_dir() else []
+        return DeviceSet(Device(n) for n in names)
+
+    def watch_paths(self) -> list[Path]:
+        return [self.root / "devs"]
+
+
+async def start(root: Path):
+    cell = SnapshotCell(DeviceSet())
+    watcher = DeviceWatcher(DirSource(root), cell, rescan_interval=3600)
+    task = asyncio.create_task(watcher.run())
+    await watcher.first_scan_done.wait()
+    return cell, watcher, task
+
+
+async def until(cell, predicate, timeout=10):
+    seen = -1
+    async with asyncio.timeout(timeout):
+        while not predicate(cell.value):
+            seen, _ = await cell.wait_newer(max(seen, cell.version))
+
+
+async def stop(task):
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def test_a_directory_that_appears_later_is_watched_from_then_on(short_dir):
+    cell, _, task = await start(short_dir)
+    try:
+        (short_dir / "devs").mkdir()
+        (short_dir / "devs" / "a").touch()
+        await until(cell, lambda d: list(d) == ["a"])
+        (short_dir / "devs" / "b").touch()
+        await until(cell, lambda d: list(d) == ["a", "b"])
+    finally:
+        await stop(task)
+
+
+async def test_writing_inside_a_watched_directory_does_not_rescan(short_dir):
+    (short_dir / "devs").mkdir()
+    (short_dir / "devs" / "a").touch()
+    cell, watcher, task = await start(short_dir)
+    try:
+        scans = watcher.scans
+        for _ in range(200):
+            with (short_dir / "devs" / "a").open("w") as f:
+                f.write("x")
+        # A later creation proves the watcher is alive and has processed everything before it.
+        (short_dir / "devs" / "z").touch()
+        await until(cell, lambda d: "z" in d)
+        assert watcher.scans - scans <= 2
+    finally:
+        await stop(task)
+
+
+async def test_a_burst_of_changes_costs_far_fewer_scans_than_events(short_dir):
+    (short_dir / "devs").mkdir()
+    cell, watcher, task = await start(short_dir)
+    try:
+        scans = watcher.scans
+        for i in range(300):
+            (short_dir / "devs" / f"d{i:03}").touch()
+        await until(cell, lambda d: len(d) == 300)
+        assert watcher.scans - scans < 300
+    finally:
+        await stop(task)
+
+
+async def test_a_failing_scan_keeps_the_last_good_list(short_dir):
+    (short_dir / "devs").mkdir()
+    (short_dir / "devs" / "a").touch()
+    source = DirSource(short_dir)
+    cell = SnapshotCell(DeviceSet())
+    watcher = DeviceWatcher(source, cell, rescan_interval=3600)
+    await watcher.scan_once()
+    assert list(cell.value) == ["a"]
+    (short_dir / "devs" / "bad name").touch()  # an invalid device ID makes the scan raise
+    assert await watcher.scan_once() is False
+    assert watcher.failed_scans == 1
+    assert list(cell.value) == ["a"]
