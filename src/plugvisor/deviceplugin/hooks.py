@@ -33,8 +33,9 @@ class DeviceSource(Protocol):
     logs it and keeps the previous snapshot.
 
     ``watch_paths`` names the directories whose changes should trigger a rescan
-    (inotify). A path that does not exist yet is watched through its nearest
-    existing parent; the list is read again after every scan, so it may change.
+    (inotify: an entry created, deleted or renamed in; in-place writes are left to
+    the periodic rescan). A path that does not exist yet is watched through its
+    nearest existing parent; the list is read again after every scan, so it may change.
     """
 
     def scan(self) -> DeviceSet:
