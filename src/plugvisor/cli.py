@@ -14,6 +14,7 @@ import os
 # structured log says what matters; an explicit GRPC_VERBOSITY in the environment still wins.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -25,7 +26,6 @@ import yaml
 
 from plugvisor import __version__
 from plugvisor.api import constants
-from plugvisor.deviceplugin.errors import ConfigurationError
 from plugvisor.deviceplugin.hostpaths import HostPaths
 from plugvisor.deviceplugin.logs import configure_logging
 from plugvisor.validation import describe
@@ -57,7 +57,50 @@ def log_options(func: Any) -> Any:
     return func
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+class LazyGroup(click.Group):
+    """A command group whose subcommands are imported only when used.
+
+    ``plugvisor run`` is the supervisor process, which must never load gRPC; the
+    plugin, kubelet and demo commands do. Importing each command on demand keeps
+    the supervisor's process (and every command's start-up) free of what it
+    does not use.
+    """
+
+    def __init__(self, *args: Any, lazy: dict[str, str], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._lazy = lazy
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        """Name every command, loaded or not."""
+        return sorted({*super().list_commands(ctx), *self._lazy})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        """Import the command's module now, on first use."""
+        target = self._lazy.get(cmd_name)
+        if target is None:
+            return super().get_command(ctx, cmd_name)
+        module_name, attr = target.split(":")
+        command = getattr(importlib.import_module(module_name), attr)
+        if not isinstance(command, click.Command):
+            raise TypeError(f"{target} is not a click command")
+        return command
+
+
+LAZY_COMMANDS: Final = {
+    "run": "plugvisor.supervisor.cli:run_command",
+    "status": "plugvisor.supervisor.cli:status_command",
+    "export": "plugvisor.supervisor.cli:export_group",
+    "kubelet": "plugvisor.emulators.kubelet.cli:kubelet_command",
+    "lab": "plugvisor.emulators.lab.cli:lab_group",
+    "demo": "plugvisor.demo:demo_command",
+}
+
+
+@click.group(
+    cls=LazyGroup,
+    lazy=LAZY_COMMANDS,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
+)
 @click.version_option(__version__, prog_name="plugvisor")
 def main() -> None:
     """Kubernetes device plugins: node agent, framework, emulated kubelet and hardware lab."""
@@ -176,6 +219,7 @@ def plugin_command(
     When PLUGVISOR_STATUS_SOCKET names a unix datagram socket, the plugin reports its
     registrations and device counts there in sd_notify format (see plugvisor.deviceplugin.status).
     """
+    from plugvisor.deviceplugin.errors import ConfigurationError
     from plugvisor.deviceplugin.runtime import PluginConfig, run_plugin
     from plugvisor.plugins.kinds import UnknownKindError, get_kind
 
@@ -234,17 +278,3 @@ def _serve_metrics(listen: str) -> None:
         raise click.BadParameter(
             f"cannot listen on {listen}: {exc.strerror}", param_hint="--metrics-listen"
         ) from exc
-
-
-def _register_subcommands() -> None:
-    """Attach the commands that live beside the code they drive (imported lazily by click)."""
-    from plugvisor.demo import demo_command
-    from plugvisor.emulators.kubelet.cli import kubelet_command
-    from plugvisor.emulators.lab.cli import lab_group
-
-    main.add_command(kubelet_command)
-    main.add_command(lab_group)
-    main.add_command(demo_command)
-
-
-_register_subcommands()

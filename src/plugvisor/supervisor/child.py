@@ -1,0 +1,403 @@
+"""One supervised child: the state machine of a resource's plugin process.
+
+Like supervisord's ``Subprocess``, every state write goes through
+:meth:`Child.change_state` and every time-based edge lives in
+:meth:`Child.transition`, which the supervisor calls on each tick; events
+(an exit, a status datagram, a kubelet restart) call the other methods. All OS
+effects go through the :class:`~plugvisor.supervisor.spawner.Spawner` and all
+time through the :class:`~plugvisor.supervisor.clock.Clock`, so the whole machine
+runs under test with fakes and no sleeping.
+
+Restart causes (the ``cause`` label of the restart metric):
+
+- ``crash``: exit status other than 0, 2, 3; ``killed``: ended by a signal;
+  ``exited``: status 0 although nobody asked it to stop. These back off.
+- ``config``: status 2, the child refused its configuration. Retrying quickly
+  cannot help, so it waits the full cap (and is reported) every time.
+- ``kubelet-restart``: status 3, or the supervisor saw the kubelet restart and
+  restarts the child itself. Immediate, never counted as a failure.
+- ``reload``: SIGHUP changed this child's configuration. Immediate.
+- ``spawn-error``: the process could not even be created. Backs off.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import random
+import signal
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+import structlog
+
+from plugvisor.supervisor import states
+from plugvisor.supervisor.backoff import BackoffPolicy
+from plugvisor.supervisor.clock import Clock
+from plugvisor.supervisor.config import ChildSpec
+from plugvisor.supervisor.spawner import Spawner, SpawnError
+
+EXIT_CONFIGURATION: Final = 2
+EXIT_KUBELET_RESTARTED: Final = 3
+"""The child's exit codes (``plugvisor.deviceplugin.runtime``, restated: that module imports gRPC)."""
+
+CAUSE_CRASH: Final = "crash"
+CAUSE_KILLED: Final = "killed"
+CAUSE_EXITED: Final = "exited"
+CAUSE_CONFIG: Final = "config"
+CAUSE_KUBELET_RESTART: Final = "kubelet-restart"
+CAUSE_RELOAD: Final = "reload"
+CAUSE_SPAWN_ERROR: Final = "spawn-error"
+CAUSES: Final = (
+    CAUSE_CRASH,
+    CAUSE_KILLED,
+    CAUSE_EXITED,
+    CAUSE_CONFIG,
+    CAUSE_KUBELET_RESTART,
+    CAUSE_RELOAD,
+    CAUSE_SPAWN_ERROR,
+)
+
+StateListener = Callable[["Child", states.ChildState, states.ChildState], None]
+
+
+def classify_exit(returncode: int) -> str:
+    """Name the cause of an exit nobody asked for, from its status (negative: killed by that signal)."""
+    if returncode < 0:
+        return CAUSE_KILLED
+    if returncode == EXIT_KUBELET_RESTARTED:
+        return CAUSE_KUBELET_RESTART
+    if returncode == EXIT_CONFIGURATION:
+        return CAUSE_CONFIG
+    if returncode == 0:
+        return CAUSE_EXITED
+    return CAUSE_CRASH
+
+
+def describe_status(returncode: int) -> str:
+    """``exit status 1`` or ``signal SIGKILL``, for logs and ``plugvisor status``."""
+    if returncode < 0:
+        with contextlib.suppress(ValueError):
+            return f"signal {signal.Signals(-returncode).name}"
+        return f"signal {-returncode}"
+    return f"exit status {returncode}"
+
+
+@dataclass(frozen=True, slots=True)
+class ExitRecord:
+    """How a child's latest process ended."""
+
+    cause: str
+    returncode: int | None
+    detail: str
+    wall: float
+    uptime: float
+
+
+class Child:
+    """The process of one resource, through starts, exits, backoff, stops and restarts."""
+
+    def __init__(
+        self,
+        spec: ChildSpec,
+        *,
+        spawner: Spawner,
+        clock: Clock,
+        policy: BackoffPolicy,
+        stop_timeout: float,
+        rand: Callable[[], float] = random.random,
+        on_change: StateListener | None = None,
+    ) -> None:
+        self.spec = spec
+        self.policy = policy
+        self.stop_timeout = stop_timeout
+        self._spawner = spawner
+        self._clock = clock
+        self._rand = rand
+        self._on_change = on_change
+        self._log = structlog.get_logger("plugvisor.supervisor").bind(resource=spec.resource)
+        self.state: states.ChildState = states.STOPPED
+        self.wanted = False
+        self.pid: int | None = None
+        self.started_at: float | None = None
+        self.started_wall: float | None = None
+        self.failures = 0
+        self.crash_looping = False
+        self.delay: float = 0.0
+        self.delay_until: float | None = None
+        self.stop_deadline: float | None = None
+        self.killed = False
+        self.restart_after_stop: str | None = None
+        self.restarts: collections.Counter[str] = collections.Counter()
+        self.last_exit: ExitRecord | None = None
+        self.spawn_error: str | None = None
+        self.registered = False
+        self.registered_wall: float | None = None
+        self.registrations = 0
+        self.registrations_total = 0
+        self.endpoint: str | None = None
+        self.devices: tuple[int, int] | None = None
+
+    @property
+    def resource(self) -> str:
+        """The resource this child serves."""
+        return self.spec.resource
+
+    # -- the single writer of the state ------------------------------------------------
+
+    def change_state(self, new: states.ChildState) -> None:
+        """Move to ``new``; the only place where ``state`` is written."""
+        old, self.state = self.state, new
+        if new is states.BACKOFF:
+            self._log.warning(
+                "child_backoff",
+                delay=round(self.delay, 3),
+                failures=self.failures,
+                crash_looping=self.crash_looping,
+            )
+        else:
+            self._log.info("child_state", state=new.name, previous=old.name, pid=self.pid)
+        if self._on_change is not None:
+            self._on_change(self, old, new)
+
+    # -- commands ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start a process now (STOPPED or BACKOFF -> STARTING)."""
+        assert self.state in (states.STOPPED, states.BACKOFF), self.state
+        self.wanted = True
+        self._spawn()
+
+    def stop(self) -> None:
+        """Stop for good: SIGTERM now, SIGKILL when ``stop_timeout`` is overrun (see :meth:`transition`)."""
+        self.wanted = False
+        self.restart_after_stop = None
+        if self.state in (states.STARTING, states.RUNNING):
+            self._terminate()
+        elif self.state is states.BACKOFF:
+            self.delay_until = None
+            self.change_state(states.STOPPED)
+
+    def restart(self, cause: str) -> None:
+        """Restart at once, without backoff (a reload or a kubelet restart); stops the process first."""
+        self.wanted = True
+        if self.state in (states.STARTING, states.RUNNING):
+            self.restart_after_stop = cause
+            self._terminate()
+        elif self.state is states.STOPPING:
+            self.restart_after_stop = cause
+        else:
+            self.restarts[cause] += 1
+            self._spawn()
+
+    def update(self, spec: ChildSpec, *, policy: BackoffPolicy, stop_timeout: float) -> bool:
+        """Take a reloaded configuration; returns whether the process must restart for it."""
+        self.policy = policy
+        self.stop_timeout = stop_timeout
+        if spec == self.spec:
+            return False
+        self.spec = spec
+        return True
+
+    # -- events --------------------------------------------------------------------------
+
+    def on_exit(self, returncode: int) -> None:
+        """The process ended with ``returncode`` (negative: killed by that signal)."""
+        if self.state not in states.ALIVE:
+            return
+        now = self._clock.monotonic()
+        uptime = now - (self.started_at if self.started_at is not None else now)
+        detail = describe_status(returncode)
+        if self.state is states.STOPPING:
+            cause = self.restart_after_stop or "stopped"
+        else:
+            cause = classify_exit(returncode)
+        self.last_exit = ExitRecord(cause, returncode, detail, self._clock.wall(), round(uptime, 3))
+        self._log.info("child_exited", pid=self.pid, status=detail, cause=cause, uptime=round(uptime, 3))
+        self._forget_process()
+        if self.state is states.STOPPING:
+            restart, self.restart_after_stop = self.restart_after_stop, None
+            if restart is not None and self.wanted:
+                self.restarts[restart] += 1
+                self._spawn()
+            else:
+                self.change_state(states.STOPPED)
+            return
+        self.restarts[cause] += 1
+        if cause == CAUSE_KUBELET_RESTART:
+            self._spawn()
+            return
+        if uptime >= self.policy.reset_after:
+            self.failures = 0
+        self._back_off(cap=cause == CAUSE_CONFIG)
+
+    def on_status(self, fields: Mapping[str, str]) -> None:
+        """A status datagram from the process (see ``plugvisor.deviceplugin.status``)."""
+        if self.state not in (states.STARTING, states.RUNNING):
+            return
+        devices = fields.get("DEVICES")
+        if devices is not None:
+            healthy, _, total = devices.partition("/")
+            if healthy.isdigit() and total.isdigit():
+                self.devices = (int(healthy), int(total))
+        if "ENDPOINT" in fields:
+            self.endpoint = fields["ENDPOINT"]
+        if "KUBELET_RESTART" in fields:
+            self.registered = False
+        registered = fields.get("REGISTERED")
+        if registered is not None and registered.isdigit():
+            self.registrations = int(registered)
+            self.registrations_total += 1
+            self.registered = True
+            self.registered_wall = self._clock.wall()
+            if self.state is states.STARTING:
+                self.change_state(states.RUNNING)
+
+    def on_kubelet_restart(self, *, kubelet_wall: float | None, restart: bool) -> bool:
+        """The kubelet restarted (its socket is newer than ``kubelet_wall``... our registration).
+
+        A process that registered before the new ``kubelet.sock`` appeared has
+        lost its registration; with ``restart`` it is restarted at once. A process
+        that registered after it (it noticed first) is left alone. Returns whether
+        this child was affected.
+        """
+        if self.state is not states.RUNNING or self.registered_wall is None:
+            return False
+        if kubelet_wall is not None and self.registered_wall >= kubelet_wall:
+            return False
+        self.registered = False
+        if restart:
+            self.restart(CAUSE_KUBELET_RESTART)
+        return True
+
+    def on_socket_deleted(self, name: str, *, restart: bool) -> bool:
+        """A socket was deleted from the kubelet dir; if it was this process's own, treat as a restart."""
+        if self.state is not states.RUNNING or name != self.endpoint:
+            return False
+        self.registered = False
+        if restart:
+            self.restart(CAUSE_KUBELET_RESTART)
+        return True
+
+    # -- time ------------------------------------------------------------------------------
+
+    def transition(self) -> None:
+        """Take every time-based edge that is due (called on each supervisor tick)."""
+        now = self._clock.monotonic()
+        state = self.state
+        if state is states.BACKOFF:
+            # BACKOFF -> STARTING: the delay is over.
+            if self.wanted and self.delay_until is not None and now >= self.delay_until:
+                self._spawn()
+        elif state in (states.STARTING, states.RUNNING):
+            # A process that stayed up long enough wipes the failure count (the backoff resets).
+            if (
+                self.failures
+                and self.started_at is not None
+                and now - self.started_at >= self.policy.reset_after
+            ):
+                self._log.info("child_backoff_reset", failures=self.failures)
+                self.failures = 0
+                self.crash_looping = False
+        elif (
+            state is states.STOPPING
+            and not self.killed
+            and self.stop_deadline is not None
+            and now >= self.stop_deadline
+            and self.pid is not None
+        ):
+            # STOPPING -> (SIGKILL): the process overran its stop bound.
+            self._log.warning("child_stop_timeout", pid=self.pid, timeout=self.stop_timeout)
+            self.killed = True
+            self._spawner.kill(self.pid, signal.SIGKILL)
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`transition` next has something to do (monotonic), or None."""
+        if self.state is states.BACKOFF and self.wanted:
+            return self.delay_until
+        if self.state is states.STOPPING and not self.killed:
+            return self.stop_deadline
+        if self.state in (states.STARTING, states.RUNNING) and self.failures and self.started_at is not None:
+            return self.started_at + self.policy.reset_after
+        return None
+
+    # -- reporting ------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """The child as ``plugvisor status --json`` shows it."""
+        now = self._clock.monotonic()
+        alive = self.state in states.ALIVE and self.started_at is not None
+        exit_ = self.last_exit
+        return {
+            "resource": self.resource,
+            "kind": self.spec.kind,
+            "state": self.state.name,
+            "pid": self.pid,
+            "started_at": self.started_wall if alive else None,
+            "uptime": round(now - self.started_at, 3) if alive and self.started_at is not None else None,
+            "registered": self.registered,
+            "registrations": self.registrations_total,
+            "endpoint": self.endpoint,
+            "devices": None
+            if self.devices is None
+            else {"healthy": self.devices[0], "total": self.devices[1]},
+            "restarts": sum(self.restarts.values()),
+            "restarts_by_cause": dict(sorted(self.restarts.items())),
+            "failures": self.failures,
+            "crash_looping": self.crash_looping,
+            "backoff_delay": round(self.delay, 3) if self.state is states.BACKOFF else None,
+            "next_start_in": round(max(0.0, self.delay_until - now), 3)
+            if self.state is states.BACKOFF and self.delay_until is not None
+            else None,
+            "last_exit": None
+            if exit_ is None
+            else {"cause": exit_.cause, "status": exit_.detail, "at": exit_.wall, "uptime": exit_.uptime},
+            "spawn_error": self.spawn_error,
+        }
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _spawn(self) -> None:
+        self.delay_until = None
+        try:
+            pid = self._spawner.spawn(self.spec)
+        except SpawnError as exc:
+            self.spawn_error = str(exc)
+            self._log.error("child_spawn_failed", error=str(exc))
+            self.restarts[CAUSE_SPAWN_ERROR] += 1
+            self._back_off(cap=False)
+            return
+        self.spawn_error = None
+        self.pid = pid
+        self.started_at = self._clock.monotonic()
+        self.started_wall = self._clock.wall()
+        self.killed = False
+        self.stop_deadline = None
+        self.change_state(states.STARTING)
+
+    def _back_off(self, *, cap: bool) -> None:
+        self.failures += 1
+        self.crash_looping = cap or self.policy.crash_looping(self.failures)
+        self.delay = self.policy.cap if cap else self.policy.delay(self.failures, rand=self._rand)
+        self.delay_until = self._clock.monotonic() + self.delay
+        self.change_state(states.BACKOFF)
+
+    def _terminate(self) -> None:
+        assert self.pid is not None
+        self.stop_deadline = self._clock.monotonic() + self.stop_timeout
+        self.killed = False
+        self.change_state(states.STOPPING)
+        self._spawner.kill(self.pid, signal.SIGTERM)
+
+    def _forget_process(self) -> None:
+        self.pid = None
+        self.started_at = None
+        self.started_wall = None
+        self.registered = False
+        self.registered_wall = None
+        self.registrations = 0
+        self.endpoint = None
+        self.devices = None
+        self.stop_deadline = None
+        self.killed = False

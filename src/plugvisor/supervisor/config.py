@@ -1,0 +1,301 @@
+"""The node configuration file: schema, validation with errors that name the field, and child specs.
+
+One YAML file describes the node (see docs/supervisor.md and product.md): where
+the kubelet and the host are, the metrics endpoint, the supervisor's own knobs,
+and one ``resources`` entry per extended resource. Each entry's ``name`` and
+``kind`` are ours; every other key belongs to the kind and is validated by the
+kind's own pydantic model (``plugvisor.plugins.kinds``), so a typo in a GPU
+match rule is reported as ``node.yaml: resources[0].match.vendor: unknown key``
+before any process starts, exactly like a typo in our own keys.
+
+Validation runs in two passes (our keys, then each kind's keys) and the errors
+of the second pass are re-rooted under ``resources[i]`` so that one renderer
+(:func:`plugvisor.validation.describe`) prints them all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Final, Literal
+
+import pydantic
+import pydantic_core
+import yaml
+
+from plugvisor.api import constants
+from plugvisor.deviceplugin.names import extended_resource_name_problem
+from plugvisor.plugins import kinds
+from plugvisor.validation import describe
+
+SOCKET_PREFIX: Final = "plugvisor-"
+"""Children name their sockets ``plugvisor-<slug>-<hash6>-<token>.sock``.
+
+The same rule as ``plugvisor.deviceplugin.endpoint.socket_name``, restated here
+because that module imports gRPC, which the supervisor never loads; a test
+checks that both agree.
+"""
+_SLUG_RE: Final = re.compile(r"[^a-z0-9]+")
+_SOCKET_NAME_LENGTH_WITHOUT_PREFIX: Final = len("-12345678.sock")
+DEFAULT_RUNTIME_DIR: Final = Path("/run/plugvisor")
+RUNTIME_DIR_ENV: Final = "PLUGVISOR_RUNTIME_DIR"
+
+
+def socket_prefix(resource: str) -> str:
+    """The part of a child's socket file name that is the same for every instance of ``resource``."""
+    name_part = resource.rsplit("/", 1)[-1].lower()
+    slug = _SLUG_RE.sub("-", name_part).strip("-")[:24] or "resource"
+    digest = hashlib.sha256(resource.encode()).hexdigest()[:6]
+    return f"{SOCKET_PREFIX}{slug}-{digest}"
+
+
+class ConfigError(Exception):
+    """The configuration cannot be used; the message names the file, the field and what was expected."""
+
+
+class _Model(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+def _listen_address(value: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{value!r} must be HOST:PORT, e.g. 127.0.0.1:9400 (port 0 picks a free one)")
+    host = host.strip("[]")
+    if host not in ("", "localhost"):
+        try:
+            ipaddress.ip_address(host)
+        except ValueError as exc:
+            raise ValueError(f"{value!r}: host must be an IP address or localhost") from exc
+    return value
+
+
+class MetricsConfig(_Model):
+    """Prometheus ``/metrics``, ``/healthz`` and ``/readyz``; loopback unless told otherwise."""
+
+    listen: Annotated[str, pydantic.AfterValidator(_listen_address)] = "127.0.0.1:9400"
+
+    @property
+    def host(self) -> str:
+        """The address to bind."""
+        return self.listen.rpartition(":")[0].strip("[]") or "0.0.0.0"  # noqa: S104 - explicit ":PORT" only
+
+    @property
+    def port(self) -> int:
+        """The port to bind (0: any free port)."""
+        return int(self.listen.rpartition(":")[2])
+
+
+class RestartConfig(_Model):
+    """Backoff of unexpected exits (see :class:`plugvisor.supervisor.backoff.BackoffPolicy`)."""
+
+    initial_delay: Annotated[float, pydantic.Field(gt=0, alias="initialDelay")] = 0.25
+    max_delay: Annotated[float, pydantic.Field(gt=0, alias="maxDelay")] = 30.0
+    multiplier: Annotated[float, pydantic.Field(ge=1)] = 2.0
+    jitter: Annotated[float, pydantic.Field(ge=0, le=1)] = 0.2
+    reset_after: Annotated[float, pydantic.Field(gt=0, alias="resetAfter")] = 10.0
+    crash_loop_after: Annotated[int, pydantic.Field(ge=2, alias="crashLoopAfter")] = 5
+
+    @pydantic.model_validator(mode="after")
+    def _ordered(self) -> RestartConfig:
+        if self.max_delay < self.initial_delay:
+            raise ValueError("maxDelay must be at least initialDelay")
+        return self
+
+
+class SupervisorConfig(_Model):
+    """The supervisor's own knobs (all optional)."""
+
+    spawner: Literal["forkserver", "exec"] = "forkserver"
+    on_kubelet_restart: Literal["reregister", "restart"] = pydantic.Field(
+        default="restart", alias="onKubeletRestart"
+    )
+    stop_timeout: Annotated[float, pydantic.Field(gt=0, le=300, alias="stopTimeout")] = 5.0
+    runtime_dir: Path | None = pydantic.Field(default=None, alias="runtimeDir")
+    restart: RestartConfig = RestartConfig()
+
+
+class ResourceConfig(pydantic.BaseModel):
+    """One ``resources`` entry: ``name`` and ``kind`` plus the kind's own keys (kept as written)."""
+
+    model_config = pydantic.ConfigDict(extra="allow", frozen=True)
+
+    name: str
+    kind: Annotated[str, pydantic.StringConstraints(min_length=1)]
+
+    @pydantic.field_validator("name")
+    @classmethod
+    def _extended_name(cls, value: str) -> str:
+        problem = extended_resource_name_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The kind's keys, exactly as the file has them (handed to the child as JSON)."""
+        return dict(self.model_extra or {})
+
+
+class NodeConfig(_Model):
+    """The whole file."""
+
+    kubelet_dir: Path = pydantic.Field(default=Path(constants.DEVICE_PLUGIN_PATH), alias="kubeletDir")
+    host_root: Path = pydantic.Field(default=Path("/"), alias="hostRoot")
+    spec_root: Path | None = pydantic.Field(default=None, alias="specRoot")
+    metrics: MetricsConfig | None = None
+    supervisor: SupervisorConfig = SupervisorConfig()
+    resources: Annotated[list[ResourceConfig], pydantic.Field(min_length=1)]
+
+    @pydantic.field_validator("kubelet_dir", "host_root", "spec_root", mode="after")
+    @classmethod
+    def _absolute(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.is_absolute():
+            raise ValueError(f"{str(value)!r} must be an absolute path")
+        return value
+
+    @property
+    def runtime_dir(self) -> Path:
+        """Where the state file, the status socket and the metrics files live."""
+        if self.supervisor.runtime_dir is not None:
+            return self.supervisor.runtime_dir
+        return Path(os.environ.get(RUNTIME_DIR_ENV) or DEFAULT_RUNTIME_DIR)
+
+
+def _custom(
+    kind: str, message: str, loc: tuple[int | str, ...], value: Any
+) -> pydantic_core.InitErrorDetails:
+    return {"type": pydantic_core.PydanticCustomError(kind, message), "loc": loc, "input": value}
+
+
+def _entry_errors(config: NodeConfig) -> list[pydantic_core.InitErrorDetails]:
+    """Check what spans entries, and each entry's kind keys with the kind's model.
+
+    Errors are rooted under ``resources[i]`` so that they read like the first pass's.
+    """
+    errors: list[pydantic_core.InitErrorDetails] = []
+    seen: dict[str, int] = {}
+    for index, resource in enumerate(config.resources):
+        if resource.name in seen:
+            message = f"{resource.name} is already configured by resources[{seen[resource.name]}]"
+            errors.append(_custom("duplicate_resource", message, ("resources", index, "name"), resource.name))
+        seen.setdefault(resource.name, index)
+        longest = len(os.fsencode(config.kubelet_dir)) + 1 + len(socket_prefix(resource.name))
+        longest += _SOCKET_NAME_LENGTH_WITHOUT_PREFIX
+        if longest > constants.MAX_UNIX_SOCKET_PATH:
+            message = (
+                f"too long for the sockets of {resource.name}: {longest} bytes, "
+                f"unix sockets allow {constants.MAX_UNIX_SOCKET_PATH}"
+            )
+            errors.append(_custom("socket_path_too_long", message, ("kubeletDir",), str(config.kubelet_dir)))
+        try:
+            kind = kinds.get_kind(resource.kind)
+        except kinds.UnknownKindError as exc:
+            errors.append(_custom("unknown_kind", str(exc), ("resources", index, "kind"), resource.kind))
+            continue
+        except Exception as exc:
+            message = f"kind {resource.kind!r} is installed but cannot be loaded: {exc!r}"
+            errors.append(_custom("broken_kind", message, ("resources", index, "kind"), resource.kind))
+            continue
+        try:
+            kind.options_model.model_validate(resource.options)
+        except pydantic.ValidationError as exc:
+            for item in exc.errors():
+                detail: pydantic_core.InitErrorDetails = {
+                    "type": item["type"],
+                    "loc": ("resources", index, *item["loc"]),
+                    "input": item["input"],
+                }
+                if "ctx" in item:
+                    detail["ctx"] = item["ctx"]
+                errors.append(detail)
+    return errors
+
+
+def parse_config(data: Any, *, source: str) -> NodeConfig:
+    """Validate an already-parsed document; :class:`ConfigError` lists every problem found."""
+    if not isinstance(data, dict):
+        kind = "an empty file" if data is None else type(data).__name__
+        raise ConfigError(f"{source}: (top level): expected a mapping with a 'resources' list, got {kind}")
+    try:
+        config = NodeConfig.model_validate(data)
+    except pydantic.ValidationError as exc:
+        raise ConfigError(describe(exc, source=source)) from None
+    errors = _entry_errors(config)
+    if errors:
+        combined = pydantic.ValidationError.from_exception_data("NodeConfig", errors)
+        raise ConfigError(describe(combined, source=source))
+    return config
+
+
+def load_config(path: Path) -> NodeConfig:
+    """Read and validate the file at ``path``."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    return parse_config(data, source=str(path))
+
+
+@dataclass(frozen=True, slots=True)
+class ChildSpec:
+    """Everything that defines one child process; two equal specs mean "no need to restart".
+
+    ``args`` follow the ``plugvisor`` program name (``plugin KIND --resource ...``):
+    the exec spawner prefixes ``python -m plugvisor``, the fork server hands them to
+    the already-imported command.
+    """
+
+    resource: str
+    kind: str
+    args: tuple[str, ...]
+
+    def argv(self) -> list[str]:
+        """The full command line for fork+exec (and for supervisord)."""
+        return [sys.executable, "-m", "plugvisor", *self.args]
+
+
+def child_specs(
+    config: NodeConfig, *, log_format: str = "kv", log_level: str = "info"
+) -> dict[str, ChildSpec]:
+    """One spec per resource, in file order, keyed by resource name.
+
+    With ``onKubeletRestart: restart`` the child is told to exit (status 3) when
+    the kubelet restarts, so that the supervisor starts a fresh process at once;
+    with ``reregister`` it registers again in process and the supervisor only watches.
+    """
+    policy = "exit" if config.supervisor.on_kubelet_restart == "restart" else "reregister"
+    specs: dict[str, ChildSpec] = {}
+    for resource in config.resources:
+        args = [
+            "plugin",
+            resource.kind,
+            "--resource",
+            resource.name,
+            "--host-root",
+            str(config.host_root),
+            "--kubelet-dir",
+            str(config.kubelet_dir),
+            "--options-json",
+            json.dumps(resource.options, sort_keys=True, separators=(",", ":")),
+            "--on-kubelet-restart",
+            policy,
+            "--log-format",
+            log_format,
+            "--log-level",
+            log_level,
+        ]
+        if config.spec_root is not None:
+            args += ["--spec-root", str(config.spec_root)]
+        specs[resource.name] = ChildSpec(resource.name, resource.kind, tuple(args))
+    return specs

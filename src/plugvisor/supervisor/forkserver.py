@@ -1,0 +1,202 @@
+"""The warm fork server: a helper process that forks plugin children from a preloaded interpreter.
+
+Run by :class:`~plugvisor.supervisor.spawner.ForkServerSpawner` as
+``python -m plugvisor.supervisor.forkserver --parent PID``; never imported by the
+supervisor for anything but this module's (gRPC-free) top level.
+
+Why a separate process: a fresh interpreter spends ~300 ms importing gRPC,
+pydantic and the plugin before it can serve, which alone exceeds the 300 ms
+"child killed -> registered again" target. This helper pays that once, then
+forks. gRPC is not fork-safe once it has *started* (threads, pollers), so the
+helper imports it but never creates a gRPC object, and checks that it is still
+single-threaded before answering that it is ready; a child starts gRPC only
+after the fork. The supervisor never imports gRPC at all.
+
+Protocol, one JSON object per line. Supervisor -> helper on stdin:
+``{"op": "spawn", "id": N, "args": [...], "env": {...}}``. Helper -> supervisor
+on stdout: ``{"op": "ready", "pid": P, "threads": 1}`` once, then
+``{"op": "spawned", "id": N, "pid": P}`` (or ``"error"``) per request and
+``{"op": "exit", "pid": P, "returncode": R}`` per reaped child (negative: killed
+by that signal). End of stdin ends the helper. It dies with the supervisor
+(SIGKILL) and its children die with it (SIGTERM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import importlib
+import json
+import os
+import select
+import signal
+import sys
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from plugvisor.supervisor import prctl
+from plugvisor.supervisor.spawner import CHILD_DEATH_SIGNAL
+
+_PLUGIN_COMMAND = "plugvisor.cli"
+"""The module whose ``main`` the children run: the same command ``python -m plugvisor`` runs."""
+
+
+def _thread_count() -> int:
+    try:
+        return sum(1 for _ in Path("/proc/self/task").iterdir())
+    except OSError:
+        return 1
+
+
+class _Server:
+    def __init__(self, control_in: int, control_out: int) -> None:
+        self.control_in = control_in
+        self.control_out = control_out
+        self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.buffer = b""
+        self.pid = os.getpid()
+
+    def send(self, **message: Any) -> None:
+        data = json.dumps(message).encode() + b"\n"
+        while data:
+            written = os.write(self.control_out, data)
+            data = data[written:]
+
+    def serve(self) -> None:
+        signal.set_wakeup_fd(self.wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        while True:
+            try:
+                ready, _, _ = select.select([self.control_in, self.wake_r], [], [])
+            except InterruptedError:  # pragma: no cover - PEP 475 retries select
+                continue
+            if self.wake_r in ready:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self.wake_r, 4096)
+            self.reap()
+            if self.control_in in ready:
+                data = os.read(self.control_in, 65536)
+                if not data:
+                    return
+                self.buffer += data
+                *lines, self.buffer = self.buffer.split(b"\n")
+                for line in lines:
+                    if line.strip():
+                        self.handle(json.loads(line))
+
+    def reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            self.send(op="exit", pid=pid, returncode=os.waitstatus_to_exitcode(status))
+
+    def handle(self, request: dict[str, Any]) -> None:
+        ident = request.get("id")
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            self.send(op="spawned", id=ident, error=f"fork failed: {exc.strerror or exc}")
+            return
+        if pid == 0:
+            self.become_child(list(request["args"]), dict(request["env"]))
+        self.send(op="spawned", id=ident, pid=pid)
+
+    def become_child(self, args: list[str], env: dict[str, str]) -> None:
+        """Runs in the forked child: never returns."""
+        code = 1
+        try:
+            os.setpgid(0, 0)
+            signal.set_wakeup_fd(-1)
+            for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
+                signal.signal(sig, signal.SIG_DFL)
+            for fd in (self.control_in, self.control_out, self.wake_r, self.wake_w):
+                os.close(fd)
+            prctl.die_with_parent(CHILD_DEATH_SIGNAL, self.pid)
+            # A forked child keeps the helper's command line; its name at least tells them apart in ps.
+            resource = args[args.index("--resource") + 1] if "--resource" in args else "plugin"
+            prctl.set_name("pv:" + resource.rsplit("/", 1)[-1])
+            os.environ.clear()
+            os.environ.update(env)
+            sys.argv = ["plugvisor", *args]
+            gc.unfreeze()
+            code = _run_plugin_command(args)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+                sys.stderr.flush()
+            os._exit(code)
+
+
+def _run_plugin_command(args: list[str]) -> int:
+    command = importlib.import_module(_PLUGIN_COMMAND)
+    try:
+        command.main(args=args, prog_name="plugvisor")
+    except SystemExit as exc:
+        if exc.code is None:
+            return 0
+        if isinstance(exc.code, int):
+            return exc.code
+        sys.stderr.write(f"{exc.code}\n")
+        return 1
+    return 0
+
+
+def _preload(kinds: Sequence[str]) -> None:
+    """Import what every child needs, so that a fork inherits it instead of importing it again."""
+    importlib.import_module(_PLUGIN_COMMAND)
+    importlib.import_module("plugvisor.deviceplugin.runtime")
+    kinds_ = importlib.import_module("plugvisor.plugins.kinds")
+    for name in kinds:
+        with contextlib.suppress(Exception):  # the child reports a broken kind itself
+            kinds_.get_kind(name)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Preload, report readiness, then fork on request until stdin closes."""
+    parser = argparse.ArgumentParser(prog="plugvisor.supervisor.forkserver")
+    parser.add_argument("--parent", type=int, required=True)
+    parser.add_argument("--preload-kind", action="append", default=[])
+    options = parser.parse_args(argv)
+    prctl.die_with_parent(signal.SIGKILL, options.parent)
+    prctl.set_name("pv-forkserver")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    # The protocol keeps private copies of stdin/stdout: anything printed by an import
+    # (or by a child before it execs nothing) goes to stderr, never into the protocol.
+    control_in = os.dup(0)
+    control_out = os.dup(1)
+    os.set_inheritable(control_in, False)
+    os.set_inheritable(control_out, False)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    os.dup2(2, 1)
+    server = _Server(control_in, control_out)
+    try:
+        _preload(options.preload_kind)
+    except Exception as exc:
+        server.send(op="ready", pid=os.getpid(), error=f"preload failed: {exc!r}")
+        return
+    threads = _thread_count()
+    if threads != 1:
+        server.send(op="ready", pid=os.getpid(), error=f"{threads} threads after preload: forking is unsafe")
+        return
+    # Objects that exist now are shared by every child; keep the collector from touching
+    # (and so copying) their pages.
+    gc.collect()
+    gc.freeze()
+    server.send(op="ready", pid=os.getpid(), threads=threads)
+    server.serve()
+
+
+if __name__ == "__main__":
+    main()

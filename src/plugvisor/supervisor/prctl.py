@@ -1,0 +1,47 @@
+"""The two Linux process controls the supervisor relies on, through libc.
+
+``PR_SET_PDEATHSIG`` makes the kernel signal a child when its parent dies, so
+children never outlive a supervisor that was SIGKILLed (systemd would otherwise
+find them still holding the sockets). libc is loaded when this module is
+imported, never between fork and exec, where loading a library is not safe.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Final
+
+PR_SET_PDEATHSIG: Final = 1
+PR_SET_NAME: Final = 15
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_prctl = _libc.prctl
+_prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+_prctl.restype = ctypes.c_int
+_prctl_name = ctypes.CDLL(None, use_errno=True).prctl
+_prctl_name.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+_prctl_name.restype = ctypes.c_int
+
+
+def set_parent_death_signal(sig: int) -> None:
+    """Ask the kernel to send ``sig`` to this process when its parent (thread) exits."""
+    if _prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"prctl(PR_SET_PDEATHSIG): {os.strerror(errno)}")
+
+
+def set_name(name: str) -> None:
+    """Set this process's name as ``ps``/``top`` show it (``comm``, at most 15 bytes; best effort)."""
+    _prctl_name(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+
+
+def die_with_parent(sig: int, expected_parent: int) -> None:
+    """Set the parent-death signal, then exit at once if the parent is already gone.
+
+    The parent may die between fork and prctl; the kernel then never sends the
+    signal, so the child checks that its parent is still the one that forked it.
+    """
+    set_parent_death_signal(sig)
+    if os.getppid() != expected_parent:
+        os._exit(1)

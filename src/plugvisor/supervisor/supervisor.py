@@ -1,0 +1,601 @@
+"""The reconcile loop: one child per configured resource, kept registered whatever happens.
+
+:class:`Supervisor` is the synchronous core. Events (exits, status reports,
+kubelet restarts, a reloaded configuration) are method calls, and :meth:`tick`
+runs every child's time-based edges. Unit tests drive it directly with a
+:class:`~plugvisor.supervisor.spawner.FakeSpawner` and a
+:class:`~plugvisor.supervisor.clock.FakeClock`.
+
+:class:`Agent` is the process around it (``plugvisor run``): the runtime
+directory and its lock, stale-socket cleanup, the spawner, the report socket,
+the kubelet watch, metrics, systemd, signals, and the asyncio loop that feeds
+events to the core and sleeps until the next deadline or event. SIGTERM/SIGINT
+stop every child within its bound and exit 0; SIGHUP reloads the file and
+restarts only the children whose configuration changed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import os
+import random
+import shutil
+import signal
+import socket
+import stat
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import IO, Any, Final
+
+import structlog
+
+from plugvisor.supervisor import states
+from plugvisor.supervisor import status as status_
+from plugvisor.supervisor.backoff import BackoffPolicy
+from plugvisor.supervisor.child import CAUSE_RELOAD, Child
+from plugvisor.supervisor.clock import Clock, SystemClock
+from plugvisor.supervisor.config import (
+    SOCKET_PREFIX,
+    ChildSpec,
+    ConfigError,
+    NodeConfig,
+    child_specs,
+    load_config,
+)
+from plugvisor.supervisor.kubelet_watch import KubeletWatch
+from plugvisor.supervisor.reports import ReportListener
+from plugvisor.supervisor.spawner import ExecSpawner, ForkServerSpawner, Spawner, SpawnError
+from plugvisor.supervisor.systemd import SYSTEMD_ENV, Notifier
+
+HOUSEKEEPING_INTERVAL: Final = 1.0
+"""The loop wakes at least this often even when nothing happens."""
+
+_log = structlog.get_logger("plugvisor.supervisor")
+
+
+def backoff_policy(config: NodeConfig) -> BackoffPolicy:
+    """The restart policy the file asks for."""
+    restart = config.supervisor.restart
+    return BackoffPolicy(
+        initial=restart.initial_delay,
+        multiplier=restart.multiplier,
+        cap=restart.max_delay,
+        jitter=restart.jitter,
+        reset_after=restart.reset_after,
+        crash_loop_after=restart.crash_loop_after,
+    )
+
+
+class Supervisor:
+    """The children and the rules that keep them up; no I/O of its own beyond the spawner."""
+
+    def __init__(
+        self,
+        config: NodeConfig,
+        *,
+        spawner: Spawner,
+        clock: Clock,
+        log_format: str = "kv",
+        log_level: str = "info",
+        rand: Callable[[], float] = random.random,
+        on_child_exit: Callable[[int], None] | None = None,
+        socket_exists: Callable[[str], bool] | None = None,
+    ) -> None:
+        self.config = config
+        self._socket_exists = socket_exists or (lambda name: (self.config.kubelet_dir / name).exists())
+        self.spawner = spawner
+        self.clock = clock
+        self._rand = rand
+        self._log_format = log_format
+        self._log_level = log_level
+        self._on_child_exit = on_child_exit
+        self.children: dict[str, Child] = {}
+        self.retiring: list[Child] = []
+        self.kubelet_restarts = 0
+        self.started_wall = clock.wall()
+        self.stopping = False
+        self.dirty = True
+        self.config_source: str | None = None
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    def specs(self, config: NodeConfig) -> dict[str, ChildSpec]:
+        """The child specs of ``config`` with this supervisor's log settings."""
+        return child_specs(config, log_format=self._log_format, log_level=self._log_level)
+
+    def _new_child(self, spec: ChildSpec) -> Child:
+        return Child(
+            spec,
+            spawner=self.spawner,
+            clock=self.clock,
+            policy=backoff_policy(self.config),
+            stop_timeout=self.config.supervisor.stop_timeout,
+            rand=self._rand,
+            on_change=self._changed,
+        )
+
+    def _changed(self, child: Child, old: states.ChildState, new: states.ChildState) -> None:
+        self.dirty = True
+
+    def start(self) -> None:
+        """Start every configured child, in file order."""
+        for resource, spec in self.specs(self.config).items():
+            child = self._new_child(spec)
+            self.children[resource] = child
+            child.start()
+
+    def stop(self) -> None:
+        """Stop every child (SIGTERM now, SIGKILL after the stop timeout)."""
+        self.stopping = True
+        for child in self.all_children():
+            child.stop()
+        self.dirty = True
+
+    @property
+    def stopped(self) -> bool:
+        """Whether no child has a process any more."""
+        return all(child.state is states.STOPPED for child in self.all_children())
+
+    def all_children(self) -> list[Child]:
+        """Configured children, then those being removed by a reload."""
+        return [*self.children.values(), *self.retiring]
+
+    def reload(self, config: NodeConfig) -> dict[str, list[str]]:
+        """Apply a new configuration: start added, stop removed, restart changed, keep the rest.
+
+        Returns the resources in each group (for the log).
+        """
+        old_config, self.config = self.config, config
+        policy = backoff_policy(config)
+        specs = self.specs(config)
+        summary: dict[str, list[str]] = {"added": [], "removed": [], "changed": [], "unchanged": []}
+        for resource in [name for name in self.children if name not in specs]:
+            child = self.children.pop(resource)
+            child.stop()
+            if child.state is not states.STOPPED:
+                self.retiring.append(child)
+            summary["removed"].append(resource)
+        children: dict[str, Child] = {}
+        for resource, spec in specs.items():
+            existing = self.children.get(resource)
+            if existing is None:
+                child = self._new_child(spec)
+                children[resource] = child
+                if not self.stopping:
+                    child.start()
+                summary["added"].append(resource)
+                continue
+            children[resource] = existing
+            if existing.update(spec, policy=policy, stop_timeout=config.supervisor.stop_timeout):
+                if not self.stopping:
+                    existing.restart(CAUSE_RELOAD)
+                summary["changed"].append(resource)
+            else:
+                summary["unchanged"].append(resource)
+        self.children = children
+        for setting in ("spawner", "runtime_dir"):
+            if getattr(old_config.supervisor, setting) != getattr(config.supervisor, setting):
+                _log.warning("reload_setting_needs_restart", setting=setting)
+        if old_config.metrics != config.metrics:
+            _log.warning("reload_setting_needs_restart", setting="metrics")
+        self.dirty = True
+        return summary
+
+    # -- events -------------------------------------------------------------------------
+
+    def _by_pid(self, pid: int) -> Child | None:
+        for child in self.all_children():
+            if child.pid == pid:
+                return child
+        return None
+
+    def handle_exit(self, pid: int, returncode: int) -> None:
+        """A child process ended."""
+        if self._on_child_exit is not None:
+            self._on_child_exit(pid)
+        child = self._by_pid(pid)
+        if child is not None:
+            child.on_exit(returncode)
+            self.dirty = True
+
+    def handle_report(self, pid: int, fields: Mapping[str, str]) -> None:
+        """A status datagram from process ``pid``."""
+        child = self._by_pid(pid)
+        if child is None:
+            return
+        child.on_status(fields)
+        self.dirty = True
+        endpoint = fields.get("ENDPOINT")
+        if "REGISTERED" in fields and endpoint and not self._socket_exists(endpoint):
+            # The kubelet restarted (and wiped the socket) while this registration was in
+            # flight: it was made with a kubelet that is gone, and the deletion came before
+            # we knew the socket was this child's.
+            _log.info("registration_outdated", resource=child.resource, socket=endpoint)
+            child.on_socket_deleted(endpoint, restart=self.restart_on_kubelet_restart)
+
+    @property
+    def restart_on_kubelet_restart(self) -> bool:
+        """Whether the policy is to restart children (rather than let them re-register)."""
+        return self.config.supervisor.on_kubelet_restart == "restart"
+
+    def handle_kubelet_started(self, kubelet_wall: float | None) -> None:
+        """``kubelet.sock`` was created: every child registered before it must register again."""
+        self.kubelet_restarts += 1
+        affected = [
+            child.resource
+            for child in self.children.values()
+            if child.on_kubelet_restart(kubelet_wall=kubelet_wall, restart=self.restart_on_kubelet_restart)
+        ]
+        _log.info("kubelet_restart", affected=affected, policy=self.config.supervisor.on_kubelet_restart)
+        self.dirty = True
+
+    def handle_socket_deleted(self, name: str) -> None:
+        """A ``plugvisor-*.sock`` was deleted: if a running child's own, it lost its registration."""
+        for child in self.children.values():
+            if child.on_socket_deleted(name, restart=self.restart_on_kubelet_restart):
+                _log.info("child_socket_deleted", resource=child.resource, socket=name)
+                self.dirty = True
+
+    def tick(self) -> float | None:
+        """Take every due time-based edge; returns the next deadline (monotonic) or None."""
+        for child in self.all_children():
+            child.transition()
+        self.retiring = [child for child in self.retiring if child.state is not states.STOPPED]
+        deadlines = [d for d in (child.next_deadline() for child in self.all_children()) if d is not None]
+        return min(deadlines) if deadlines else None
+
+    # -- reporting -----------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        """Every configured resource is registered with the current kubelet."""
+        return bool(self.children) and all(
+            child.state is states.RUNNING and child.registered for child in self.children.values()
+        )
+
+    def readiness(self) -> tuple[bool, str]:
+        """``(ready, explanation)`` for ``/readyz``."""
+        waiting = [child.resource for child in self.children.values() if not child.registered]
+        if self.ready:
+            return True, f"ready: {len(self.children)} resources registered"
+        return False, "not registered: " + ", ".join(waiting)
+
+    def summary(self) -> str:
+        """One line for systemd's STATUS=."""
+        total = len(self.children)
+        registered = sum(1 for child in self.children.values() if child.registered)
+        looping = [child.resource for child in self.children.values() if child.crash_looping]
+        text = f"{registered}/{total} resources registered"
+        if looping:
+            text += "; crash-looping: " + ", ".join(looping)
+        return text
+
+    def snapshot(self) -> dict[str, Any]:
+        """The whole agent as ``plugvisor status --json`` shows it."""
+        return {
+            "supervisor": {
+                "pid": os.getpid(),
+                "started_at": self.started_wall,
+                "ready": self.ready,
+                "stopping": self.stopping,
+                "kubelet_restarts": self.kubelet_restarts,
+                "kubelet_dir": str(self.config.kubelet_dir),
+                "on_kubelet_restart": self.config.supervisor.on_kubelet_restart,
+                "config": self.config_source,
+            },
+            "children": [child.snapshot() for child in self.all_children()],
+        }
+
+
+def _socket_is_live(path: Path) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    probe.settimeout(0.5)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
+
+
+def remove_stale_sockets(kubelet_dir: Path) -> list[str]:
+    """Delete ``plugvisor-*.sock`` files in the kubelet dir that no live process serves.
+
+    A supervisor that was SIGKILLed leaves its children's sockets behind; the
+    kubelet ignores them, but operators and the next start should not have to.
+    Sockets that answer belong to a live plugin (another agent's) and are kept.
+    """
+    removed = []
+    with contextlib.suppress(FileNotFoundError):
+        for path in sorted(kubelet_dir.glob(f"{SOCKET_PREFIX}*.sock")):
+            try:
+                if not stat.S_ISSOCK(path.lstat().st_mode) or _socket_is_live(path):
+                    continue
+                path.unlink()
+            except OSError:
+                continue
+            removed.append(path.name)
+    return removed
+
+
+class RuntimeDirLock:
+    """``<runtimeDir>/supervisor.pid``, locked for the agent's lifetime: one agent per runtime dir."""
+
+    def __init__(self, runtime_dir: Path) -> None:
+        self.path = runtime_dir / status_.PID_FILE
+        self._file: IO[str] | None = None
+
+    def acquire(self) -> None:
+        """Lock, or raise RuntimeError naming the agent that holds the lock."""
+        handle = self.path.open("a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown"
+            handle.close()
+            raise RuntimeError(f"another plugvisor agent (pid {holder}) uses {self.path.parent}") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"{os.getpid()}\n")
+        handle.flush()
+        self._file = handle
+
+    def release(self) -> None:
+        """Unlock and remove the file."""
+        if self._file is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+            self._file.close()
+            self._file = None
+
+
+class Agent:
+    """``plugvisor run``: the supervisor process, start to clean exit."""
+
+    def __init__(
+        self,
+        config: NodeConfig,
+        *,
+        config_path: Path | None,
+        log_format: str = "kv",
+        log_level: str = "info",
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.config = config
+        self.config_path = config_path
+        self.runtime_dir = config.runtime_dir
+        self._log_format = log_format
+        self._log_level = log_level
+        self._env = dict(os.environ if env is None else env)
+        self._wake = asyncio.Event()
+        self._stop_requested = False
+        self._reload_requested = False
+        self.notifier = Notifier(self._env)
+        self.supervisor: Supervisor | None = None
+        self.metrics_address: tuple[str, int] | None = None
+
+    def _child_env(self, report_socket: Path, multiproc_dir: Path) -> dict[str, str]:
+        env = {key: value for key, value in self._env.items() if key not in SYSTEMD_ENV}
+        env["PLUGVISOR_STATUS_SOCKET"] = str(report_socket)
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(multiproc_dir)
+        return env
+
+    def _make_spawner(self, env: Mapping[str, str]) -> Spawner:
+        if self.config.supervisor.spawner == "exec":
+            return ExecSpawner(env)
+        kinds = sorted({resource.kind for resource in self.config.resources})
+        return ForkServerSpawner(env, preload_kinds=kinds)
+
+    def wake(self) -> None:
+        """Have the loop look at its inputs now."""
+        self._wake.set()
+
+    def request_stop(self) -> None:
+        """SIGTERM/SIGINT."""
+        self._stop_requested = True
+        self.wake()
+
+    def request_reload(self) -> None:
+        """SIGHUP."""
+        self._reload_requested = True
+        self.wake()
+
+    async def run(self) -> int:
+        """Run until stopped; returns the exit code (0 after a clean stop)."""
+        runtime_dir = self.runtime_dir
+        runtime_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
+        lock = RuntimeDirLock(runtime_dir)
+        try:
+            lock.acquire()
+        except RuntimeError as exc:
+            _log.error("cannot_run", error=str(exc))
+            return 1
+        try:
+            return await self._run_locked(runtime_dir)
+        finally:
+            lock.release()
+
+    async def _open_spawner(self, env: Mapping[str, str]) -> Spawner:
+        spawner = self._make_spawner(env)
+        try:
+            await spawner.open(self.wake)
+        except SpawnError as exc:
+            _log.warning("forkserver_unavailable", error=str(exc), fallback="exec")
+            spawner = ExecSpawner(env)
+            await spawner.open(self.wake)
+        return spawner
+
+    async def _run_locked(self, runtime_dir: Path) -> int:
+        # Imported here: prometheus-client is needed by the agent only, not by `status` or `export`.
+        from plugvisor.supervisor import metrics as metrics_  # noqa: PLC0415
+
+        loop = asyncio.get_running_loop()
+        removed = remove_stale_sockets(self.config.kubelet_dir)
+        if removed:
+            _log.info("stale_sockets_removed", sockets=removed)
+        multiproc_dir = runtime_dir / status_.METRICS_DIR
+        shutil.rmtree(multiproc_dir, ignore_errors=True)
+        multiproc_dir.mkdir(mode=0o755)
+        report_path = runtime_dir / status_.REPORT_SOCKET
+        spawner = await self._open_spawner(self._child_env(report_path, multiproc_dir))
+        metrics: metrics_.Metrics | None = None
+        supervisor = Supervisor(
+            self.config,
+            spawner=spawner,
+            clock=SystemClock(),
+            log_format=self._log_format,
+            log_level=self._log_level,
+            on_child_exit=lambda pid: metrics.process_dead(pid) if metrics is not None else None,
+        )
+        supervisor.config_source = None if self.config_path is None else str(self.config_path)
+        self.supervisor = supervisor
+        metrics = metrics_.Metrics(supervisor.snapshot, multiproc_dir=multiproc_dir)
+        async with contextlib.AsyncExitStack() as cleanup:
+            # Undone in reverse order: children first (should anything have failed), the
+            # fork server, then the files.
+            cleanup.callback(shutil.rmtree, multiproc_dir, ignore_errors=True)
+            cleanup.callback(status_.remove_state, runtime_dir)
+            cleanup.callback(self.notifier.close)
+            cleanup.push_async_callback(spawner.close)
+            cleanup.callback(self._kill_leftovers, supervisor)
+            reports = ReportListener(report_path, self._on_report)
+            reports.open()
+            cleanup.callback(reports.close)
+            watch = KubeletWatch(
+                self.config.kubelet_dir,
+                on_kubelet_started=self._on_kubelet_started,
+                on_socket_deleted=self._on_socket_deleted,
+            )
+            watch.open()
+            cleanup.push_async_callback(watch.close)
+            if self.config.metrics is not None:
+                http = metrics_.HttpServer(
+                    metrics,
+                    supervisor.readiness,
+                    host=self.config.metrics.host,
+                    port=self.config.metrics.port,
+                )
+                await http.start()
+                cleanup.push_async_callback(http.close)
+                self.metrics_address = http.address
+            if self.notifier.watchdog_interval is not None:
+                watchdog = loop.create_task(self._watchdog(self.notifier.watchdog_interval), name="watchdog")
+                cleanup.callback(watchdog.cancel)
+            for sig, handler in (
+                (signal.SIGTERM, self.request_stop),
+                (signal.SIGINT, self.request_stop),
+                (signal.SIGHUP, self.request_reload),
+            ):
+                loop.add_signal_handler(sig, handler)
+                cleanup.callback(loop.remove_signal_handler, sig)
+            _log.info(
+                "supervisor_started",
+                resources=len(self.config.resources),
+                spawner=type(spawner).__name__,
+                runtime_dir=str(runtime_dir),
+                config=str(self.config_path),
+            )
+            supervisor.start()
+            await self._loop(supervisor, runtime_dir)
+        _log.info("supervisor_stopped")
+        return 0
+
+    @staticmethod
+    def _kill_leftovers(supervisor: Supervisor) -> None:
+        """After an unexpected error only: never leave a child behind."""
+        for child in supervisor.all_children():
+            if child.pid is not None:
+                supervisor.spawner.kill(child.pid, signal.SIGKILL)
+
+    async def _loop(self, supervisor: Supervisor, runtime_dir: Path) -> None:
+        ready_sent = False
+        clock = supervisor.clock
+        stop_bound: float | None = None
+        while True:
+            self._wake.clear()
+            if self._stop_requested and not supervisor.stopping:
+                _log.info("stopping", children=len(supervisor.all_children()))
+                self.notifier.stopping()
+                supervisor.stop()
+                stop_bound = clock.monotonic() + self.config.supervisor.stop_timeout + 5.0
+            if self._reload_requested:
+                self._reload_requested = False
+                if not supervisor.stopping:
+                    self._reload(supervisor, announce=ready_sent)
+            for exit_ in supervisor.spawner.reap():
+                supervisor.handle_exit(exit_.pid, exit_.returncode)
+            deadline = supervisor.tick()
+            if supervisor.dirty:
+                supervisor.dirty = False
+                status_.write_state(runtime_dir, supervisor.snapshot())
+                if supervisor.ready and not ready_sent and not supervisor.stopping:
+                    ready_sent = True
+                    _log.info("ready", resources=len(supervisor.children))
+                    self.notifier.ready(supervisor.summary())
+                elif not supervisor.stopping:
+                    self.notifier.status(supervisor.summary())
+            if supervisor.stopping and (
+                supervisor.stopped or (stop_bound and clock.monotonic() > stop_bound)
+            ):
+                return
+            timeout = HOUSEKEEPING_INTERVAL
+            if deadline is not None:
+                timeout = min(timeout, max(0.0, deadline - clock.monotonic()))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+
+    def _reload(self, supervisor: Supervisor, *, announce: bool) -> None:
+        """Apply SIGHUP; ``announce``: systemd has seen READY=1, so bracket with RELOADING=1 and READY=1."""
+        if self.config_path is None:
+            _log.warning("reload_ignored", reason="no configuration file")
+            return
+        if announce:
+            self.notifier.reloading(int(supervisor.clock.monotonic() * 1e6))
+        try:
+            config = load_config(self.config_path)
+        except ConfigError as exc:
+            _log.error("reload_rejected", error=str(exc), keeping="the running configuration")
+            if announce:
+                self.notifier.ready(
+                    f"reload rejected, running the previous configuration; {supervisor.summary()}"
+                )
+            return
+        summary = supervisor.reload(config)
+        self.config = config
+        _log.info("reloaded", **summary)
+        if announce:
+            self.notifier.ready(supervisor.summary())
+
+    async def _watchdog(self, interval: float) -> None:
+        while True:
+            self.notifier.watchdog()
+            await asyncio.sleep(interval)
+
+    def _on_report(self, pid: int, fields: dict[str, str]) -> None:
+        if self.supervisor is not None:
+            self.supervisor.handle_report(pid, fields)
+            self.wake()
+
+    def _on_kubelet_started(self, kubelet_wall: float | None) -> None:
+        if self.supervisor is not None:
+            self.supervisor.handle_kubelet_started(kubelet_wall)
+            self.wake()
+
+    def _on_socket_deleted(self, name: str) -> None:
+        if self.supervisor is not None:
+            self.supervisor.handle_socket_deleted(name)
+            self.wake()
+
+
+def run_agent(config_path: Path, *, log_format: str = "kv", log_level: str = "info") -> int:
+    """Load the configuration and run the agent until SIGTERM/SIGINT; returns the exit code.
+
+    Raises :class:`ConfigError` (exit status 2 in the CLI) before starting anything.
+    """
+    config = load_config(config_path)
+    agent = Agent(config, config_path=config_path, log_format=log_format, log_level=log_level)
+    return asyncio.run(agent.run())

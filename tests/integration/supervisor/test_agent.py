@@ -1,0 +1,269 @@
+"""`plugvisor run` as a real process against the emulated kubelet: start, crashes, kubelet restarts, stops."""
+
+import asyncio
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+
+from .conftest import DISK, EXPECTED, FUSE, SERIAL, processes_of, registered_all, wait_gone
+
+
+def running_registered(children):
+    return len(children) == 3 and all(c["state"] == "RUNNING" and c["registered"] for c in children.values())
+
+
+async def test_start_registers_every_resource_and_reports_it(node, kubelet, agents):
+    """Each resource gets a child that registers its devices; status, metrics and readiness say so."""
+    node.write_config(metrics={"listen": "127.0.0.1:0"})
+    agent = await agents()
+    await kubelet.wait_for(registered_all(EXPECTED), timeout=20)
+    await agent.wait_state(running_registered)
+    children = agent.children()
+    assert {name: (c["devices"]["healthy"], c["devices"]["total"]) for name, c in children.items()} == {
+        FUSE: (4, 4),
+        SERIAL: (2, 2),
+        DISK: (1, 1),
+    }
+    status = subprocess.run(
+        [sys.executable, "-c", "from plugvisor.supervisor.cli import status_command; status_command()",
+         "--runtime-dir", str(node.runtime_dir)],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert "3/3 resources registered" in status.stdout
+    rows = {line.split()[0]: line.split() for line in status.stdout.splitlines()[2:]}
+    assert rows[FUSE][1] == "RUNNING"
+    assert rows[FUSE][2] == str(children[FUSE]["pid"])
+    assert rows[FUSE][-1] == "4/4"
+    port = int(agent.log().split("url='http://127.0.0.1:")[1].split("/")[0])
+
+    def get(path):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+                return response.status, response.read().decode()
+        except urllib.error.HTTPError as error:
+            return error.code, error.read().decode()
+
+    status_code, metrics = await asyncio.to_thread(get, "/metrics")
+    assert status_code == 200
+    assert f'plugvisor_resource_devices{{health="healthy",resource="{FUSE}"}} 4.0' in metrics
+    assert f'plugvisor_resource_registered{{resource="{DISK}"}} 1.0' in metrics
+    assert "plugvisor_ready 1.0" in metrics
+    assert await asyncio.to_thread(get, "/healthz") == (200, "ok\n")
+    assert (await asyncio.to_thread(get, "/readyz"))[0] == 200
+    assert await agent.stop() == 0
+
+
+async def test_a_killed_child_is_restarted_and_registers_again(node, kubelet, agents):
+    """SIGKILL of one child: only that resource restarts, at once, and comes back with its devices."""
+    node.write_config()
+    agent = await agents()
+    await agent.wait_state(running_registered)
+    # The child reports "registered" when Register returns; the kubelet lists the resource at the
+    # first ListAndWatch message, a moment later.
+    await kubelet.wait_for(registered_all(EXPECTED))
+    before = agent.children()
+    endpoint = kubelet.resource(SERIAL).endpoint
+    processes_before = len(processes_of(node))
+    import os
+
+    os.kill(before[SERIAL]["pid"], signal.SIGKILL)
+    await kubelet.wait_for(
+        lambda k: k.resource(SERIAL).registered and k.resource(SERIAL).endpoint != endpoint, timeout=10
+    )
+    await kubelet.wait_for(registered_all(EXPECTED))
+    await agent.wait_state(lambda c: running_registered(c) and c[SERIAL]["pid"] != before[SERIAL]["pid"])
+    after = agent.children()
+    assert after[SERIAL]["restarts_by_cause"] == {"killed": 1}
+    assert after[SERIAL]["last_exit"]["status"] == "signal SIGKILL"
+    assert after[FUSE]["pid"] == before[FUSE]["pid"]
+    assert after[DISK]["pid"] == before[DISK]["pid"]
+    assert len(processes_of(node)) == processes_before
+    assert await agent.stop() == 0
+
+
+@pytest.mark.parametrize("policy", ["reregister", "restart"])
+async def test_a_kubelet_restart_brings_every_resource_back(node, kubelet, agents, policy):
+    """The kubelet wipes the sockets and restarts: every resource registers again, and the agent saw it."""
+    node.write_config(supervisor={"onKubeletRestart": policy})
+    agent = await agents()
+    await agent.wait_state(running_registered)
+    pids = {name: child["pid"] for name, child in agent.children().items()}
+    for _ in range(3):
+        generation = kubelet.generation
+        await kubelet.restart()
+        await kubelet.wait_for(
+            lambda k, g=generation + 1: (
+                registered_all(EXPECTED)(k) and all(r.generation == g for r in k.registrations[-3:])
+            ),
+            timeout=10,
+        )
+    await agent.wait_state(running_registered, timeout=10)
+    state = agent.state()
+    assert state["supervisor"]["kubelet_restarts"] == 3
+    children = agent.children()
+    if policy == "restart":
+        assert all(children[name]["pid"] != pids[name] for name in pids)
+        assert all(children[name]["restarts_by_cause"] == {"kubelet-restart": 3} for name in pids)
+    else:
+        assert {name: child["pid"] for name, child in children.items()} == pids
+    assert len(node.sockets()) == 3
+    assert await agent.stop() == 0
+
+
+async def test_sigterm_stops_every_child_and_exits_0_leaving_nothing(node, kubelet, agents):
+    """A clean stop: children end, their sockets go, the runtime files go, status 0."""
+    node.write_config()
+    agent = await agents()
+    await agent.wait_state(running_registered)
+    assert await agent.stop(signal.SIGTERM) == 0
+    assert await wait_gone(node, timeout=1) == []
+    assert node.sockets() == []
+    assert not (node.runtime_dir / "state.json").exists()
+    assert "supervisor_stopped" in agent.log()
+
+
+async def test_sigint_stops_like_sigterm(node, kubelet, agents):
+    """Ctrl-C is a clean stop too."""
+    node.write_config()
+    agent = await agents()
+    await agent.wait_state(running_registered)
+    assert await agent.stop(signal.SIGINT) == 0
+    assert await wait_gone(node, timeout=1) == []
+
+
+async def test_children_die_with_a_killed_supervisor_and_the_next_one_cleans_up(node, kubelet, agents):
+    """SIGKILL of the supervisor takes its children down; a new agent removes stale sockets and registers."""
+    node.write_config()
+    node.kubelet_dir.mkdir(parents=True, exist_ok=True)
+    stale = node.kubelet_dir / "plugvisor-fuse-000000-deadbeef.sock"
+    leftover = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    leftover.bind(str(stale))
+    leftover.close()
+    first = await agents()
+    await first.wait_state(running_registered)
+    assert stale.name not in node.sockets(), "a stale socket survived the start"
+    assert await first.stop(signal.SIGKILL) == -signal.SIGKILL
+    assert await wait_gone(node, timeout=3) == [], "children outlived their supervisor"
+    second = await agents()
+    await second.wait_state(running_registered)
+    await kubelet.wait_for(registered_all(EXPECTED))
+    assert len(node.sockets()) == 3
+    assert await second.stop() == 0
+
+
+async def test_sighup_restarts_only_changed_children_and_keeps_all_on_an_invalid_file(node, kubelet, agents):
+    """Reload: changed -> new process; unchanged -> same one; added/removed; invalid -> no change."""
+    node.write_config()
+    agent = await agents()
+    await agent.wait_state(running_registered)
+    pids = {name: child["pid"] for name, child in agent.children().items()}
+
+    resources = node.resources()
+    resources[0]["count"] = 6
+    resources.pop(2)
+    resources.append({"name": "example.com/null", "kind": "generic", "paths": ["/dev/fuse"]})
+    node.write_config(resources)
+    agent.send(signal.SIGHUP)
+    expected = {FUSE: 6, SERIAL: 2, "example.com/null": 1}
+    await kubelet.wait_for(registered_all(expected), timeout=10)
+    await agent.wait_state(
+        lambda c: (
+            set(c) == set(expected) and all(x["state"] == "RUNNING" and x["registered"] for x in c.values())
+        )
+    )
+    children = agent.children()
+    assert children[FUSE]["pid"] != pids[FUSE]
+    assert children[FUSE]["restarts_by_cause"] == {"reload": 1}
+    assert children[SERIAL]["pid"] == pids[SERIAL]
+    await kubelet.wait_for(lambda k: not k.resource(DISK).registered)
+
+    node.config_path.write_text("resources: [{name: broken, kind: generic}]\n")
+    agent.send(signal.SIGHUP)
+    deadline = asyncio.get_running_loop().time() + 10
+    while "reload_rejected" not in agent.log():
+        assert asyncio.get_running_loop().time() < deadline, agent.log()
+        await asyncio.sleep(0.05)
+    assert "resources[0].name" in agent.log()
+    assert {name: c["pid"] for name, c in agent.children().items()} == {
+        name: c["pid"] for name, c in children.items()
+    }
+    assert await agent.stop() == 0
+
+
+async def test_systemd_is_told_ready_status_watchdog_and_stopping(node, kubelet, agents, short_dir):
+    """With NOTIFY_SOCKET set: READY=1 after every registration, STATUS lines, watchdog pings, STOPPING=1."""
+    node.write_config()
+    path = short_dir / "notify.sock"
+    receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    receiver.bind(str(path))
+    receiver.setblocking(False)
+    messages = []
+    try:
+        agent = await agents({"NOTIFY_SOCKET": str(path), "WATCHDOG_USEC": "200000"})
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 20
+        while not any("READY=1" in m for m in messages):
+            assert loop.time() < deadline, messages
+            try:
+                messages.append((await loop.sock_recv(receiver, 4096)).decode())
+            except BlockingIOError:
+                await asyncio.sleep(0.01)
+        assert running_registered(agent.children()) or await agent.wait_state(running_registered) is None
+        ready = next(m for m in messages if "READY=1" in m)
+        assert "STATUS=3/3 resources registered" in ready
+        while sum("WATCHDOG=1" in m for m in messages) < 3:
+            assert loop.time() < deadline + 5, messages
+            messages.append((await asyncio.wait_for(loop.sock_recv(receiver, 4096), 5)).decode())
+        assert await agent.stop() == 0
+        while True:
+            try:
+                messages.append(receiver.recv(4096).decode())
+            except BlockingIOError:
+                break
+        assert any("STOPPING=1" in m for m in messages)
+        assert not any("READY=1" in m for m in messages[: messages.index(ready)])
+    finally:
+        receiver.close()
+
+
+async def test_children_do_not_inherit_the_systemd_variables(node, kubelet, agents, short_dir):
+    """Only the main process talks to systemd."""
+    node.write_config()
+    agent = await agents({"NOTIFY_SOCKET": str(short_dir / "nobody.sock")})
+    await agent.wait_state(running_registered)
+    from pathlib import Path
+
+    for child in agent.children().values():
+        environ = Path(f"/proc/{child['pid']}/environ").read_bytes()
+        assert b"NOTIFY_SOCKET" not in environ
+    assert await agent.stop() == 0
+
+
+async def test_an_invalid_file_exits_2_before_starting_anything(node, agents):
+    """The message names the file and the field; no process, no socket, no runtime file."""
+    node.write_config([{"name": FUSE, "kind": "generic", "paths": ["/dev/fuse"], "count": 0}])
+    agent = await agents()
+    assert await asyncio.wait_for(agent.proc.wait(), 20) == 2
+    assert (
+        f"{node.config_path}: resources[0].count: Input should be greater than or equal to 1" in agent.log()
+    )
+    assert not node.runtime_dir.exists()
+    assert not node.kubelet_dir.exists()
+
+
+async def test_the_exec_spawner_restarts_crashed_children_too(node, kubelet, agents):
+    """spawner: exec (fork+exec per child) gives the same behaviour, only slower to start."""
+    node.write_config(node.resources()[:1], supervisor={"spawner": "exec"})
+    agent = await agents()
+    await agent.wait_state(lambda c: c.get(FUSE, {}).get("registered"), timeout=20)
+    first = agent.children()[FUSE]["pid"]
+    import os
+
+    os.kill(first, signal.SIGKILL)
+    await agent.wait_state(lambda c: c[FUSE]["registered"] and c[FUSE]["pid"] != first, timeout=20)
+    assert "ExecSpawner" in agent.log()
+    assert await agent.stop() == 0

@@ -1,0 +1,60 @@
+"""The supervisor process never loads gRPC (it is not fork-safe once started), nor PyPI's supervisor."""
+
+import subprocess
+import sys
+
+MODULES = [
+    "plugvisor.supervisor",
+    "plugvisor.supervisor.backoff",
+    "plugvisor.supervisor.child",
+    "plugvisor.supervisor.cli",
+    "plugvisor.supervisor.clock",
+    "plugvisor.supervisor.config",
+    "plugvisor.supervisor.forkserver",
+    "plugvisor.supervisor.kubelet_watch",
+    "plugvisor.supervisor.metrics",
+    "plugvisor.supervisor.prctl",
+    "plugvisor.supervisor.reports",
+    "plugvisor.supervisor.spawner",
+    "plugvisor.supervisor.states",
+    "plugvisor.supervisor.status",
+    "plugvisor.supervisor.supervisor",
+    "plugvisor.supervisor.supervisord",
+    "plugvisor.supervisor.systemd",
+]
+
+PROBE = f"""
+import sys
+from plugvisor.supervisor.config import child_specs, parse_config
+for name in {MODULES!r}:
+    __import__(name)
+entry = {{"name": "a.example/x", "kind": "generic", "paths": ["/dev/x"]}}
+config = parse_config({{"resources": [entry]}}, source="t")
+child_specs(config)
+forbidden = ("grpc.", "plugvisor.api.deviceplugin", "plugvisor.api.podresources",
+    "plugvisor.api.pluginregistration", "plugvisor.deviceplugin.server", "plugvisor.deviceplugin.endpoint",
+    "plugvisor.deviceplugin.registration", "plugvisor.deviceplugin.runtime", "plugvisor.deviceplugin.errors")
+loaded = sorted(m for m in sys.modules if m == "grpc" or m.startswith(forbidden))
+print(",".join(loaded))
+print("supervisor" in sys.modules)
+"""
+
+
+def test_no_supervisor_module_pulls_in_grpc():
+    """Importing every module and validating a configuration loads no gRPC module (fresh interpreter)."""
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE], capture_output=True, text=True, check=True, cwd="/"
+    )
+    loaded, pypi_supervisor = result.stdout.splitlines()
+    assert loaded == ""
+    assert pypi_supervisor == "False"
+
+
+def test_the_states_module_imports_nothing():
+    """states.py has no imports, so it can never be part of an import cycle."""
+    import inspect
+
+    from plugvisor.supervisor import states
+
+    source = inspect.getsource(states)
+    assert not [line for line in source.splitlines() if line.startswith(("import ", "from "))]

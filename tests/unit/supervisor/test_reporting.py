@@ -1,0 +1,154 @@
+"""What operators and scripts read: the state file, `plugvisor status`, metrics text, systemd datagrams."""
+
+import json
+import os
+import socket
+
+import pytest
+from click.testing import CliRunner
+
+from plugvisor.supervisor import status as status_
+from plugvisor.supervisor.cli import export_group, status_command
+from plugvisor.supervisor.metrics import Metrics
+from plugvisor.supervisor.supervisord import export_supervisord, program_name
+from plugvisor.supervisor.systemd import Notifier
+
+from .conftest import node_config
+
+
+@pytest.fixture
+def running(make_supervisor):
+    supervisor = make_supervisor("example.com/gpu", "example.com/nic")
+    child = supervisor.children["example.com/gpu"]
+    supervisor.handle_report(child.pid, {"REGISTERED": "1", "ENDPOINT": "plugvisor-g.sock", "DEVICES": "3/4"})
+    return supervisor
+
+
+class TestStatusCommand:
+    def test_it_shows_each_child_with_state_pid_uptime_restarts_and_devices(self, running, tmp_path):
+        """The table names every resource with its state, PID, restarts, last exit and devices."""
+        document = running.snapshot()
+        document["supervisor"]["pid"] = os.getpid()
+        status_.write_state(tmp_path, document)
+        result = CliRunner().invoke(status_command, ["--runtime-dir", str(tmp_path)])
+        assert result.exit_code == 0, result.output
+        lines = result.output.splitlines()
+        assert "1/2 resources registered" in lines[0]
+        assert lines[1].split() == [
+            "RESOURCE",
+            "STATE",
+            "PID",
+            "UPTIME",
+            "RESTARTS",
+            "LAST",
+            "EXIT",
+            "DEVICES",
+        ]
+        gpu = lines[2].split()
+        assert gpu[:3] == ["example.com/gpu", "RUNNING", str(running.children["example.com/gpu"].pid)]
+        assert gpu[-1] == "3/4"
+        assert lines[3].split()[1] == "STARTING"
+
+    def test_json_output_is_the_full_state_for_scripts(self, running, tmp_path):
+        """--json prints the document with uptimes computed now."""
+        document = running.snapshot()
+        document["supervisor"]["pid"] = os.getpid()
+        status_.write_state(tmp_path, document)
+        result = CliRunner().invoke(status_command, ["--runtime-dir", str(tmp_path), "--json"])
+        parsed = json.loads(result.output)
+        assert [c["resource"] for c in parsed["children"]] == ["example.com/gpu", "example.com/nic"]
+        assert parsed["children"][0]["devices"] == {"healthy": 3, "total": 4}
+        assert parsed["children"][0]["uptime"] >= 0
+
+    def test_no_agent_and_a_stale_file_are_errors(self, running, tmp_path):
+        """Without a live supervisor, status says so and exits 1."""
+        result = CliRunner().invoke(status_command, ["--runtime-dir", str(tmp_path)])
+        assert result.exit_code == 1
+        assert "no plugvisor agent state" in result.output
+        document = running.snapshot()
+        document["supervisor"]["pid"] = 2**22 + 1
+        status_.write_state(tmp_path, document)
+        result = CliRunner().invoke(status_command, ["--runtime-dir", str(tmp_path)])
+        assert result.exit_code == 1
+        assert "is stale" in result.output
+
+
+class TestMetrics:
+    def test_the_supervisor_exposes_state_restarts_registrations_and_devices(self, running, tmp_path):
+        """Per-resource families from the supervisor's view, in Prometheus text format."""
+        text = Metrics(running.snapshot, multiproc_dir=tmp_path).render().decode()
+        assert 'plugvisor_child_up{resource="example.com/gpu"} 1.0' in text
+        assert 'plugvisor_child_state{resource="example.com/nic",state="STARTING"} 1.0' in text
+        assert 'plugvisor_resource_registered{resource="example.com/gpu"} 1.0' in text
+        assert 'plugvisor_resource_devices{health="unhealthy",resource="example.com/gpu"} 1.0' in text
+        assert 'plugvisor_child_restarts_total{cause="killed",resource="example.com/gpu"} 0.0' in text
+        assert "plugvisor_kubelet_restarts_total 0.0" in text
+        assert "plugvisor_ready 0.0" in text
+
+
+class TestSystemdNotifier:
+    def test_it_sends_sd_notify_datagrams_to_notify_socket(self, short_dir):
+        """READY/STATUS/WATCHDOG reach $NOTIFY_SOCKET as KEY=value lines; pings at half WATCHDOG_USEC."""
+        path = short_dir / "notify"
+        receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        receiver.bind(str(path))
+        notifier = Notifier({"NOTIFY_SOCKET": str(path), "WATCHDOG_USEC": "2000000"})
+        try:
+            assert notifier.watchdog_interval == 1.0
+            notifier.ready("2/2 resources registered")
+            notifier.status("2/2 resources registered")  # unchanged: not sent again
+            notifier.watchdog()
+            receiver.settimeout(1)
+            assert receiver.recv(4096) == b"READY=1\nSTATUS=2/2 resources registered"
+            assert receiver.recv(4096) == b"WATCHDOG=1"
+        finally:
+            notifier.close()
+            receiver.close()
+
+    def test_without_systemd_nothing_is_sent_and_nothing_fails(self):
+        """Outside systemd every call is a no-op."""
+        notifier = Notifier({})
+        assert not notifier.enabled
+        assert notifier.watchdog_interval is None
+        assert not notifier.notify(READY=1)
+
+    def test_a_watchdog_meant_for_another_process_is_ignored(self):
+        """WATCHDOG_PID names the process that must ping."""
+        assert Notifier({"WATCHDOG_USEC": "1000000", "WATCHDOG_PID": "1"}).watchdog_interval is None
+
+
+class TestSupervisordExport:
+    def test_each_resource_becomes_a_program_with_the_same_command(self):
+        """One [program:x] per resource with the child's exact command line and a stop policy."""
+        config = node_config("example.com/gpu", "example.com/nic")
+        text = export_supervisord(config, source="node.yaml")
+        assert "[group:plugvisor]\nprograms=plugvisor-example.com_gpu,plugvisor-example.com_nic" in text
+        assert text.count("[program:") == 2
+        assert "autorestart=unexpected" in text
+        assert "stopwaitsecs=5" in text
+        assert '--options-json \'{"paths":["/dev/fuse"]}\'' in text
+
+    def test_percent_signs_are_escaped_for_supervisord(self):
+        """supervisord expands %(x)s in values: a literal % must be doubled."""
+        config = node_config("example.com/gpu")
+        resources = [config.resources[0].model_copy(update={"paths": ["/dev/100%"]})]
+        text = export_supervisord(config.model_copy(update={"resources": resources}), source="n")
+        assert "/dev/100%%" in text
+
+    def test_program_names_are_safe(self):
+        """Resource names with '/' become valid program names."""
+        assert program_name("vendor.example/gpu") == "plugvisor-vendor.example_gpu"
+
+    def test_the_command_writes_to_a_file_and_rejects_invalid_files(self, tmp_path):
+        """`plugvisor export supervisord --config F -o OUT`; an invalid file exits 2 naming the field."""
+        good = tmp_path / "node.yaml"
+        good.write_text("resources: [{name: a.example/x, kind: generic, paths: [/dev/x]}]\n")
+        out = tmp_path / "out.conf"
+        result = CliRunner().invoke(export_group, ["supervisord", "--config", str(good), "-o", str(out)])
+        assert result.exit_code == 0, result.output
+        assert "[program:plugvisor-a.example_x]" in out.read_text()
+        bad = tmp_path / "bad.yaml"
+        bad.write_text("resources: [{name: x, kind: generic, paths: [/dev/x]}]\n")
+        result = CliRunner().invoke(export_group, ["supervisord", "--config", str(bad)])
+        assert result.exit_code == 2
+        assert f"{bad}: resources[0].name" in result.output

@@ -1,0 +1,339 @@
+"""The state machine and the reconcile core, driven by a fake spawner and a fake clock (no processes)."""
+
+import signal
+
+from plugvisor.supervisor import states
+from plugvisor.supervisor.supervisor import Supervisor
+
+from .conftest import node_config
+
+GPU = "example.com/gpu"
+NIC = "example.com/nic"
+
+
+def registered(supervisor: Supervisor, resource: str, n: int = 1, devices: str = "2/2") -> None:
+    child = supervisor.children[resource]
+    supervisor.handle_report(
+        child.pid, {"REGISTERED": str(n), "ENDPOINT": f"plugvisor-{n}.sock", "DEVICES": devices}
+    )
+
+
+def crash(supervisor: Supervisor, spawner, resource: str, returncode: int = 1) -> None:
+    pid = supervisor.children[resource].pid
+    spawner.exit(pid, returncode)
+    for exit_ in spawner.reap():
+        supervisor.handle_exit(exit_.pid, exit_.returncode)
+
+
+class TestStartAndReadiness:
+    def test_every_resource_gets_one_child_started_at_once(self, make_supervisor, spawner):
+        """Start forks one child per resource, in file order, each STARTING."""
+        supervisor = make_supervisor(GPU, NIC)
+        assert [spec.resource for _, spec in spawner.spawned] == [GPU, NIC]
+        assert all(child.state is states.STARTING for child in supervisor.children.values())
+
+    def test_a_child_is_running_once_it_reports_its_registration(self, make_supervisor):
+        """The REGISTERED datagram moves STARTING -> RUNNING and records endpoint and devices."""
+        supervisor = make_supervisor(GPU)
+        registered(supervisor, GPU, devices="3/4")
+        child = supervisor.children[GPU]
+        assert child.state is states.RUNNING
+        assert child.devices == (3, 4)
+        assert child.endpoint == "plugvisor-1.sock"
+
+    def test_the_agent_is_ready_only_when_every_resource_is_registered(self, make_supervisor):
+        """Readiness (systemd READY=1, /readyz) waits for the last registration."""
+        supervisor = make_supervisor(GPU, NIC)
+        registered(supervisor, GPU)
+        assert not supervisor.ready
+        assert supervisor.readiness() == (False, f"not registered: {NIC}")
+        registered(supervisor, NIC)
+        assert supervisor.ready
+
+    def test_device_changes_update_the_counts(self, make_supervisor):
+        """A DEVICES datagram alone updates healthy/total."""
+        supervisor = make_supervisor(GPU)
+        registered(supervisor, GPU)
+        supervisor.handle_report(supervisor.children[GPU].pid, {"DEVICES": "1/2"})
+        assert supervisor.children[GPU].devices == (1, 2)
+
+    def test_reports_from_unknown_processes_are_ignored(self, make_supervisor):
+        """A datagram from a PID that is no child of ours changes nothing."""
+        supervisor = make_supervisor(GPU)
+        supervisor.handle_report(99999, {"REGISTERED": "1"})
+        assert supervisor.children[GPU].state is states.STARTING
+
+
+class TestCrashRestart:
+    def test_the_first_crash_restarts_at_once(self, make_supervisor, spawner):
+        """One unexpected exit costs no delay: the child is started again on the next tick."""
+        supervisor = make_supervisor(GPU)
+        registered(supervisor, GPU)
+        crash(supervisor, spawner, GPU, -signal.SIGKILL)
+        child = supervisor.children[GPU]
+        assert child.state is states.BACKOFF
+        supervisor.tick()
+        assert child.state is states.STARTING
+        assert len(spawner.pids_for(GPU)) == 2
+        assert child.restarts == {"killed": 1}
+        assert child.last_exit is not None and child.last_exit.detail == "signal SIGKILL"
+
+    def test_repeated_crashes_back_off_exponentially_up_to_the_cap(self, make_supervisor, spawner, clock):
+        """Delays 0, 1, 2, 4, 8, 8... (initial 1 s, cap 8 s, no jitter), and the child is never given up."""
+        supervisor = make_supervisor(GPU)
+        delays = []
+        for _ in range(7):
+            crash(supervisor, spawner, GPU)
+            child = supervisor.children[GPU]
+            delays.append(child.delay)
+            clock.advance(child.delay - 0.001 if child.delay else 0)
+            supervisor.tick()
+            if child.delay:
+                assert child.state is states.BACKOFF, "started before its delay was over"
+                clock.advance(0.001)
+                supervisor.tick()
+            assert child.state is states.STARTING
+        assert delays == [0, 1, 2, 4, 8, 8, 8]
+
+    def test_a_crash_looping_child_is_reported_and_never_disturbs_the_others(
+        self, make_supervisor, spawner, clock
+    ):
+        """After crashLoopAfter failures the child is flagged; the other child keeps its one process."""
+        supervisor = make_supervisor(GPU, NIC)
+        registered(supervisor, NIC)
+        for _ in range(6):
+            crash(supervisor, spawner, GPU)
+            clock.advance(supervisor.children[GPU].delay)
+            supervisor.tick()
+        assert supervisor.children[GPU].crash_looping
+        assert "crash-looping: example.com/gpu" in supervisor.summary()
+        assert len(spawner.pids_for(NIC)) == 1
+        assert supervisor.children[NIC].state is states.RUNNING
+        assert not [s for s in spawner.signals if s[0] in spawner.pids_for(NIC)]
+
+    def test_staying_up_long_enough_resets_the_backoff(self, make_supervisor, spawner, clock):
+        """A process up for resetAfter seconds wipes the failure count: the next crash restarts at once."""
+        supervisor = make_supervisor(GPU)
+        for _ in range(4):
+            crash(supervisor, spawner, GPU)
+            clock.advance(supervisor.children[GPU].delay)
+            supervisor.tick()
+        assert supervisor.children[GPU].failures == 4
+        clock.advance(10)
+        supervisor.tick()
+        assert supervisor.children[GPU].failures == 0
+        crash(supervisor, spawner, GPU)
+        assert supervisor.children[GPU].delay == 0
+
+    def test_a_configuration_error_waits_the_full_cap_every_time(self, make_supervisor, spawner, clock):
+        """Exit status 2 cannot be fixed by retrying quickly: straight to the cap, shown as a crash loop."""
+        supervisor = make_supervisor(GPU)
+        crash(supervisor, spawner, GPU, 2)
+        child = supervisor.children[GPU]
+        assert (child.state, child.delay, child.crash_looping) == (states.BACKOFF, 8, True)
+        assert child.restarts == {"config": 1}
+        clock.advance(7.9)
+        supervisor.tick()
+        assert child.state is states.BACKOFF
+
+    def test_a_spawn_failure_backs_off_like_a_crash(self, make_supervisor, spawner, clock):
+        """An error creating the process is recorded and retried with backoff, never raised."""
+        supervisor = make_supervisor(GPU)
+        spawner.fail_next = ["EAGAIN", "EAGAIN"]
+        crash(supervisor, spawner, GPU)
+        supervisor.tick()
+        child = supervisor.children[GPU]
+        assert (child.state, child.spawn_error) == (states.BACKOFF, "EAGAIN")
+        clock.advance(child.delay)
+        supervisor.tick()
+        clock.advance(child.delay)
+        supervisor.tick()
+        assert child.state is states.STARTING
+        assert child.spawn_error is None
+        assert child.restarts["spawn-error"] == 2
+
+    def test_the_next_deadline_is_the_end_of_the_backoff(self, make_supervisor, spawner, clock):
+        """The loop can sleep exactly until a backoff ends."""
+        supervisor = make_supervisor(GPU)
+        crash(supervisor, spawner, GPU)
+        supervisor.tick()
+        crash(supervisor, spawner, GPU)
+        assert supervisor.tick() == clock.monotonic() + 1
+
+
+class TestKubeletRestart:
+    def test_status_3_restarts_at_once_without_counting_a_failure(self, make_supervisor, spawner):
+        """A child that exits because the kubelet restarted is started again immediately, no backoff."""
+        supervisor = make_supervisor(GPU)
+        registered(supervisor, GPU)
+        for _ in range(5):
+            crash(supervisor, spawner, GPU, 3)
+        child = supervisor.children[GPU]
+        assert child.state is states.STARTING
+        assert (child.failures, child.restarts["kubelet-restart"]) == (0, 5)
+        assert len(spawner.pids_for(GPU)) == 6
+
+    def test_restart_policy_restarts_children_registered_before_the_new_kubelet(
+        self, make_supervisor, spawner, clock
+    ):
+        """kubelet.sock created after a registration: that child is stopped and restarted at once."""
+        supervisor = make_supervisor(GPU, NIC, onKubeletRestart="restart")
+        registered(supervisor, GPU)
+        registered(supervisor, NIC)
+        old = supervisor.children[GPU].pid
+        supervisor.handle_kubelet_started(clock.wall() + 0.001)
+        assert supervisor.kubelet_restarts == 1
+        assert (old, signal.SIGTERM) in spawner.signals
+        assert supervisor.children[GPU].state is states.STOPPING
+        crash(supervisor, spawner, GPU, 0)
+        assert supervisor.children[GPU].state is states.STARTING
+        assert supervisor.children[GPU].restarts == {"kubelet-restart": 1}
+
+    def test_a_child_that_registered_with_the_new_kubelet_is_left_alone(
+        self, make_supervisor, spawner, clock
+    ):
+        """If the child noticed first and registered again, the supervisor's own notice changes nothing."""
+        supervisor = make_supervisor(GPU, onKubeletRestart="restart")
+        kubelet_created = clock.wall()
+        clock.advance(0.01)
+        registered(supervisor, GPU)
+        supervisor.handle_kubelet_started(kubelet_created)
+        assert supervisor.children[GPU].state is states.RUNNING
+        assert spawner.signals == []
+
+    def test_reregister_policy_only_waits_for_the_new_registration(self, make_supervisor, spawner, clock):
+        """With reregister the child is not signalled; it is unregistered until its next REGISTERED."""
+        supervisor = make_supervisor(GPU, onKubeletRestart="reregister")
+        registered(supervisor, GPU)
+        supervisor.handle_kubelet_started(clock.wall() + 0.001)
+        assert spawner.signals == []
+        assert not supervisor.ready
+        clock.advance(0.01)
+        registered(supervisor, GPU, n=2)
+        assert supervisor.ready
+
+    def test_deletion_of_a_childs_own_socket_counts_as_a_kubelet_restart(self, make_supervisor, spawner):
+        """Only the child whose socket vanished is affected."""
+        supervisor = make_supervisor(GPU, NIC, onKubeletRestart="restart")
+        registered(supervisor, GPU)
+        supervisor.handle_report(
+            supervisor.children[NIC].pid, {"REGISTERED": "1", "ENDPOINT": "plugvisor-nic.sock"}
+        )
+        supervisor.handle_socket_deleted("plugvisor-nic.sock")
+        assert supervisor.children[NIC].state is states.STOPPING
+        assert supervisor.children[GPU].state is states.RUNNING
+
+    def test_a_registration_whose_socket_is_already_gone_is_outdated(self, make_supervisor, spawner):
+        """A REGISTERED that arrives after the kubelet wiped the socket counts as lost: restart at once."""
+        supervisor = make_supervisor(GPU, onKubeletRestart="restart")
+        pid = supervisor.children[GPU].pid
+        supervisor.handle_report(pid, {"REGISTERED": "1", "ENDPOINT": "gone.sock"})
+        assert (pid, signal.SIGTERM) in spawner.signals
+        assert not supervisor.ready
+
+    def test_a_kubelet_restart_reported_by_the_child_unregisters_it(self, make_supervisor):
+        """KUBELET_RESTART from the child means its registration is gone until the next REGISTERED."""
+        supervisor = make_supervisor(GPU, onKubeletRestart="reregister")
+        registered(supervisor, GPU)
+        supervisor.handle_report(supervisor.children[GPU].pid, {"KUBELET_RESTART": "kubelet.sock created"})
+        assert not supervisor.ready
+
+
+class TestStop:
+    def test_stop_sends_sigterm_then_sigkill_after_the_bound(self, make_supervisor, spawner, clock):
+        """SIGTERM first; a child still there after stopTimeout gets SIGKILL once."""
+        supervisor = make_supervisor(GPU)
+        pid = supervisor.children[GPU].pid
+        supervisor.stop()
+        assert spawner.signals == [(pid, signal.SIGTERM)]
+        clock.advance(4.9)
+        supervisor.tick()
+        assert spawner.signals == [(pid, signal.SIGTERM)]
+        clock.advance(0.2)
+        supervisor.tick()
+        supervisor.tick()
+        assert spawner.signals == [(pid, signal.SIGTERM), (pid, signal.SIGKILL)]
+        crash(supervisor, spawner, GPU, -9)
+        assert supervisor.stopped
+
+    def test_a_stopped_child_is_not_restarted(self, make_supervisor, spawner, clock):
+        """An exit during a stop ends in STOPPED, whatever the status."""
+        supervisor = make_supervisor(GPU, NIC)
+        supervisor.stop()
+        crash(supervisor, spawner, GPU, 1)
+        crash(supervisor, spawner, NIC, 0)
+        clock.advance(100)
+        supervisor.tick()
+        assert supervisor.stopped
+        assert len(spawner.spawned) == 2
+
+    def test_a_child_in_backoff_stops_without_a_process(self, make_supervisor, spawner):
+        """Stopping during BACKOFF cancels the pending start."""
+        supervisor = make_supervisor(GPU)
+        crash(supervisor, spawner, GPU)
+        crash_count = len(spawner.spawned)
+        supervisor.stop()
+        supervisor.tick()
+        assert supervisor.stopped
+        assert len(spawner.spawned) == crash_count
+
+
+class TestReload:
+    def test_only_changed_added_and_removed_children_are_touched(self, make_supervisor, spawner, clock):
+        """Unchanged: same process; changed: restarted at once; removed: stopped; added: started."""
+        supervisor = make_supervisor(GPU, NIC, "example.com/old")
+        for resource in (GPU, NIC, "example.com/old"):
+            registered(supervisor, resource)
+        nic_pid = supervisor.children[NIC].pid
+        old_pid = supervisor.children["example.com/old"].pid
+        new = node_config(GPU, NIC, "example.com/new").model_copy()
+        resources = [
+            r.model_copy(update={"paths": ["/dev/other"]}) if r.name == GPU else r for r in new.resources
+        ]
+        summary = supervisor.reload(new.model_copy(update={"resources": resources}))
+        assert summary == {
+            "added": ["example.com/new"],
+            "removed": ["example.com/old"],
+            "changed": [GPU],
+            "unchanged": [NIC],
+        }
+        assert supervisor.children[NIC].pid == nic_pid
+        assert supervisor.children[GPU].state is states.STOPPING
+        assert (old_pid, signal.SIGTERM) in spawner.signals
+        assert supervisor.children["example.com/new"].state is states.STARTING
+        crash(supervisor, spawner, GPU, 0)
+        assert supervisor.children[GPU].state is states.STARTING
+        assert supervisor.children[GPU].restarts == {"reload": 1}
+        assert '"/dev/other"' in " ".join(supervisor.children[GPU].spec.args)
+        spawner.exit(old_pid, 0)
+        for exit_ in spawner.reap():
+            supervisor.handle_exit(exit_.pid, exit_.returncode)
+        supervisor.tick()
+        assert supervisor.retiring == []
+
+    def test_a_new_restart_policy_applies_without_restarting(self, make_supervisor, spawner):
+        """Backoff settings are not part of a child's process: changing them restarts nothing."""
+        supervisor = make_supervisor(GPU)
+        summary = supervisor.reload(node_config(GPU, restart={"maxDelay": 60}))
+        assert summary["unchanged"] == [GPU]
+        assert supervisor.children[GPU].policy.cap == 60
+        assert len(spawner.spawned) == 1
+
+
+class TestSnapshot:
+    def test_the_snapshot_has_what_status_shows(self, make_supervisor, spawner, clock):
+        """Resource, state, PID, uptime, restarts, last exit cause, devices."""
+        supervisor = make_supervisor(GPU)
+        registered(supervisor, GPU, devices="7/8")
+        crash(supervisor, spawner, GPU, 1)
+        supervisor.tick()
+        registered(supervisor, GPU, devices="7/8")
+        clock.advance(3)
+        child = supervisor.snapshot()["children"][0]
+        assert child["resource"] == GPU
+        assert child["state"] == "RUNNING"
+        assert child["pid"] == spawner.pids_for(GPU)[-1]
+        assert child["uptime"] == 3
+        assert child["restarts"] == 1
+        assert child["last_exit"]["cause"] == "crash"
+        assert child["devices"] == {"healthy": 7, "total": 8}
