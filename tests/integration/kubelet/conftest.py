@@ -22,7 +22,9 @@ def socket_dir() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="/tmp/pvk-"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
-    Path(f"{path}.kubelet.json").unlink(missing_ok=True)
+    for sibling in (".kubelet.json", ".pods.json"):
+        Path(f"{path}{sibling}").unlink(missing_ok=True)
+    shutil.rmtree(f"{path}.pod-resources", ignore_errors=True)
 
 
 @pytest.fixture

@@ -89,8 +89,10 @@ class TestKubeletCommand:
             ((), "--dir"),
             (("--dir", "/tmp/x", "--grace-period", "-1"), "--grace-period"),
             (("--dir", "/tmp/" + "d" * 120), "--dir"),
+            (("--dir", "/tmp/x", "--feature-gates", "Nope=true"), "--feature-gates"),
+            (("--dir", "/tmp/x", "--replacement", "sometimes"), "--replacement"),
         ],
-        ids=["missing-dir", "negative-grace", "socket-path-too-long"],
+        ids=["missing-dir", "negative-grace", "socket-path-too-long", "unknown-gate", "bad-replacement"],
     )
     def test_bad_usage_exits_2_naming_the_option(self, args: tuple[str, ...], option: str) -> None:
         """Usage errors are exit status 2 with the option in the message."""
@@ -99,3 +101,29 @@ class TestKubeletCommand:
         )
         assert result.returncode == 2
         assert option in result.stderr
+
+
+class TestPodsDirectory:
+    def test_a_manifest_dropped_in_runs_and_its_status_is_written(self, socket_dir: Path) -> None:
+        """--pods makes a node: the pod is admitted, started, and shown in <DIR>.pods.json."""
+        pods_dir = socket_dir / "pods"
+        pods_dir.mkdir()
+        kubelet = Kubelet("--dir", str(socket_dir / "dp"), "--pods", str(pods_dir))
+        try:
+            kubelet.wait_for_line("event='started'")
+            (pods_dir / "web.yaml").write_text(
+                "apiVersion: v1\nkind: Pod\nmetadata: {name: web}\n"
+                "spec:\n  containers: [{name: c, image: nginx}]\n"
+            )
+            kubelet.wait_for_line("event='container_started'", "default/web/c")
+            (pods_dir / "bad.yaml").write_text("kind: Service\n")
+            kubelet.wait_for_line("event='pod_invalid'", "not a Pod")
+            assert kubelet.stop() == 0
+            document = json.loads(Path(f"{socket_dir}/dp.pods.json").read_text())
+            assert [(p["metadata"]["name"], p["status"]["phase"]) for p in document["pods"]] == [
+                ("web", "Running")
+            ]
+        finally:
+            if kubelet.process.poll() is None:
+                kubelet.process.kill()
+                kubelet.process.wait()

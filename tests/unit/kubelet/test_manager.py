@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from plugvisor.api import constants
+from plugvisor.api.deviceplugin.v1beta1 import api_pb2
 from plugvisor.emulators.kubelet import endpoint, journal, manager, model
 
 GPU = "example.com/gpu"
@@ -220,10 +221,25 @@ class TestRestore:
         connected(devices)
         devices.list_and_watch_update(GPU, [record("a"), record("b")])
         devices.pod_devices.insert(
-            "pod", "ctr", GPU, manager.ContainerAllocation(devices_by_numa={-1: ("a",)}, response=None)
+            "pod",
+            "ctr",
+            GPU,
+            manager.ContainerAllocation(
+                devices_by_numa={-1: ("a",)}, response=api_pb2.ContainerAllocateResponse(envs={"A": "a"})
+            ),
         )
         restored = manager.DeviceManager.restored(
             devices.checkpoint(), grace_period=GRACE, now=0.0, journal=journal.Journal()
         )
         assert restored.allocated_devices == {GPU: {"a"}}
         assert restored.pod_devices.container_devices("pod", "ctr", GPU) == {"a"}
+
+    def test_an_allocation_without_a_cached_response_is_not_checkpointed(
+        self, devices: manager.DeviceManager
+    ) -> None:
+        """Upstream skips entries whose response is missing when it writes the checkpoint."""
+        connected(devices)
+        devices.pod_devices.insert(
+            "pod", "ctr", GPU, manager.ContainerAllocation(devices_by_numa={-1: ("a",)}, response=None)
+        )
+        assert devices.checkpoint().pod_device_entries is None

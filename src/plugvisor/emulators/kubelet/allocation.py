@@ -4,10 +4,12 @@ The order of checks and the error texts are the kubelet's (kubelet-facts.md
 3.5-3.6), because plugin authors debug by them:
 
 1. a container that already holds devices must ask for the same count
-   (``changed request``); 2. the resource must be registered; 3. it must have a
-   healthy device; 4. what the container already holds must still be healthy;
-   5. then devices are taken from the pod's reusable pool, and the rest from
-   ``healthy - in use`` (``requested number of devices unavailable``).
+   (``changed request``); 2. while the kubelet is re-initialising (pod sources
+   not all ready yet) a container the runtime reports running needs nothing;
+   3. the resource must be registered; 4. it must have a healthy device; 5. what
+   the container already holds must still be healthy; 6. then devices are taken
+   from the pod's reusable pool, and the rest from ``healthy - in use``
+   (``requested number of devices unavailable``).
 
 The plugin is asked for a preference only when its *options reply* advertised
 GetPreferredAllocation and only under the two conditions the kubelet uses; its
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -66,11 +68,19 @@ class Allocator:
     """Runs admission and container start for one container and one resource at a time."""
 
     def __init__(
-        self, *, devices: manager.DeviceManager, journal: journal.Journal, pre_start_timeout: float
+        self,
+        *,
+        devices: manager.DeviceManager,
+        journal: journal.Journal,
+        pre_start_timeout: float,
+        sources_ready: Callable[[], bool] = lambda: True,
+        container_running: Callable[[str, str], bool] = lambda pod_uid, container: False,
     ) -> None:
         self._manager = devices
         self._journal = journal
         self._pre_start_timeout = pre_start_timeout
+        self._sources_ready = sources_ready
+        self._container_running = container_running
 
     async def allocate(
         self,
@@ -251,7 +261,7 @@ class Allocator:
         )
         return picked, True
 
-    async def _devices_to_allocate(
+    async def _devices_to_allocate(  # noqa: PLR0912 - mirrors devicesToAllocate check by check
         self,
         *,
         pod_uid: str,
@@ -271,6 +281,9 @@ class Allocator:
                     f"pod {names.go_quote(pod_uid)} container {names.go_quote(container)} changed request "
                     f"for resource {names.go_quote(resource)} from {len(held)} to {required}"
                 )
+        if not self._sources_ready() and self._container_running(pod_uid, container):
+            # A kubelet restart: the running container already has its devices.
+            return _Picked(devices=None)
         healthy = devices.healthy.get(resource)
         if healthy is None:
             raise _AdmissionError(f"cannot allocate unregistered device {resource}")

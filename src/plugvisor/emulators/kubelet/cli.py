@@ -2,9 +2,15 @@
 
 Signals map to what operators do to a real kubelet: SIGHUP restarts it (every
 socket in DIR deleted, ``kubelet.sock`` created again - the plugins' cue to
-re-register), SIGTERM and SIGINT stop it cleanly with exit status 0. Each event
-is logged as one ``key=value`` line on stderr, so a script can follow it with
-``grep``; the full state is in the JSON view file.
+re-register; the checkpoint is read back), SIGUSR1 restarts it as after a node
+reboot (no container survives), SIGTERM and SIGINT stop it cleanly with exit
+status 0. Each event is logged as one ``key=value`` line on stderr, so a script
+can follow it with ``grep``; the full state is in the JSON view files.
+
+``--pods PODS_DIR`` makes it a node that runs pods: drop a Pod manifest in the
+directory and it is admitted (Allocate, PreStartContainer), remove the file and
+the pod terminates; ``<DIR>.pods.json`` shows their status. PodResources v1 is
+served on ``<root>/pod-resources/kubelet.sock`` (see ``--root``).
 """
 
 from __future__ import annotations
@@ -14,16 +20,14 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import click
 import structlog
 
 from plugvisor.api import constants
+from plugvisor.emulators.kubelet import gates, model, registration
 from plugvisor.emulators.kubelet import kubelet as kubelet_
-from plugvisor.emulators.kubelet import model
-
-_Command = Literal["restart", "stop"]
 
 
 def _event_logger() -> Any:
@@ -37,7 +41,7 @@ def _event_logger() -> Any:
     )
 
 
-async def _serve(socket_dir: Path, *, view_path: Path | None, grace_period: float) -> None:
+async def _serve(socket_dir: Path, *, options: dict[str, Any]) -> None:
     logger = _event_logger()
 
     def log_event(event: model.Event) -> None:
@@ -45,23 +49,34 @@ async def _serve(socket_dir: Path, *, view_path: Path | None, grace_period: floa
         fields["generation"] = event.generation
         logger.info(str(event.kind), **{key: value for key, value in fields.items() if value is not None})
 
-    kubelet = kubelet_.EmulatedKubelet(
-        socket_dir, view_path=view_path, grace_period=grace_period, on_event=log_event
-    )
-    commands: asyncio.Queue[_Command] = asyncio.Queue()
+    kubelet = kubelet_.EmulatedKubelet(socket_dir, on_event=log_event, **options)
+    commands: asyncio.Queue[str] = asyncio.Queue()
     loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGHUP, commands.put_nowait, "restart")
-    loop.add_signal_handler(signal.SIGTERM, commands.put_nowait, "stop")
-    loop.add_signal_handler(signal.SIGINT, commands.put_nowait, "stop")
+    handled = {
+        signal.SIGHUP: "restart",
+        signal.SIGUSR1: "reboot",
+        signal.SIGTERM: "stop",
+        signal.SIGINT: "stop",
+    }
+    for signum, signalled in handled.items():
+        loop.add_signal_handler(signum, commands.put_nowait, signalled)
     try:
         await kubelet.start()
         logger.info("view", message=f"view file {kubelet.view_path}", path=os.fspath(kubelet.view_path))
-        while await commands.get() == "restart":
-            await kubelet.restart()
+        while (command := await commands.get()) != "stop":
+            await kubelet.restart(reboot=command == "reboot")
     finally:
-        for signum in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
+        for signum in handled:
             loop.remove_signal_handler(signum)
         await kubelet.stop()
+
+
+def _parse_gates(ctx: click.Context, param: click.Parameter, value: str | None) -> gates.FeatureGates:
+    del ctx, param
+    try:
+        return gates.FeatureGates.parse(value or "")
+    except ValueError as error:
+        raise click.BadParameter(str(error)) from None
 
 
 @click.command(name="kubelet")
@@ -87,7 +102,64 @@ async def _serve(socket_dir: Path, *, view_path: Path | None, grace_period: floa
     metavar="SECONDS",
     help="How long a resource whose plugin went away is kept (capacity kept, allocatable 0) before removal.",
 )
-def kubelet_command(socket_dir: Path, view_path: Path | None, grace_period: float) -> None:
+@click.option(
+    "--pods",
+    "pods_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="A directory of Pod manifests (static-pod style): a file added is a pod admitted, "
+    "a file removed a pod terminated.",
+)
+@click.option(
+    "--root",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="The kubelet root dir, for <root>/pod-resources/kubelet.sock "
+    "[default: DIR's parent when DIR is named device-plugins, else <DIR>.pod-resources/ beside DIR].",
+)
+@click.option(
+    "--pod-resources-socket",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Serve PodResources v1 on this socket instead.",
+)
+@click.option("--no-pod-resources", is_flag=True, help="Do not serve the PodResources API.")
+@click.option(
+    "--pods-view",
+    "pods_view_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Where to write pod status [default: <DIR>.pods.json].",
+)
+@click.option(
+    "--replacement",
+    type=click.Choice(registration.REPLACEMENTS),
+    default="per-name",
+    show_default=True,
+    help="A second plugin for a registered resource: per-name (kubelet <= 1.35, the new client replaces "
+    "the old) or per-socket (instances tracked per socket, zero-downtime hand-over).",
+)
+@click.option(
+    "--feature-gates",
+    "feature_gates",
+    callback=_parse_gates,
+    default=None,
+    metavar="GATES",
+    help="Kubelet feature gates, e.g. KubeletPodResourcesGet=true,ResourceHealthStatus=true,"
+    "DeviceManagerDeallocate=true.",
+)
+def kubelet_command(  # noqa: PLR0917 - click passes every option positionally
+    socket_dir: Path,
+    view_path: Path | None,
+    grace_period: float,
+    pods_dir: Path | None,
+    root: Path | None,
+    pod_resources_socket: Path | None,
+    no_pod_resources: bool,
+    pods_view_path: Path | None,
+    replacement: registration.Replacement,
+    feature_gates: gates.FeatureGates,
+) -> None:
     """Run an emulated kubelet's device-plugin side on DIR (SIGHUP restarts it like a real kubelet)."""
     socket_path = Path(os.path.abspath(socket_dir)) / constants.KUBELET_SOCKET_NAME  # noqa: PTH100
     if len(os.fsencode(socket_path)) > constants.MAX_UNIX_SOCKET_PATH:
@@ -96,7 +168,20 @@ def kubelet_command(socket_dir: Path, view_path: Path | None, grace_period: floa
             f"to {constants.MAX_UNIX_SOCKET_PATH}. Use a shorter directory.",
             param_hint="'--dir'",
         )
+    options: dict[str, Any] = {
+        "view_path": view_path,
+        "grace_period": grace_period,
+        "pods_dir": pods_dir,
+        "root": root,
+        "pod_resources": not no_pod_resources,
+        "pod_resources_socket": pod_resources_socket,
+        "pods_view_path": pods_view_path,
+        "replacement": replacement,
+        "gates": feature_gates,
+    }
     try:
-        asyncio.run(_serve(socket_dir, view_path=view_path, grace_period=grace_period))
+        asyncio.run(_serve(socket_dir, options=options))
+    except ValueError as error:
+        raise click.ClickException(str(error)) from error
     except OSError as error:
         raise click.ClickException(f"cannot serve in {socket_dir}: {error}") from error

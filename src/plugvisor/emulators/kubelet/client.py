@@ -20,6 +20,7 @@ from plugvisor.emulators.kubelet import errors, journal, model
 
 #: grpc-go reports a stream that ended with the server returning nil as io.EOF.
 STREAM_EOF: Final = "EOF"
+_CLOSING: Final = errors.go_status_error(grpc.StatusCode.CANCELLED, "grpc: the client connection is closing")
 
 
 class ConnectError(Exception):
@@ -37,6 +38,9 @@ class ClientHandler(Protocol):
 
     def plugin_disconnected(self, resource: str) -> None:
         """The current client of ``resource`` was disconnected."""
+
+    def plugin_resumed(self, resource: str, client: PluginClient) -> None:
+        """An older, still live instance takes over again (per-socket replacement only)."""
 
 
 class PluginClient:
@@ -57,9 +61,14 @@ class PluginClient:
         self._journal = journal
         self._dial_timeout = dial_timeout
         self._channel: grpc.aio.Channel | None = None
+        self._closed = False
         self._stub: api_pb2_grpc.DevicePluginAsyncStub | None = None
         self.end_reason: str | None = None
         """Why ListAndWatch ended, in grpc-go's words (``EOF``, ``rpc error: ...``)."""
+        self.options: model.PluginOptions | None = None
+        """The plugin's GetDevicePluginOptions reply, once the handler fetched it."""
+        self.last_response: api_pb2.ListAndWatchResponse | None = None
+        """The latest ListAndWatch message (a resumed instance's list is applied again)."""
 
     @property
     def stub(self) -> api_pb2_grpc.DevicePluginAsyncStub:
@@ -67,6 +76,11 @@ class PluginClient:
         if self._stub is None:
             raise RuntimeError(f"client for {self.resource} at {self.socket_path} is not connected")
         return self._stub
+
+    @property
+    def channel(self) -> grpc.aio.Channel | None:
+        """The channel to the plugin, while connected (for calls the generated stub lacks)."""
+        return self._channel
 
     async def connect(self) -> None:
         """Dial blocking with the deadline, then hand the client to the handler."""
@@ -106,6 +120,12 @@ class PluginClient:
         call = self.stub.ListAndWatch(api_pb2.Empty())
         try:
             async for response in call:
+                if self._closed:
+                    # A message read before the channel closed: a closed client reports nothing more.
+                    call.cancel()
+                    self.end_reason = _CLOSING
+                    return
+                self.last_response = response
                 self._handler.plugin_list_and_watch_receiver(self.resource, response)
         except grpc.aio.AioRpcError as error:
             self.end_reason = errors.go_rpc_error(error)
@@ -113,14 +133,13 @@ class PluginClient:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 raise
-            self.end_reason = errors.go_status_error(
-                grpc.StatusCode.CANCELLED, "grpc: the client connection is closing"
-            )
+            self.end_reason = _CLOSING
         else:
             self.end_reason = STREAM_EOF
 
     async def close(self) -> None:
         """Close the channel without telling anyone (the kubelet process is going away)."""
+        self._closed = True
         channel, self._channel = self._channel, None
         if channel is not None:
             await channel.close()

@@ -34,10 +34,12 @@ class Endpoint:
         socket_path: str | None,
         stub: api_pb2_grpc.DevicePluginAsyncStub | None,
         journal: journal.Journal,
+        channel: grpc.aio.Channel | None = None,
     ) -> None:
         self.resource = resource
         self.socket_path = socket_path
         self._stub = stub
+        self._channel = channel
         self._journal = journal
         self.stop_time: float | None = None
 
@@ -109,4 +111,30 @@ class Endpoint:
         try:
             return await stub.PreStartContainer(request, timeout=timeout)
         except grpc.aio.AioRpcError as error:
+            raise EndpointCallError(errors.go_rpc_error(error)) from error
+
+    async def proposed_call(
+        self, method: model.PluginMethod, device_ids: Iterable[str], *, timeout: float
+    ) -> None:
+        """Call a *proposed* RPC (``PostStopContainer``/``Deallocate``, KEP-20210712 addendum).
+
+        No upstream proto defines them; the emulator sends, on
+        ``/v1beta1.DevicePlugin/<method>``, a message shaped like
+        ``PreStartContainerRequest`` (``repeated string devices_ids = 1``) and
+        expects an empty reply. A plugin that does not implement the method
+        answers UNIMPLEMENTED, which counts as "not offered" and is not an error.
+        """
+        if self.is_stopped() or self._channel is None:
+            raise EndpointCallError(f"endpoint {self.go_repr()} has been stopped")
+        self._journal.call(self.resource, self.socket_path or "", method)
+        call = self._channel.unary_unary(
+            f"/v1beta1.DevicePlugin/{method}",
+            request_serializer=api_pb2.PreStartContainerRequest.SerializeToString,
+            response_deserializer=api_pb2.PreStartContainerResponse.FromString,
+        )
+        try:
+            await call(api_pb2.PreStartContainerRequest(devices_ids=list(device_ids)), timeout=timeout)
+        except grpc.aio.AioRpcError as error:
+            if error.code() is grpc.StatusCode.UNIMPLEMENTED:
+                return
             raise EndpointCallError(errors.go_rpc_error(error)) from error

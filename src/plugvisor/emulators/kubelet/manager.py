@@ -15,17 +15,23 @@ unit-tested without sockets and the time is always passed in:
   kept the kubelet's way, including its quirk: devices taken during a failed
   admission stay "in use" until pod allocations are recomputed.
 * A restart keeps what the kubelet checkpoints - the registered resource names and
-  pod allocations - and nothing else; see :meth:`DeviceManager.restored`.
+  pod allocations - and nothing else: :meth:`DeviceManager.checkpoint` builds the
+  file's data the kubelet's way (``writeCheckpoint``) and
+  :meth:`DeviceManager.restored` reads it back the kubelet's way (``readCheckpoint``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Final
+
+from google.protobuf import message as message_
 
 from plugvisor.api import constants
 from plugvisor.api.deviceplugin.v1beta1 import api_pb2
+from plugvisor.emulators.kubelet import checkpoint as checkpoint_
 from plugvisor.emulators.kubelet import endpoint as endpoint_
 from plugvisor.emulators.kubelet import journal, model
 
@@ -40,6 +46,12 @@ class DeviceRecord:
     id: str
     health: str
     numa_nodes: tuple[int, ...]
+    has_topology: bool = False
+    """Whether the message carried a ``topology`` field at all (even one without nodes).
+
+    PodResources tells the two apart: no topology gives one entry without
+    topology, an empty topology gives no entry at all (upstream's conversion).
+    """
 
     @classmethod
     def from_proto(cls, device: api_pb2.Device) -> DeviceRecord:
@@ -48,7 +60,13 @@ class DeviceRecord:
             id=device.ID,
             health=device.health,
             numa_nodes=tuple(node.ID for node in device.topology.nodes),
+            has_topology=device.HasField("topology"),
         )
+
+    @property
+    def topology_present(self) -> bool:
+        """Tell whether the device reported a topology (possibly with no nodes)."""
+        return self.has_topology or bool(self.numa_nodes)
 
 
 @dataclass(slots=True)
@@ -102,6 +120,18 @@ class PodDevices:
                 result.setdefault(resource, set()).update(allocation.device_ids())
         return result
 
+    def pods(self) -> set[str]:
+        """Return the UIDs of every pod holding an allocation."""
+        return {uid for uid, per_pod in self.entries.items() if per_pod}
+
+    def has_pod(self, pod_uid: str) -> bool:
+        """Tell whether the pod holds any allocation (``podDevices.hasPod``)."""
+        return bool(self.entries.get(pod_uid))
+
+    def container_resources(self, pod_uid: str, container: str) -> Mapping[str, ContainerAllocation]:
+        """Return the container's allocations by resource (empty when none)."""
+        return MappingProxyType(dict(self.entries.get(pod_uid, {}).get(container, {})))
+
     def remove_pods(self, pod_uids: Iterable[str]) -> None:
         """Forget every allocation of the given pods."""
         for pod_uid in pod_uids:
@@ -134,14 +164,6 @@ class Capacity:
     capacity: Mapping[str, int]
     allocatable: Mapping[str, int]
     deleted: frozenset[str]
-
-
-@dataclass(frozen=True, slots=True)
-class CheckpointData:
-    """What survives a kubelet restart: registered resource names and pod allocations."""
-
-    registered_resources: frozenset[str]
-    pod_devices: PodDevices
 
 
 class DeviceManager:
@@ -262,24 +284,67 @@ class DeviceManager:
 
     # -- restart ----------------------------------------------------------------------
 
-    def checkpoint(self) -> CheckpointData:
-        """Return what the kubelet's checkpoint would hold right now."""
-        return CheckpointData(registered_resources=frozenset(self.healthy), pod_devices=self.pod_devices)
+    def checkpoint(self) -> checkpoint_.CheckpointData:
+        """Return what ``writeCheckpoint`` would write right now.
+
+        ``RegisteredDevices`` holds the *healthy* IDs of every resource in the
+        healthy map (so a resource whose plugin died is kept with ``[]``).
+        Entries without a cached response are skipped, as upstream; Go's map
+        order is random, here entries are sorted by pod, container, resource.
+        """
+        entries: list[checkpoint_.PodDevicesEntry] = []
+        for pod_uid, per_pod in sorted(self.pod_devices.entries.items()):
+            for container, per_container in sorted(per_pod.items()):
+                for resource, allocation in sorted(per_container.items()):
+                    if allocation.response is None:
+                        continue
+                    entries.append(
+                        checkpoint_.PodDevicesEntry(
+                            pod_uid=pod_uid,
+                            container_name=container,
+                            resource_name=resource,
+                            device_ids={node: list(ids) for node, ids in allocation.devices_by_numa.items()},
+                            alloc_resp=allocation.response.SerializeToString(deterministic=True),
+                        )
+                    )
+        return checkpoint_.CheckpointData(
+            # A Go nil slice when nothing was appended: JSON null.
+            pod_device_entries=entries or None,
+            registered_devices={resource: sorted(ids) for resource, ids in self.healthy.items()},
+        )
 
     @classmethod
     def restored(
-        cls, data: CheckpointData, *, grace_period: float, now: float, journal: journal.Journal
+        cls,
+        data: checkpoint_.CheckpointData,
+        *,
+        grace_period: float,
+        now: float,
+        journal: journal.Journal,
     ) -> DeviceManager:
-        """Build the state of a freshly started kubelet from a checkpoint.
+        """Build the state of a freshly started kubelet from a checkpoint (``readCheckpoint``).
 
         Each registered resource gets empty sets and a stopped endpoint (stopped
         now), so it reports capacity 0 until its plugin registers again and is
-        dropped after the grace period if none does.
+        dropped after the grace period if none does. An entry whose response
+        does not parse is skipped (upstream logs it and goes on).
         """
         manager = cls(grace_period=grace_period)
-        manager.pod_devices = data.pod_devices
-        manager.allocated_devices = data.pod_devices.devices()
-        for resource in sorted(data.registered_resources):
+        for entry in data.pod_device_entries or ():
+            response = api_pb2.ContainerAllocateResponse()
+            try:
+                response.ParseFromString(entry.alloc_resp or b"")
+            except message_.DecodeError:
+                continue
+            by_numa = {node: tuple(ids or ()) for node, ids in (entry.device_ids or {}).items()}
+            manager.pod_devices.insert(
+                entry.pod_uid,
+                entry.container_name,
+                entry.resource_name,
+                ContainerAllocation(devices_by_numa=MappingProxyType(by_numa), response=response),
+            )
+        manager.allocated_devices = manager.pod_devices.devices()
+        for resource in sorted(data.registered_devices or {}):
             manager.healthy[resource] = set()
             manager.unhealthy[resource] = set()
             manager.endpoints[resource] = EndpointInfo(

@@ -106,6 +106,10 @@ class PluginMethod(enum.StrEnum):
     GET_PREFERRED_ALLOCATION = "GetPreferredAllocation"
     ALLOCATE = "Allocate"
     PRE_START_CONTAINER = "PreStartContainer"
+    POST_STOP_CONTAINER = "PostStopContainer"
+    """Proposed (KEP-20210712 addendum), never upstream: only with the DeviceManagerDeallocate gate."""
+    DEALLOCATE = "Deallocate"
+    """Proposed (KEP-20210712 addendum), never upstream: only with the DeviceManagerDeallocate gate."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +139,19 @@ class EventKind(enum.StrEnum):
     ALLOCATION_FAILED = "allocation_failed"
     PRE_START_FAILED = "pre_start_failed"
     POD_REMOVED = "pod_removed"
+    POD_ADDED = "pod_added"
+    POD_REJECTED = "pod_rejected"
+    POD_DELETED = "pod_deleted"
+    POD_INVALID = "pod_invalid"
+    CONTAINER_STARTED = "container_started"
+    CONTAINER_START_FAILED = "container_start_failed"
+    CONTAINER_EXITED = "container_exited"
+    CHECKPOINT_RESTORED = "checkpoint_restored"
+    CHECKPOINT_IGNORED = "checkpoint_ignored"
+    CHECKPOINT_WRITE_FAILED = "checkpoint_write_failed"
+    PLUGIN_INSTANCE_ENDED = "plugin_instance_ended"
+    PLUGIN_RESUMED = "plugin_resumed"
+    PLUGIN_CALL_FAILED = "plugin_call_failed"
 
 
 @dataclass(frozen=True, slots=True)

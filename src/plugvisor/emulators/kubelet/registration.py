@@ -16,9 +16,23 @@ inside one synchronous Register call:
    Register returns.
 
 Errors reach the plugin as gRPC ``UNKNOWN`` with the text, as a Go handler that
-returns a plain error does. The client table keeps upstream's quirks: a failed
-Register removes *whatever* client the name had, and when any client's stream
-ends, the *current* client of that name is disconnected (kubernetes#121994).
+returns a plain error does.
+
+Two client tables, selectable because plugins must survive both kubelet
+generations (kubelet-facts.md 6, "Replacement race"):
+
+* ``"per-name"`` (v1.31-v1.35, the default): one client per resource name. It
+  keeps upstream's quirks: a new Register replaces the client without closing
+  the old one, so both streams feed the resource; a failed Register removes
+  *whatever* client the name had; and when any client's stream ends, the
+  *current* client of that name is disconnected - the old plugin's exit zeroes
+  the new plugin's resource (kubernetes#121994).
+* ``"per-socket"`` (kubernetes PR #135437): instances are tracked per socket
+  path. The newest live instance is the resource's endpoint and only its list
+  counts; a failed Register leaves the others alone; when an instance ends, the
+  newest remaining one takes over again (its last list applied, no capacity
+  dip) and only the last one's end disconnects the resource. A Register on a
+  socket path already in use replaces that instance (unsupported upstream).
 
 At start, every unix socket in the directory is deleted (following symlinks,
 as ``os.Stat`` does) - directories, regular files and the checkpoint stay. That
@@ -32,6 +46,7 @@ import collections
 import os
 import stat
 from pathlib import Path
+from typing import Literal, TypeAlias
 
 import grpc
 import structlog
@@ -45,6 +60,32 @@ from plugvisor.emulators.kubelet import errors, journal, model
 _log = structlog.get_logger(__name__)
 
 SOCKET_DIR_MODE = 0o750
+
+Replacement: TypeAlias = Literal["per-name", "per-socket"]
+"""How a second plugin instance for a registered resource is handled (see the module docstring)."""
+REPLACEMENTS: tuple[Replacement, ...] = ("per-name", "per-socket")
+
+
+class _InstanceHandler:
+    """Stands between one client and the kubelet: drops the lists of instances that are not current."""
+
+    def __init__(self, server: RegistrationServer, handler: client_.ClientHandler) -> None:
+        self._server = server
+        self._handler = handler
+        self.client: client_.PluginClient | None = None
+
+    async def plugin_connected(self, resource: str, client: client_.PluginClient) -> None:
+        await self._handler.plugin_connected(resource, client)
+
+    def plugin_list_and_watch_receiver(self, resource: str, response: api_pb2.ListAndWatchResponse) -> None:
+        if self._server.is_current(resource, self.client):
+            self._handler.plugin_list_and_watch_receiver(resource, response)
+
+    def plugin_disconnected(self, resource: str) -> None:
+        self._handler.plugin_disconnected(resource)
+
+    def plugin_resumed(self, resource: str, client: client_.PluginClient) -> None:
+        self._handler.plugin_resumed(resource, client)
 
 
 def cleanup_plugin_directory(directory: Path, *, keep: frozenset[str] = frozenset()) -> list[Path]:
@@ -92,7 +133,11 @@ class RegistrationServer(api_pb2_grpc.RegistrationServicer):
         handler: client_.ClientHandler,
         journal: journal.Journal,
         dial_timeout: float,
+        replacement: Replacement = "per-name",
     ) -> None:
+        if replacement not in REPLACEMENTS:
+            raise ValueError(f"replacement must be one of {REPLACEMENTS}, got {replacement!r}")
+        self.replacement = replacement
         self.socket_dir = socket_dir
         self.socket_path = socket_dir / constants.KUBELET_SOCKET_NAME
         self._handler = handler
@@ -100,6 +145,8 @@ class RegistrationServer(api_pb2_grpc.RegistrationServicer):
         self._dial_timeout = dial_timeout
         self.clients: dict[str, client_.PluginClient] = {}
         """The current client per resource name (``server.clients``)."""
+        self.instances: dict[str, dict[str, client_.PluginClient]] = {}
+        """Per-socket mode: live instances per resource, by socket path, oldest first."""
         self.registration_counts: collections.Counter[str] = collections.Counter()
         """Register attempts per resource name, valid or not (the kubelet's metric)."""
         self._server: grpc.aio.Server | None = None
@@ -129,6 +176,13 @@ class RegistrationServer(api_pb2_grpc.RegistrationServicer):
             await plugin_client.close()
         self._runs.clear()
         self.clients.clear()
+        self.instances.clear()
+
+    def is_current(self, name: str, plugin_client: client_.PluginClient | None) -> bool:
+        """Tell whether a client's ListAndWatch messages count for the resource."""
+        if self.replacement == "per-name":
+            return True  # every stream feeds the resource, as upstream before the fix
+        return self.clients.get(name) is plugin_client
 
     async def Register(
         self,
@@ -187,18 +241,26 @@ class RegistrationServer(api_pb2_grpc.RegistrationServicer):
         return None
 
     async def _connect_client(self, name: str, socket_path: str) -> None:
+        adapter = _InstanceHandler(self, self._handler)
         plugin_client = client_.PluginClient(
             resource=name,
             socket_path=socket_path,
-            handler=self._handler,
+            handler=adapter,
             journal=self._journal,
             dial_timeout=self._dial_timeout,
         )
+        adapter.client = plugin_client
+        per_socket = self.replacement == "per-socket"
+        previous = self.clients.get(name)
         self.clients[name] = plugin_client
         try:
             await plugin_client.connect()
         except client_.ConnectError as error:
-            self.clients.pop(name, None)
+            if per_socket:
+                # The fix: a failed instance leaves the working one in place.
+                self._restore_current(name, previous)
+            else:
+                self.clients.pop(name, None)
             _log.info("failed to connect to new client", resource=name, err=str(error))
             await plugin_client.close()
             raise
@@ -208,9 +270,29 @@ class RegistrationServer(api_pb2_grpc.RegistrationServicer):
                 del self.clients[name]
             await plugin_client.close()
             raise
+        if per_socket:
+            instances = self.instances.setdefault(name, {})
+            replaced = instances.pop(socket_path, None)
+            instances[socket_path] = plugin_client
+            if replaced is not None:
+                await self._drop(replaced)
         task = asyncio.create_task(self._run_client(name, plugin_client), name=f"ListAndWatch {name}")
         self._runs[task] = plugin_client
         task.add_done_callback(lambda done: self._runs.pop(done, None))
+
+    def _restore_current(self, name: str, previous: client_.PluginClient | None) -> None:
+        if previous is not None and previous in self.instances.get(name, {}).values():
+            self.clients[name] = previous
+        else:
+            self.clients.pop(name, None)
+
+    async def _drop(self, plugin_client: client_.PluginClient) -> None:
+        """Forget an instance silently: its stream's end must not count as a disconnect."""
+        for task, owner in list(self._runs.items()):
+            if owner is plugin_client:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        await plugin_client.close()
 
     async def _run_client(self, name: str, plugin_client: client_.PluginClient) -> None:
         await plugin_client.run()
@@ -221,8 +303,34 @@ class RegistrationServer(api_pb2_grpc.RegistrationServicer):
             endpoint=plugin_client.socket_path,
             error=plugin_client.end_reason,
         )
+        if self.replacement == "per-socket":
+            await self._instance_ended(name, plugin_client)
+            return
         current = self.clients.get(name)
         if current is None:
             return
         self.clients.pop(name, None)
         await current.disconnect()
+
+    async def _instance_ended(self, name: str, plugin_client: client_.PluginClient) -> None:
+        instances = self.instances.get(name, {})
+        if instances.get(plugin_client.socket_path) is plugin_client:
+            del instances[plugin_client.socket_path]
+        if self.clients.get(name) is not plugin_client:
+            await plugin_client.close()
+            self._journal.event(
+                model.EventKind.PLUGIN_INSTANCE_ENDED,
+                f"{name}: replaced instance at {plugin_client.socket_path} ended; the resource is unaffected",
+                resource=name,
+                endpoint=plugin_client.socket_path,
+            )
+            return
+        if instances:
+            successor = list(instances.values())[-1]
+            self.clients[name] = successor
+            await plugin_client.close()
+            self._handler.plugin_resumed(name, successor)
+            return
+        self.clients.pop(name, None)
+        self.instances.pop(name, None)
+        await plugin_client.disconnect()
