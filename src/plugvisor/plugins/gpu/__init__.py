@@ -1,0 +1,21 @@
+"""The ``gpu`` kind: NVIDIA, AMD and Intel GPUs from PCI sysfs, with topology-aware allocation.
+
+Discovery reads PCI sysfs by vendor/class (no NVML, no vendor library needed),
+device nodes from devfs, NVIDIA's UUIDs from procfs. Health is recomputed on every
+scan (driver binding, fallen off the bus, AER, link state, nodes present), so a
+recovered GPU is Healthy again. Time-slicing advertises ``replicas`` IDs per GPU;
+GetPreferredAllocation scores sets by PCI-tree distance (see
+:mod:`plugvisor.plugins.topology`). With ``cdi: true`` a CDI spec is kept in the
+CDI directory and Allocate returns ``cdi_devices``.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from plugvisor.plugins.gpu.options import GpuOptions
+from plugvisor.plugins.gpu.source import GpuKind, GpuSource
+
+KIND: Final = GpuKind()
+
+__all__ = ["KIND", "GpuKind", "GpuOptions", "GpuSource"]

@@ -1,0 +1,249 @@
+"""The ``nic`` device source: SR-IOV virtual functions, one VF per device, PFs never handed out.
+
+What is read (all under the host root; see docs/plugins.md):
+
+- ``sys/bus/pci/devices/<PF>``: ``sriov_totalvfs`` (marks a PF), ``virtfn<i>``
+  links (VF index -> VF address), ``net/<ifname>`` (the PF's interface name for
+  ``pfNames``, its ``operstate`` and ``carrier`` for health), ``aer_dev_*``.
+- each VF: ``vendor``, ``device``, ``class``, the ``driver`` link, ``numa_node``,
+  ``iommu_group`` (-> ``/dev/vfio/<N>`` when bound to ``vfio-pci``; the group's
+  ``name`` of ``vfio-noiommu`` -> ``/dev/vfio/noiommu-<N>``), ``aer_dev_*``.
+
+Health, recomputed on every scan (so it recovers): the PF's link down (operstate
+``down`` or carrier ``0``) makes all its VFs Unhealthy; AER errors on the PF or
+the VF; a VF without a driver; a vfio VF whose group node is missing; with
+``vfLinkHealth``, the VF's own link. VFs created or removed through
+``sriov_numvfs`` appear and vanish on the next scan, which the bus directory's
+inotify event triggers at once in the lab (on real sysfs, the periodic rescan).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, Literal
+
+import pydantic
+import structlog
+
+from plugvisor.deviceplugin.devices import Device, DeviceSet, DeviceSpec, Health
+from plugvisor.deviceplugin.hooks import ContainerAllocation
+from plugvisor.deviceplugin.hostpaths import HostPaths
+from plugvisor.plugins import sysfs
+from plugvisor.plugins.nic.options import NicOptions
+
+VFIO_DRIVER: Final = "vfio-pci"
+_ENV_UNSAFE: Final = re.compile(r"[^A-Z0-9]")
+
+
+def env_name(resource: str) -> str:
+    """The SR-IOV plugin's variable: ``PCIDEVICE_<RESOURCE>`` upper-cased, other characters as ``_``."""
+    return "PCIDEVICE_" + _ENV_UNSAFE.sub("_", resource.upper())
+
+
+@dataclass(frozen=True, slots=True)
+class PhysicalFunction:
+    """A PF as its VFs need it: address, interface, link state and its own health problems."""
+
+    bdf: str
+    path: Path
+    ifname: str | None
+    link_down: bool
+    problems: tuple[str, ...]
+
+
+class NicSource:
+    """Device source for SR-IOV VFs (the ``nic`` kind); a post-allocate hook adds the ``_INFO`` variable."""
+
+    def __init__(self, options: NicOptions, paths: HostPaths, *, resource: str) -> None:
+        self.options = options
+        self.paths = paths
+        self.resource = resource
+        self.env = env_name(resource)
+        match = options.match
+        self._vendors = sysfs.hex_ids(match.vendors)
+        self._devices = sysfs.hex_ids(match.devices)
+        self._drivers = None if match.drivers is None else frozenset(match.drivers)
+        self._pf_ranges = match.pf_ranges()
+        self._roots = None if match.root_devices is None else frozenset(match.root_devices)
+        self._addresses = None if match.pci_addresses is None else frozenset(match.pci_addresses)
+        self._aer = [k.value for k in options.aer_unhealthy]
+        self._log = structlog.get_logger("plugvisor.plugins.nic").bind(resource=resource)
+        self._problems = sysfs.ProblemLog(self._log)
+        self._watch: tuple[Path, ...] = ()
+        self._lock = threading.Lock()
+
+    # -- discovery -----------------------------------------------------------------
+
+    def _physical_functions(self, addresses: Sequence[str]) -> list[PhysicalFunction]:
+        bus = self.paths.sysfs / sysfs.PCI_DEVICES
+        pfs: list[PhysicalFunction] = []
+        for bdf in addresses:
+            if self._roots is not None and bdf not in self._roots:
+                continue
+            entry = bus / bdf
+            if not sysfs.exists(entry / "sriov_totalvfs"):
+                continue
+            names = sysfs.list_dir(entry / "net")
+            ifname = names[0] if isinstance(names, list) and names else None
+            if self._pf_ranges is not None and (ifname is None or ifname not in self._pf_ranges):
+                continue
+            problems = [f"PF {bdf}: {p}" for p in sysfs.aer_problems(entry, self._aer)]
+            link_down = False
+            if ifname is not None:
+                link_down = _link_down(entry / "net" / ifname)
+                if link_down:
+                    problems.append(f"PF {ifname} link down")
+            pfs.append(PhysicalFunction(bdf, entry, ifname, link_down, tuple(problems)))
+        return pfs
+
+    def _virtual_functions(self, pf: PhysicalFunction) -> list[tuple[int, str]]:
+        names = sysfs.list_dir(pf.path)
+        if isinstance(names, sysfs.Unreadable):
+            return []
+        allowed = None if self._pf_ranges is None or pf.ifname is None else self._pf_ranges.get(pf.ifname)
+        vfs: list[tuple[int, str]] = []
+        for name in names:
+            if not name.startswith("virtfn") or not name[6:].isdigit():
+                continue
+            index = int(name[6:])
+            if allowed is not None and index not in allowed:
+                continue
+            target = sysfs.link_name(pf.path / name)
+            if isinstance(target, sysfs.Unreadable) or not sysfs.is_bdf(target):
+                self._problems.report(f"{pf.bdf}/{name}", str(target), skipped=True)
+                continue
+            vfs.append((index, target))
+        vfs.sort()
+        return vfs
+
+    def scan(self) -> DeviceSet:
+        """Read every PF's VFs that the selectors match; one device per VF, health included."""
+        addresses = sysfs.pci_addresses(self.paths.sysfs)
+        if isinstance(addresses, sysfs.Unreadable):
+            addresses = []
+        devices: list[Device] = []
+        seen: list[str] = []
+        watch = {self.paths.sysfs / sysfs.PCI_DEVICES, self.paths.devfs / "vfio"}
+        for pf in self._physical_functions(addresses):
+            watch.add(pf.path)
+            if pf.ifname is not None:
+                watch.add(pf.path / "net" / pf.ifname)
+            for _, vf_bdf in self._virtual_functions(pf):
+                if self._addresses is not None and vf_bdf not in self._addresses:
+                    continue
+                seen.append(vf_bdf)
+                device = self._device(pf, vf_bdf, watch)
+                if device is not None:
+                    devices.append(device)
+        self._problems.forget_absent(seen)
+        with self._lock:
+            self._watch = tuple(sorted(watch, key=str))
+        return DeviceSet(devices)
+
+    def _device(self, pf: PhysicalFunction, bdf: str, watch: set[Path]) -> Device | None:
+        vf = sysfs.read_function(self.paths.sysfs, bdf)
+        if isinstance(vf, sysfs.Unreadable):
+            self._problems.report(bdf, str(vf), skipped=True)
+            return None
+        if (self._vendors is not None and vf.vendor not in self._vendors) or (
+            self._devices is not None and vf.device not in self._devices
+        ):
+            return None
+        if self._drivers is not None and vf.driver not in self._drivers:
+            return None
+        watch.add(vf.path)
+        problems = list(pf.problems)
+        problems += sysfs.aer_problems(vf.path, self._aer)
+        specs: list[DeviceSpec] = []
+        if vf.driver is None:
+            problems.append("no driver bound")
+        elif vf.driver == VFIO_DRIVER:
+            node = self._vfio_node(vf.path)
+            if isinstance(node, str):
+                problems.append(node)
+            else:
+                control = self.paths.devfs / "vfio/vfio"
+                specs = [self._spec(control), self._spec(node)]
+                for needed in (control, node):
+                    if not sysfs.exists(needed):
+                        problems.append(f"device node {self.paths.for_kubelet(needed)} missing")
+        if self.options.vf_link_health:
+            names = sysfs.list_dir(vf.path / "net")
+            if isinstance(names, list) and names:
+                watch.add(vf.path / "net" / names[0])
+                if _link_down(vf.path / "net" / names[0]):
+                    problems.append(f"VF {names[0]} link down")
+        self._problems.report(bdf, "; ".join(problems) or None)
+        numa = None if self.options.exclude_topology else vf.numa_node
+        return Device(
+            bdf,
+            health=Health.UNHEALTHY if problems else Health.HEALTHY,
+            numa_nodes=() if numa is None else (numa,),
+            specs=specs,
+            envs={self.env: bdf},
+        )
+
+    def _vfio_node(self, path: Path) -> Path | str:
+        group = sysfs.link_name(path / "iommu_group")
+        if isinstance(group, sysfs.Unreadable):
+            return f"bound to {VFIO_DRIVER} but has no IOMMU group ({group.problem})"
+        name = sysfs.read_text(path / "iommu_group" / "name")
+        if isinstance(name, str) and name == "vfio-noiommu":
+            return self.paths.devfs / "vfio" / f"noiommu-{group}"
+        return self.paths.devfs / "vfio" / group
+
+    def _spec(self, local: Path) -> DeviceSpec:
+        return DeviceSpec("/" + str(local.relative_to(self.paths.root)), self.paths.for_kubelet(local))
+
+    def watch_paths(self) -> Sequence[Path]:
+        """The bus directory (VFs come and go), each PF (``sriov_numvfs``, links) and its netdev, each VF."""
+        with self._lock:
+            return self._watch or (self.paths.sysfs / sysfs.PCI_DEVICES,)
+
+    # -- hooks ---------------------------------------------------------------------
+
+    def post_allocate(self, allocation: ContainerAllocation, devices: DeviceSet) -> ContainerAllocation:
+        """Add ``<ENV>_INFO``: the network device-info JSON the SR-IOV plugin hands to CNI plugins."""
+        info: dict[str, dict[str, Any]] = {}
+        for bdf, device in devices.items():
+            entry: dict[str, Any] = {"generic": {"deviceID": bdf}}
+            vfio = [s.container_path for s in device.specs if s.container_path != "/dev/vfio/vfio"]
+            if vfio:
+                entry["vfio"] = {"dev-mount": vfio[0], "mount": "/dev/vfio/vfio"}
+            info[bdf] = entry
+        envs = dict(allocation.envs)
+        envs[f"{self.env}_INFO"] = json.dumps(info, sort_keys=True, separators=(",", ":"))
+        return ContainerAllocation(
+            specs=allocation.specs,
+            mounts=allocation.mounts,
+            envs=envs,
+            annotations=allocation.annotations,
+            cdi_devices=allocation.cdi_devices,
+        )
+
+
+def _link_down(netdev: Path) -> bool:
+    """Whether an interface's link reads as down (``operstate`` down, or ``carrier`` 0)."""
+    state = sysfs.read_text(netdev / "operstate")
+    if isinstance(state, str) and state == "down":
+        return True
+    carrier = sysfs.read_int(netdev / "carrier")
+    return isinstance(carrier, int) and carrier == 0
+
+
+class NicKind:
+    """The ``nic`` kind object registered under the ``plugvisor.plugins`` entry point."""
+
+    name: Literal["nic"] = "nic"
+    options_model: type[pydantic.BaseModel] = NicOptions
+
+    def build(self, options: Any, paths: HostPaths, *, resource: str) -> NicSource:
+        """Create the source; ``options`` is a validated :class:`NicOptions`."""
+        if not isinstance(options, NicOptions):
+            options = NicOptions.model_validate(options)
+        return NicSource(options, paths, resource=resource)
