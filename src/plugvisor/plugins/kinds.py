@@ -8,7 +8,7 @@ are found the same way and a missing or broken one is reported by name.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 from typing import Any, Protocol, runtime_checkable
 
 import pydantic
@@ -21,6 +21,23 @@ ENTRY_POINT_GROUP = "plugvisor.plugins"
 
 class UnknownKindError(LookupError):
     """No installed kind has the requested name."""
+
+
+class KindLoadError(UnknownKindError):
+    """A kind is registered, but its entry point cannot be loaded (a broken or partial install)."""
+
+
+def _load(ep: EntryPoint) -> PluginKind:
+    try:
+        kind = ep.load()
+    except Exception as exc:  # any import-time failure of a plugin package, reported by name
+        raise KindLoadError(
+            f"plugin kind {ep.name!r} is registered as {ep.value} but cannot be loaded: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    if not isinstance(kind, PluginKind):
+        raise KindLoadError(f"plugin kind {ep.name!r} ({ep.value}) is not a plugvisor PluginKind")
+    return kind
 
 
 @runtime_checkable
@@ -43,21 +60,12 @@ class PluginKind(Protocol):
 
 def available_kinds() -> Mapping[str, PluginKind]:
     """Every installed kind, by name (loading each entry point)."""
-    kinds: dict[str, PluginKind] = {}
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        kind = ep.load()
-        if not isinstance(kind, PluginKind):
-            raise TypeError(f"entry point {ep.name} = {ep.value} is not a plugvisor PluginKind")
-        kinds[ep.name] = kind
-    return kinds
+    return {ep.name: _load(ep) for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 
 def get_kind(name: str) -> PluginKind:
     """The kind called ``name``; the error lists the installed ones."""
     for ep in entry_points(group=ENTRY_POINT_GROUP, name=name):
-        kind = ep.load()
-        if not isinstance(kind, PluginKind):
-            raise TypeError(f"entry point {ep.name} = {ep.value} is not a plugvisor PluginKind")
-        return kind
+        return _load(ep)
     known = sorted(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))
     raise UnknownKindError(f"unknown plugin kind {name!r}: installed kinds are {', '.join(known) or 'none'}")

@@ -139,3 +139,29 @@ class TestOptions:
         )
         fs.create_file(ROOT / "dev/fuse")
         assert len(built.scan()) == 2
+
+
+class TestKindRegistry:
+    def test_an_unknown_kind_lists_the_installed_ones(self):
+        from plugvisor.plugins.kinds import UnknownKindError, get_kind
+
+        with pytest.raises(
+            UnknownKindError, match=r"unknown plugin kind 'nope': installed kinds are .*generic"
+        ):
+            get_kind("nope")
+
+    def test_a_broken_entry_point_is_reported_by_name(self, monkeypatch):
+        from importlib.metadata import EntryPoint
+
+        from plugvisor.plugins import kinds
+
+        broken = EntryPoint(
+            name="broken", value="plugvisor.plugins.generic:NOT_THERE", group=kinds.ENTRY_POINT_GROUP
+        )
+        monkeypatch.setattr(
+            kinds, "entry_points", lambda **kw: [broken] if kw.get("name") in (None, "broken") else []
+        )
+        with pytest.raises(
+            kinds.KindLoadError, match=r"'broken' is registered as .*NOT_THERE but cannot be loaded"
+        ):
+            kinds.get_kind("broken")
