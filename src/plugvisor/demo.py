@@ -1,249 +1,451 @@
-"""``plugvisor demo``: the whole device-plugin flow on an emulated node, narrated, with timings.
+"""``plugvisor demo``: a whole emulated node, start to finish, narrated with measured timings.
 
-Everything is real except the hardware and the kubelet: each plugin is its own
-process serving gRPC on a unix socket, the emulated kubelet applies the real
-kubelet's rules, and every figure printed is measured as it happens. Device
-"hardware" is a temporary directory of device files (serial adapters and
-/dev/fuse), so the demo needs no privileges and leaves nothing behind.
+Everything is real except the hardware and the kubelet. The hardware lab writes
+a ``dgx-like`` tree (8 GPUs two per PCIe switch on two NUMA nodes, FPGAs, SR-IOV
+NICs); the emulated kubelet applies the real kubelet's rules; ``plugvisor run``
+supervises one plugin process per resource, each serving gRPC on its own unix
+socket. The story: devices appear, a pod asks for two GPUs and gets a
+switch-local pair, a GPU faults and heals, a plugin process is SIGKILLed, the
+kubelet restarts, VFs are added. Every figure printed is measured as it happens.
+Nothing needs privileges and nothing is left behind.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shutil
 import signal
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO, Any, Final
 
 import click
-from rich.console import Console
+import yaml
+from rich.console import Console, Group
+from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 from plugvisor.deviceplugin.logs import configure_logging
+from plugvisor.emulators import lab as lab_
 from plugvisor.emulators.kubelet import EmulatedKubelet
-from plugvisor.emulators.kubelet.errors import AllocationError
+from plugvisor.plugins.kinds import UnknownKindError, get_kind
+from plugvisor.supervisor import status as status_
 
-SERIAL = "demo.plugvisor.io/serial"
-FUSE = "demo.plugvisor.io/fuse"
-STEP_TIMEOUT = 20.0
+GPU: Final = "plugvisor.io/gpu"
+NIC: Final = "plugvisor.io/nic"
+FPGA: Final = "plugvisor.io/fpga"
+FUSE: Final = "plugvisor.io/fuse"
+STEP_TIMEOUT: Final = 30.0
+REFRESH_SECONDS: Final = 0.2
+
+
+def _fpga_available() -> bool:
+    """Whether the fpga kind is installed (it is an entry point like any third-party kind)."""
+    try:
+        get_kind("fpga")
+    except UnknownKindError:  # includes KindLoadError: registered but not loadable
+        return False
+    return True
 
 
 @dataclass
-class DemoPlugin:
-    """One plugin child process."""
+class Timing:
+    """One measured step."""
 
-    resource: str
-    argv: list[str]
-    process: asyncio.subprocess.Process | None = None
+    label: str
+    seconds: float
+
+
+@dataclass
+class Node:
+    """Where the emulated node lives: the lab root, the kubelet's directory, the agent's files."""
+
+    workdir: Path
+    lab_root: Path
+    kubelet_dir: Path = field(init=False)
+    runtime_dir: Path = field(init=False)
+    config: Path = field(init=False)
+    agent_log: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.kubelet_dir = self.workdir / "device-plugins"
+        self.runtime_dir = self.workdir / "run"
+        self.config = self.workdir / "node.yaml"
+        self.agent_log = self.workdir / "agent.log"
 
 
 class Demo:
-    """Runs the story step by step; each step prints what happened and how long it took."""
+    """Plays the story; each step narrates what happened and how long recovery took."""
 
-    def __init__(self, workdir: Path, console: Console, *, keep: bool) -> None:
-        self.workdir = workdir
+    def __init__(self, node: Node, console: Console, *, keep: bool) -> None:
+        self.node = node
         self.console = console
         self.keep = keep
-        self.root = workdir / "node"
-        self.kubelet_dir = workdir / "device-plugins"
-        self.kubelet = EmulatedKubelet(self.kubelet_dir, grace_period=60.0)
-        self.plugins: list[DemoPlugin] = []
-        self.timings: list[tuple[str, float]] = []
+        self.kubelet = EmulatedKubelet(node.kubelet_dir, grace_period=60.0, pod_resources=False)
+        self.lab: lab_.Lab | None = None
+        self.agent: asyncio.subprocess.Process | None = None
+        self.timings: list[Timing] = []
+        self.log: list[Text] = []
+        self.resources: dict[str, int] = {}
+        self.live: Live | None = None
+        self._agent_log: IO[bytes] | None = None
 
-    def _say(self, text: str) -> None:
-        self.console.print(text)
+    # -- narration and the live view ------------------------------------------------
+
+    def _say(self, text: str, *, style: str = "") -> None:
+        line = Text.from_markup(text, style=style)
+        self.log.append(line)
+        if self.live is None:
+            self.console.print(line)
 
     def _step(self, number: int, title: str) -> None:
-        self.console.rule(f"[bold]{number}. {title}")
+        if self.live is None:
+            self.console.rule(f"[bold]{number}. {title}")
+        else:
+            self.log.append(Text(f"{number}. {title}", style="bold cyan"))
+
+    def _children(self) -> dict[str, dict[str, Any]]:
+        try:
+            document = status_.read_state(self.node.runtime_dir)
+        except (status_.NoAgentError, OSError, ValueError):
+            return {}
+        return {child["resource"]: child for child in document.get("children", [])}
+
+    def _resource_table(self) -> Table:
+        table = Table(title="kubelet: node resources", show_edge=False, header_style="bold", expand=True)
+        for column in ("resource", "capacity", "allocatable", "unhealthy"):
+            table.add_column(column, overflow="fold")
+        for name, view in self.kubelet.resources.items():
+            sick = sorted(view.unhealthy_ids)
+            table.add_row(name, str(view.capacity), str(view.allocatable), " ".join(sick[:3]) or "-")
+        return table
+
+    def _children_table(self) -> Table:
+        table = Table(title="plugvisor run: children", show_edge=False, header_style="bold", expand=True)
+        for column in ("resource", "state", "pid", "restarts", "devices"):
+            table.add_column(column)
+        for name, child in sorted(self._children().items()):
+            devices = child.get("devices") or {}
+            shown = f"{devices.get('healthy', '?')}/{devices.get('total', '?')}" if devices else "-"
+            causes = ", ".join(f"{k} {v}" for k, v in (child.get("restarts_by_cause") or {}).items())
+            restarts = f"{child.get('restarts', 0)}" + (f" ({causes})" if causes else "")
+            table.add_row(name, str(child.get("state")), str(child.get("pid")), restarts, shown)
+        return table
+
+    def _pods_table(self) -> Table:
+        table = Table(title="kubelet: pods", show_edge=False, header_style="bold", expand=True)
+        for column in ("pod", "phase", "devices"):
+            table.add_column(column, overflow="fold")
+        for pod in self.kubelet.pods:
+            held = {r: ids for c in pod.containers for r, ids in c.devices.items()}
+            shown = "; ".join(f"{r}: {' '.join(ids)}" for r, ids in held.items()) or "-"
+            table.add_row(pod.name, str(pod.phase), shown)
+        return table
+
+    def _view(self) -> Group:
+        return Group(
+            self._resource_table(),
+            self._children_table(),
+            self._pods_table(),
+            Text("\n").join(self.log[-14:]),
+        )
+
+    async def _refresh(self) -> None:
+        while self.live is not None:
+            self.live.update(self._view(), refresh=True)
+            await asyncio.sleep(REFRESH_SECONDS)
+
+    # -- helpers ----------------------------------------------------------------------
 
     async def _measure(
         self, label: str, predicate: Callable[[EmulatedKubelet], bool], started: float
     ) -> float:
         await self.kubelet.wait_for(predicate, timeout=STEP_TIMEOUT, what=label)
         elapsed = time.monotonic() - started
-        self.timings.append((label, elapsed))
+        self.timings.append(Timing(label, elapsed))
         self._say(f"  [green]done[/green]: {label} in [bold]{elapsed * 1000:.1f} ms[/bold]")
         return elapsed
 
-    def _show_resources(self) -> None:
-        table = Table(show_edge=False, header_style="bold")
-        for column in ("resource", "capacity", "allocatable", "devices", "plugin socket"):
-            table.add_column(column, overflow="fold")
-        for name, view in self.kubelet.resources.items():
-            devices = " ".join(
-                f"{d}{'' if v.health == 'Healthy' else '(unhealthy)'}" for d, v in view.devices.items()
-            )
-            endpoint = Path(view.endpoint).name if view.endpoint else "-"
-            table.add_row(name, str(view.capacity), str(view.allocatable), devices or "-", endpoint)
-        self.console.print(table)
-
-    def _make_hardware(self) -> None:
-        dev = self.root / "dev"
-        dev.mkdir(parents=True)
-        for name in ("ttyUSB0", "ttyUSB1", "fuse"):
-            (dev / name).touch()
-
-    def _plugin_argv(self, resource: str, *extra: str) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "plugvisor",
-            "plugin",
-            "generic",
-            "--resource",
-            resource,
-            "--host-root",
-            str(self.root),
-            "--kubelet-dir",
-            str(self.kubelet_dir),
-            "--log-level",
-            "warning",
-            *extra,
-        ]
-
-    async def _start_plugin(self, plugin: DemoPlugin) -> None:
-        plugin.process = await asyncio.create_subprocess_exec(*plugin.argv, stdin=asyncio.subprocess.DEVNULL)
-
-    def _registered(self, resource: str, count: int) -> Callable[[EmulatedKubelet], bool]:
+    def _allocatable(self, resource: str, count: int) -> Callable[[EmulatedKubelet], bool]:
         def check(kubelet: EmulatedKubelet) -> bool:
             view = kubelet.resource(resource)
             return view is not None and view.registered and view.allocatable == count
 
         return check
 
+    def _all_registered(self, kubelet: EmulatedKubelet) -> bool:
+        return all(self._allocatable(name, count)(kubelet) for name, count in self.resources.items())
+
+    def _write_config(self, nic_pf: str) -> None:
+        resources: list[dict[str, Any]] = [
+            {"name": GPU, "kind": "gpu"},
+            {"name": NIC, "kind": "nic", "match": {"pfNames": [nic_pf]}},
+            {"name": FUSE, "kind": "generic", "paths": ["/dev/fuse"], "count": 4},
+        ]
+        if _fpga_available():
+            resources.insert(2, {"name": FPGA, "kind": "fpga"})
+        config = {
+            "kubeletDir": str(self.node.kubelet_dir),
+            "hostRoot": str(self.node.lab_root),
+            "supervisor": {"runtimeDir": str(self.node.runtime_dir), "stopTimeout": 3},
+            "resources": resources,
+        }
+        self.node.config.write_text(yaml.safe_dump(config, sort_keys=False))
+
+    def _gpu_names(self) -> dict[str, lab_.DeviceRecord]:
+        """GPU device IDs (as the plugin reports them: UUIDs) mapped to the lab's records."""
+        assert self.lab is not None
+        by_id: dict[str, lab_.DeviceRecord] = {}
+        for record in self.lab.devices(kind=lab_.DeviceKind.GPU):
+            by_id[record.uuid or record.bdf] = record
+        return by_id
+
+    # -- the story --------------------------------------------------------------------
+
     async def run(self) -> None:
         """Play the story; raises if any step does not happen within its timeout."""
-        self._say(f"[bold]plugvisor demo[/bold]: an emulated node in {self.workdir}")
-        self._step(1, "Hardware and kubelet")
-        self._make_hardware()
-        self._say(f"  device files: {', '.join(sorted(p.name for p in (self.root / 'dev').iterdir()))}")
-        await self.kubelet.start()
-        self._say(f"  emulated kubelet listening on {self.kubelet.socket_path}")
+        gpus = await self._hardware()
+        await self._agent()
+        held = await self._pod()
+        await self._gpu_fault(gpus, held)
+        await self._kill_child(len(gpus), len(held))
+        await self._kubelet_restart()
+        await self._more_vfs()
+        await self._summary()
 
-        self._step(2, "Two plugins, one process each, register")
-        self.plugins = [
-            DemoPlugin(SERIAL, self._plugin_argv(SERIAL, "--path", "/dev/ttyUSB*")),
-            DemoPlugin(FUSE, self._plugin_argv(FUSE, "--path", "/dev/fuse", "--count", "4")),
-        ]
+    async def _hardware(self) -> list[lab_.DeviceRecord]:
+        self._step(1, "Hardware: an emulated dgx-like node")
         started = time.monotonic()
-        for plugin in self.plugins:
-            await self._start_plugin(plugin)
-        await self._measure(
-            "both resources registered (process start included)",
-            lambda k: self._registered(SERIAL, 2)(k) and self._registered(FUSE, 4)(k),
-            started,
-        )
-        self._show_resources()
-
-        self._step(3, "A pod asks for a serial adapter")
-        started = time.monotonic()
-        allocation = await self.kubelet.allocate(SERIAL, 1, pod_uid="demo-pod", container="app")
-        elapsed = time.monotonic() - started
-        self.timings.append(("allocation (GetPreferredAllocation/Allocate)", elapsed))
-        assert allocation.response is not None
-        nodes = ", ".join(
-            f"{d.host_path} -> {d.container_path} ({d.permissions})" for d in allocation.response.devices
-        )
+        self.lab = await asyncio.to_thread(lab_.Lab.create, self.node.lab_root, "dgx-like")
+        (self.node.lab_root / "dev" / "fuse").touch()
+        records = self.lab.devices()
+        self.timings.append(Timing("lab created (sys/, dev/, proc/)", time.monotonic() - started))
+        gpus = [r for r in records if r.kind is lab_.DeviceKind.GPU]
+        nic0 = self.lab.device("nic0")
         self._say(
-            f"  got {list(allocation.device_ids)} in [bold]{elapsed * 1000:.1f} ms[/bold]: "
-            f"device nodes {nodes}"
+            f"  {len(gpus)} GPUs on {len({r.pcie_switch for r in gpus})} PCIe switches and "
+            f"{len({r.numa_node for r in gpus})} NUMA nodes, "
+            f"{sum(r.kind is lab_.DeviceKind.FPGA for r in records)} FPGAs, "
+            f"NIC {nic0.netdev} with {nic0.num_vfs} VFs, in {self.node.lab_root}"
         )
-        try:
-            await self.kubelet.allocate(SERIAL, 5, pod_uid="greedy-pod", container="app")
-        except AllocationError as exc:
+        self.resources = {GPU: len(gpus), NIC: nic0.num_vfs or 0, FUSE: 4}
+        assert nic0.netdev is not None
+        self._write_config(nic0.netdev)
+        return gpus
+
+    async def _agent(self) -> None:
+        self._step(2, "The kubelet and the agent: one plugin process per resource")
+        await self.kubelet.start()
+        self._agent_log = self.node.agent_log.open("wb")
+        started = time.monotonic()
+        self.agent = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "plugvisor",
+            "run",
+            "--config",
+            str(self.node.config),
+            "--log-level",
+            "info",
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=self._agent_log,
+        )
+        await self._measure("agent start -> every resource registered", self._all_registered, started)
+        for name, child in sorted(self._children().items()):
+            devices = child.get("devices") or {}
             self._say(
-                "  a pod asking for 5 is refused as the kubelet would: "
-                f"[yellow]{exc.pod_status_message}[/yellow]"
+                f"  {name}: pid {child.get('pid')}, {devices.get('healthy')}/{devices.get('total')} devices, "
+                f"socket {child.get('endpoint')}"
             )
 
-        self._step(4, "Hot-plug: a third adapter appears, then vanishes")
+    async def _pod(self) -> tuple[str, ...]:
+        self._step(3, "A pod asks for two GPUs")
         started = time.monotonic()
-        (self.root / "dev" / "ttyUSB2").touch()
+        pod = await self.kubelet.add_pod(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": "trainer", "namespace": "default"},
+                "spec": {
+                    "containers": [
+                        {"name": "train", "image": "example/train", "resources": {"limits": {GPU: "2"}}}
+                    ]
+                },
+            }
+        )
+        self.timings.append(
+            Timing("pod admitted (GetPreferredAllocation + Allocate)", time.monotonic() - started)
+        )
+        held = pod.container("train").devices.get(GPU, ())
+        names = self._gpu_names()
+        placed = [names[i] for i in held if i in names]
+        switches = sorted({str(r.pcie_switch) for r in placed})
+        where = f"both under PCIe switch {switches[0]}" if len(switches) == 1 else f"switches {switches}"
+        self._say(f"  pod {pod.name} is {pod.phase}: {' + '.join(r.name for r in placed)} ({where})")
+        return held
+
+    async def _gpu_fault(self, gpus: list[lab_.DeviceRecord], held: tuple[str, ...]) -> None:
+        assert self.lab is not None
+        self._step(4, "A GPU fails (AER fatal error), then recovers")
+        victim = next(r for r in gpus if (r.uuid or r.bdf) not in held)
+        started = time.monotonic()
+        await asyncio.to_thread(self.lab.fault, victim.name, "aer-fatal")
         await self._measure(
-            "kubelet sees ttyUSB2 (inotify, no polling)", self._registered(SERIAL, 3), started
+            f"{victim.name} unhealthy: allocatable {len(gpus) - 1}",
+            self._allocatable(GPU, len(gpus) - 1),
+            started,
         )
         started = time.monotonic()
-        (self.root / "dev" / "ttyUSB2").unlink()
-        await self._measure("kubelet sees it gone", self._registered(SERIAL, 2), started)
+        await asyncio.to_thread(self.lab.heal, victim.name)
+        await self._measure(
+            f"{victim.name} healthy again: allocatable {len(gpus)}",
+            self._allocatable(GPU, len(gpus)),
+            started,
+        )
 
-        self._step(5, "The kubelet restarts (every socket in its directory is deleted)")
+    async def _kill_child(self, gpu_count: int, held: int) -> None:
+        self._step(5, "The gpu plugin process is killed (SIGKILL)")
+        child = self._children()[GPU]
+        view = self.kubelet.resource(GPU)
+        endpoint = view.endpoint if view is not None else None
+
+        def back(kubelet: EmulatedKubelet) -> bool:
+            now = kubelet.resource(GPU)
+            return self._allocatable(GPU, gpu_count)(kubelet) and now is not None and now.endpoint != endpoint
+
+        started = time.monotonic()
+        os.kill(int(child["pid"]), signal.SIGKILL)
+        await self._measure("killed child -> registered again on a new socket", back, started)
+        self._say(f"  the other resources kept their processes; the pod still holds {held} GPUs")
+
+    async def _kubelet_restart(self) -> None:
+        self._step(6, "The kubelet restarts (every socket in its directory is deleted)")
         generation = self.kubelet.generation
         started = time.monotonic()
         await self.kubelet.restart()
         await self._measure(
-            "every resource registered again",
-            lambda k: (
-                k.generation > generation and self._registered(SERIAL, 2)(k) and self._registered(FUSE, 4)(k)
-            ),
+            "kubelet restart -> every resource registered again",
+            lambda k: k.generation > generation and self._all_registered(k),
             started,
         )
-        self._show_resources()
-        held = self.kubelet.allocated(SERIAL, pod_uid="demo-pod", container="app")
-        self._say(f"  the pod still holds {list(held or ())}")
 
-        self._step(6, "Summary")
-        for label, seconds in self.timings:
-            self._say(f"  {seconds * 1000:8.1f} ms  {label}")
+    async def _more_vfs(self) -> None:
+        assert self.lab is not None
+        self._step(7, "More VFs: sriov_numvfs 8 -> 0 -> 16")
+        started = time.monotonic()
+        await asyncio.to_thread(self.lab.set_num_vfs, "nic0", 0)
+        await asyncio.to_thread(self.lab.set_num_vfs, "nic0", 16)
+        self.resources[NIC] = 16
+        await self._measure("16 VFs advertised, no restart", self._allocatable(NIC, 16), started)
+
+    async def _summary(self) -> None:
+        self._step(8, "Summary")
+        for timing in self.timings:
+            self._say(f"  {timing.seconds * 1000:8.1f} ms  {timing.label}")
         if self.keep:
             self._say(
-                f"\n[bold]--keep[/bold]: still running. View: {self.kubelet.view_path}. "
-                "Press Ctrl-C to stop and clean up."
+                f"--keep: still running. Lab: {self.node.lab_root}; config: {self.node.config}; "
+                f"kubelet view: {self.kubelet.view_path}. Ctrl-C stops and cleans up."
             )
             await asyncio.Event().wait()
 
     async def close(self) -> None:
-        """Stop the plugins (SIGTERM, then SIGKILL after 5 s) and the kubelet."""
-        for plugin in self.plugins:
-            if plugin.process is not None and plugin.process.returncode is None:
-                plugin.process.send_signal(signal.SIGTERM)
-        for plugin in self.plugins:
-            if plugin.process is not None:
-                try:
-                    await asyncio.wait_for(plugin.process.wait(), 5)
-                except TimeoutError:
-                    plugin.process.kill()
-                    await plugin.process.wait()
+        """Stop the agent (SIGTERM; it stops its children) and the kubelet."""
+        if self.agent is not None and self.agent.returncode is None:
+            self.agent.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(self.agent.wait(), 15)
+            except TimeoutError:
+                self.agent.kill()
+                await self.agent.wait()
         if self.kubelet.running:
             await self.kubelet.stop()
+        if self._agent_log is not None:
+            self._agent_log.close()
+
+    def agent_log_tail(self, lines: int = 30) -> str:
+        """The end of the agent's log (its children's lines included), for a step that failed."""
+        try:
+            text = self.node.agent_log.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def _scratch_parent() -> str:
+    """Memory-backed /dev/shm when there is one: writing thousands of sysfs entries is much faster."""
+    shm = Path("/dev/shm")
+    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else tempfile.gettempdir()
 
 
 @contextlib.contextmanager
-def _workdir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="/tmp/pvdemo-"))
+def _node() -> Iterator[Node]:
+    workdir = Path(tempfile.mkdtemp(prefix="/tmp/pvdemo-"))
+    lab_parent = Path(tempfile.mkdtemp(prefix="pvdemo-lab-", dir=_scratch_parent()))
     try:
-        yield path
+        yield Node(workdir=workdir, lab_root=lab_parent / "node")
     finally:
-        shutil.rmtree(path, ignore_errors=True)
-        view = Path(f"{path / 'device-plugins'}.kubelet.json")
-        with contextlib.suppress(FileNotFoundError):
-            view.unlink()
+        shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(lab_parent, ignore_errors=True)
+        for leftover in (Path(f"{workdir / 'device-plugins'}.kubelet.json"),):
+            with contextlib.suppress(FileNotFoundError):
+                leftover.unlink()
 
 
 @click.command("demo")
 @click.option("--keep", is_flag=True, help="Leave everything running at the end, until Ctrl-C.")
-def demo_command(keep: bool) -> None:
-    """Run the device-plugin flow on an emulated node, narrated with measured timings."""
+@click.option(
+    "--live/--no-live",
+    default=None,
+    help="Live terminal view (resources, children, pods, events) [default: when stdout is a terminal].",
+)
+def demo_command(keep: bool, live: bool | None) -> None:
+    """Run a whole emulated node: lab, kubelet, supervised plugins, faults, crashes, restarts."""
     configure_logging(level="warning")
-    console = Console(highlight=False, width=max(100, shutil.get_terminal_size((100, 24)).columns))
+    console = Console(highlight=False, width=max(100, shutil.get_terminal_size((110, 24)).columns))
+    use_live = console.is_terminal if live is None else live
 
-    async def main() -> None:
-        with _workdir() as workdir:
-            demo = Demo(workdir, console, keep=keep)
+    async def main() -> int:
+        code = 0
+        with _node() as node:
+            demo = Demo(node, console, keep=keep)
             task = asyncio.current_task()
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, lambda: task.cancel() if task else None)
+            refresher: asyncio.Task[None] | None = None
             try:
-                await demo.run()
+                if use_live:
+                    with Live(demo._view(), console=console, auto_refresh=False) as demo.live:
+                        refresher = asyncio.create_task(demo._refresh())
+                        await demo.run()
+                        demo.live.update(demo._view(), refresh=True)
+                else:
+                    await demo.run()
+                    console.print(demo._resource_table())
+                    console.print(demo._children_table())
+                    console.print(demo._pods_table())
             except asyncio.CancelledError:
                 console.print("\nstopping")
+            except TimeoutError as exc:
+                console.print(f"[red]a step did not happen in time[/red]: {exc}")
+                console.print(f"agent log (last lines):\n{demo.agent_log_tail()}", markup=False)
+                code = 1
             finally:
+                demo.live = None
+                if refresher is not None:
+                    refresher.cancel()
                 await demo.close()
+        return code
 
-    asyncio.run(main())
+    code = asyncio.run(main())
     console.print("cleaned up; bye")
+    raise SystemExit(code)
