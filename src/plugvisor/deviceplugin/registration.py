@@ -130,8 +130,8 @@ async def register(
     # A private subchannel pool: gRPC otherwise shares connection state per target across channels,
     # and one "connection refused" (a kubelet.sock created a moment before its server listens) would
     # make every retry fail fast for the whole of gRPC's reconnect backoff (1 s and growing).
-    options = [("grpc.use_local_subchannel_pool", 1)]
-    async with grpc.aio.insecure_channel(f"unix:{kubelet_socket}", options=options) as channel:
+    channel_options = [("grpc.use_local_subchannel_pool", 1)]
+    async with grpc.aio.insecure_channel(f"unix:{kubelet_socket}", options=channel_options) as channel:
         stub = api_pb2_grpc.RegistrationStub(channel)
         try:
             await stub.Register(request, timeout=timeout, wait_for_ready=False)
