@@ -67,8 +67,16 @@ def check_socket_path(path: Path) -> None:
 class PluginEndpoint:
     """One running gRPC server instance on one socket file."""
 
-    def __init__(self, servicer: api_pb2_grpc.DevicePluginServicer, socket_dir: Path, resource: str) -> None:
+    def __init__(
+        self,
+        servicer: api_pb2_grpc.DevicePluginServicer,
+        socket_dir: Path,
+        resource: str,
+        *,
+        extra_handlers: tuple[grpc.GenericRpcHandler, ...] = (),
+    ) -> None:
         self._servicer = servicer
+        self._extra_handlers = extra_handlers
         self.path = socket_dir / socket_name(resource)
         self._server: grpc.aio.Server | None = None
         self._log = structlog.get_logger("plugvisor.endpoint").bind(resource=resource, socket=self.path.name)
@@ -89,6 +97,8 @@ class PluginEndpoint:
             self.path.unlink()
         server = grpc.aio.server()
         api_pb2_grpc.add_DevicePluginServicer_to_server(self._servicer, server)
+        if self._extra_handlers:
+            server.add_generic_rpc_handlers(self._extra_handlers)
         # The socket is created by bind(); a tight umask means it is never, even briefly,
         # accessible to others. The kubelet runs as root and needs nothing more.
         old_umask = os.umask(0o177)

@@ -98,6 +98,34 @@ class PostAllocator(Protocol):
         ...
 
 
+@runtime_checkable
+class ContainerPostStopper(Protocol):
+    """**Protocol:** cleans up after a container that held devices has stopped.
+
+    A *proposed* call (the KEP-20210712 addendum), never merged upstream: real
+    kubelets never make it; the emulated kubelet does behind its
+    ``DeviceManagerDeallocate`` gate. Runs in a worker thread.
+    """
+
+    def post_stop_container(self, devices: DeviceSet) -> None:
+        """Undo what the container's start did to ``devices``."""
+        ...
+
+
+@runtime_checkable
+class Deallocator(Protocol):
+    """**Protocol:** scrubs devices that are no longer allocated to any container.
+
+    The same proposal as :class:`ContainerPostStopper`; on real kubelets, detect
+    release through the PodResources API instead (the fpga kind does both).
+    Devices that have vanished since are left out of ``devices``.
+    """
+
+    def deallocate(self, devices: DeviceSet) -> None:
+        """Make ``devices`` clean for their next user (de-program, scrub)."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class Hooks:
     """The optional capabilities a plugin object turned out to have, resolved once."""
@@ -105,6 +133,8 @@ class Hooks:
     preferred: PreferredAllocator | None = None
     pre_start: ContainerPreStarter | None = None
     post_allocate: PostAllocator | None = None
+    post_stop: ContainerPostStopper | None = None
+    deallocate: Deallocator | None = None
 
 
 def resolve_hooks(plugin: object) -> Hooks:
@@ -118,4 +148,6 @@ def resolve_hooks(plugin: object) -> Hooks:
         preferred=plugin if isinstance(plugin, PreferredAllocator) else None,
         pre_start=plugin if isinstance(plugin, ContainerPreStarter) else None,
         post_allocate=plugin if isinstance(plugin, PostAllocator) else None,
+        post_stop=plugin if isinstance(plugin, ContainerPostStopper) else None,
+        deallocate=plugin if isinstance(plugin, Deallocator) else None,
     )

@@ -158,7 +158,13 @@ class DevicePluginRuntime:
         number = 0
         while True:
             detected = time.monotonic()
-            endpoint = PluginEndpoint(self.server, self.config.paths.kubelet_dir, self.config.resource)
+            proposed = self.server.proposed_handler()
+            endpoint = PluginEndpoint(
+                self.server,
+                self.config.paths.kubelet_dir,
+                self.config.resource,
+                extra_handlers=(proposed,) if proposed is not None else (),
+            )
             await endpoint.start()
             old, self.endpoint = self.endpoint, endpoint
             if old is not None:

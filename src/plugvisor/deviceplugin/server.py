@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Final
 
 import grpc
@@ -59,6 +59,13 @@ def allocation_message(alloc: ContainerAllocation) -> api_pb2.ContainerAllocateR
         ],
         cdi_devices=[api_pb2.CDIDevice(name=name) for name in alloc.cdi_devices],
     )
+
+
+PROPOSED_METHODS: Final = ("PostStopContainer", "Deallocate")
+"""The KEP-20210712 addendum's calls (never merged upstream). They travel as
+``/v1beta1.DevicePlugin/<method>`` with a message shaped like PreStartContainerRequest
+(``repeated string devices_ids = 1``) and an empty reply, so they are served with those
+two messages rather than by changing the faithful v1beta1 proto."""
 
 
 class PluginServer(api_pb2_grpc.DevicePluginServicer):
@@ -231,6 +238,52 @@ class PluginServer(api_pb2_grpc.DevicePluginServicer):
                     "preferred_allocation_hook_invalid_answer", answer=answer, size=size, must_include=must
                 )
         return allocation.default_preferred(available, must, size)
+
+    def proposed_handler(self) -> grpc.GenericRpcHandler | None:
+        """Serve the proposed calls this plugin implements; None if none (they then answer UNIMPLEMENTED)."""
+        hooks = {"PostStopContainer": self._hooks.post_stop, "Deallocate": self._hooks.deallocate}
+        handlers = {
+            method: grpc.unary_unary_rpc_method_handler(
+                self._proposed(method),
+                request_deserializer=api_pb2.PreStartContainerRequest.FromString,
+                response_serializer=api_pb2.PreStartContainerResponse.SerializeToString,
+            )
+            for method, hook in hooks.items()
+            if hook is not None
+        }
+        if not handlers:
+            return None
+        return grpc.method_handlers_generic_handler("v1beta1.DevicePlugin", handlers)
+
+    def _proposed(
+        self, method: str
+    ) -> Callable[[api_pb2.PreStartContainerRequest, Context], Awaitable[api_pb2.PreStartContainerResponse]]:
+        async def handle(
+            request: api_pb2.PreStartContainerRequest, context: Context
+        ) -> api_pb2.PreStartContainerResponse:
+            ids = list(request.devices_ids)
+            known = self._devices.value.subset(ids, strict=False)
+            gone = [i for i in ids if i not in known]
+            if gone:
+                self._log.info("proposed_call_for_vanished_devices", method=method, devices=gone)
+            if method == "PostStopContainer" and self._hooks.post_stop is not None:
+                action: Callable[[DeviceSet], None] = self._hooks.post_stop.post_stop_container
+            elif method == "Deallocate" and self._hooks.deallocate is not None:
+                action = self._hooks.deallocate.deallocate
+            else:  # pragma: no cover - only registered for hooks that exist
+                await self._abort(context, method, grpc.StatusCode.UNIMPLEMENTED, f"{method} is not offered")
+                return api_pb2.PreStartContainerResponse()
+            try:
+                await asyncio.to_thread(action, known)
+            except Exception as exc:  # the hook's failure is reported to the caller by name
+                self._log.exception("proposed_call_failed", method=method, devices=ids)
+                await self._abort(
+                    context, method, grpc.StatusCode.INTERNAL, f"{method} of {ids} failed: {exc}"
+                )
+            self._log.info("proposed_call", method=method, devices=ids)
+            return api_pb2.PreStartContainerResponse()
+
+        return handle
 
     async def PreStartContainer(
         self, request: api_pb2.PreStartContainerRequest, context: Context

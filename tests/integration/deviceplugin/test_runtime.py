@@ -263,3 +263,72 @@ class TestSupervision:
         await kubelet.restart()
         with pytest.raises(KubeletRestartedError):
             await asyncio.wait_for(task, 10)
+
+
+class Releasing(FileBackedWidgets):
+    """Widgets that also implement the proposed PostStopContainer and Deallocate hooks."""
+
+    def __init__(self, state_dir: Path) -> None:
+        super().__init__(state_dir)
+        self.post_stopped: list[list[str]] = []
+        self.deallocated: list[list[str]] = []
+
+    def post_stop_container(self, devices):
+        self.post_stopped.append(sorted(devices))
+
+    def deallocate(self, devices):
+        self.deallocated.append(sorted(devices))
+
+
+POD = {
+    "apiVersion": "v1",
+    "kind": "Pod",
+    "metadata": {"name": "user", "namespace": "default"},
+    "spec": {
+        "restartPolicy": "Never",
+        "containers": [{"name": "main", "image": "x", "resources": {"limits": {RESOURCE: "2"}}}],
+    },
+}
+
+
+class TestProposedReleaseCalls:
+    """The KEP-20210712 addendum's calls, served only when the plugin has the hooks."""
+
+    async def test_post_stop_and_deallocate_reach_the_hooks(self, short_dir, state_dir):
+        from plugvisor.emulators.kubelet import FeatureGates
+
+        gates = FeatureGates.parse("DeviceManagerDeallocate=true")
+        async with EmulatedKubelet(short_dir / "dp", gates=gates, write_view=False) as kubelet:
+            source = Releasing(state_dir)
+            async with running(runtime_for(kubelet, source)):
+                await kubelet.wait_for(lambda k: counts(k) == (4, 4))
+                pod = await kubelet.add_pod(POD)
+                held = sorted(pod.container("main").devices[RESOURCE])
+                await kubelet.exit_container("user", "main", exit_code=0)
+                await kubelet.wait_for(lambda k: PluginMethod.POST_STOP_CONTAINER in k.calls_for(RESOURCE))
+                kubelet.delete_pod("user")
+                # As upstream, devices of deleted pods are freed when the next admission updates
+                # the allocated set; that is when Deallocate goes out.
+                await kubelet.add_pod({**POD, "metadata": {"name": "next", "namespace": "default"}})
+                await kubelet.wait_for(lambda k: PluginMethod.DEALLOCATE in k.calls_for(RESOURCE))
+                # The kubelet journals a call as it sends it; the hook runs in the plugin just after.
+                async with asyncio.timeout(10):
+                    while not source.deallocated:
+                        await asyncio.sleep(0.01)
+        assert source.post_stopped == [held]
+        assert source.deallocated == [held]
+        failed = [e for e in kubelet.events if "failed" in str(e.kind)]
+        assert not failed, failed
+
+    async def test_without_the_hooks_the_calls_are_not_offered(self, short_dir, state_dir):
+        from plugvisor.emulators.kubelet import FeatureGates
+
+        gates = FeatureGates.parse("DeviceManagerDeallocate=true")
+        async with EmulatedKubelet(short_dir / "dp", gates=gates, write_view=False) as kubelet:
+            async with running(runtime_for(kubelet, FileBackedWidgets(state_dir))):
+                await kubelet.wait_for(lambda k: counts(k) == (4, 4))
+                await kubelet.add_pod(POD)
+                await kubelet.exit_container("user", "main", exit_code=0)
+                await kubelet.wait_for(lambda k: PluginMethod.POST_STOP_CONTAINER in k.calls_for(RESOURCE))
+            failed = [e for e in kubelet.events if "failed" in str(e.kind)]
+        assert not failed, failed  # UNIMPLEMENTED means "not offered", not an error
