@@ -26,7 +26,6 @@ sorts by resource, device ID and NUMA node.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -36,7 +35,7 @@ import grpc
 from google.protobuf import message as message_
 
 from plugvisor.api.podresources.v1 import api_pb2, api_pb2_grpc
-from plugvisor.emulators.kubelet import manager
+from plugvisor.emulators.kubelet import manager, unixserver
 
 DEFAULT_QPS: Final = 100.0
 DEFAULT_BURST: Final = 10
@@ -207,18 +206,15 @@ class PodResourcesServer(api_pb2_grpc.PodResourcesListerServicer):
             directory.mkdir(mode=0o750, parents=True)
             self._created_dir = True
         self.socket_path.unlink(missing_ok=True)
-        server = grpc.aio.server()
-        api_pb2_grpc.add_PodResourcesListerServicer_to_server(self, server)
-        server.add_insecure_port("unix:" + os.fspath(self.socket_path))
-        await server.start()
-        self._server = server
+        self._server = await unixserver.serve(
+            self.socket_path,
+            lambda server: api_pb2_grpc.add_PodResourcesListerServicer_to_server(self, server),
+        )
 
     async def stop(self) -> None:
         """Stop serving, remove the socket, and the directory if this server created it and it is empty."""
         server, self._server = self._server, None
-        if server is not None:
-            await server.stop(None)
-        self.socket_path.unlink(missing_ok=True)
+        await unixserver.stop(server, self.socket_path)
         if self._created_dir:
             try:
                 self.socket_path.parent.rmdir()

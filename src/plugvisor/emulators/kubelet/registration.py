@@ -55,7 +55,7 @@ from plugvisor.api import constants
 from plugvisor.api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from plugvisor.deviceplugin import names
 from plugvisor.emulators.kubelet import client as client_
-from plugvisor.emulators.kubelet import errors, journal, model
+from plugvisor.emulators.kubelet import errors, journal, model, unixserver
 
 _log = structlog.get_logger(__name__)
 
@@ -156,18 +156,16 @@ class RegistrationServer(api_pb2_grpc.RegistrationServicer):
         """Create the directory, delete its sockets, then listen; return the removed sockets."""
         self.socket_dir.mkdir(mode=SOCKET_DIR_MODE, parents=True, exist_ok=True)
         removed = cleanup_plugin_directory(self.socket_dir, keep=frozenset({constants.CHECKPOINT_NAME}))
-        server = grpc.aio.server()
-        api_pb2_grpc.add_RegistrationServicer_to_server(self, server)
-        server.add_insecure_port("unix:" + os.fspath(self.socket_path))
-        await server.start()
-        self._server = server
+        self._server = await unixserver.serve(
+            self.socket_path, lambda server: api_pb2_grpc.add_RegistrationServicer_to_server(self, server)
+        )
         return removed
 
     async def stop(self) -> None:
         """Stop as a dying kubelet process would: streams cut, no state change reported."""
         server, self._server = self._server, None
-        if server is not None:
-            await server.stop(None)
+        # The socket stays: a dying kubelet leaves it behind, and the next start's cleanup removes it.
+        await unixserver.stop(server, self.socket_path, unlink=False)
         runs = dict(self._runs)
         for task in runs:
             task.cancel()

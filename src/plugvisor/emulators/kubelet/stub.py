@@ -32,7 +32,7 @@ from google.protobuf import message as message_
 
 from plugvisor.api import constants
 from plugvisor.api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
-from plugvisor.emulators.kubelet import model
+from plugvisor.emulators.kubelet import model, unixserver
 
 AllocateFunc: TypeAlias = Callable[[api_pb2.AllocateRequest], api_pb2.AllocateResponse]
 PreferredFunc: TypeAlias = Callable[[api_pb2.PreferredAllocationRequest], api_pb2.PreferredAllocationResponse]
@@ -106,18 +106,14 @@ class StubDevicePlugin(api_pb2_grpc.DevicePluginServicer):
     async def start(self) -> None:
         """Remove a stale socket of ours, then serve; the socket exists when this returns."""
         self.socket_path.unlink(missing_ok=True)
-        server = grpc.aio.server()
-        api_pb2_grpc.add_DevicePluginServicer_to_server(self, server)
-        server.add_insecure_port("unix:" + os.fspath(self.socket_path))
-        await server.start()
-        self._server = server
+        self._server = await unixserver.serve(
+            self.socket_path, lambda server: api_pb2_grpc.add_DevicePluginServicer_to_server(self, server)
+        )
 
     async def stop(self) -> None:
         """Stop serving: open streams are cut and the socket disappears."""
         server, self._server = self._server, None
-        if server is not None:
-            await server.stop(None)
-        self.socket_path.unlink(missing_ok=True)
+        await unixserver.stop(server, self.socket_path)
 
     async def register(
         self,
