@@ -1,4 +1,4 @@
-"""Benchmarks of the gpu and nic kinds: fault-to-kubelet latency, scan time of `big`, preferred allocation.
+"""Benchmarks of the gpu, nic and fpga kinds: fault-to-kubelet latency, scan of `big`, preferred allocation.
 
     python bench/bench_plugins.py [--rounds 40]
 
@@ -25,6 +25,7 @@ from plugvisor.deviceplugin.runtime import DevicePluginRuntime, PluginConfig
 from plugvisor.emulators import lab
 from plugvisor.emulators.kubelet import EmulatedKubelet
 from plugvisor.plugins import topology
+from plugvisor.plugins.fpga import KIND as FPGA
 from plugvisor.plugins.gpu import KIND as GPU
 from plugvisor.plugins.nic import KIND as NIC
 
@@ -160,6 +161,8 @@ async def latencies(rounds: int) -> None:
         ("gpu", GPU, "x.io/gpu", "gpu3", "fallen-off-bus", 8, 1),
         ("nic", NIC, "x.io/nic", "nic1", "link-down", 16, 8),
         ("nic", NIC, "x.io/nic", "nic0vf3", "aer-fatal", 16, 1),
+        ("fpga", FPGA, "x.io/fpga", "fpga0", "afu-id-invalid", 1, 1),
+        ("fpga", FPGA, "x.io/fpga", "fpga0", "fallen-off-bus", 1, 1),
     ]
     for label, kind, resource, device, fault, total, drop in cases:
         samples = await fault_latency(

@@ -1,0 +1,43 @@
+"""The ``fpga`` kind: Intel DFL/OPAE ports and Xilinx-style user/management PF pairs.
+
+Discovery reads sysfs as Intel's and Xilinx's plugins do (no OPAE or XRT library).
+The framework serves one resource per process, so ``mode`` (``af``, ``region``,
+``xilinx``) and ``match`` (AFU IDs, interface IDs, shells, vendors, addresses)
+choose the devices of this resource; :func:`intel_resource_name` and
+:func:`suggest_resources` give the names Intel's and Xilinx's plugins would use,
+for writing the configuration. Health (all-``f`` IDs, port errors, lost shell,
+fallen off the bus, AER, missing nodes) is recomputed on every scan, so a healed
+device is Healthy again. PreStartContainer re-initialises the port (an in-tree
+event/error clear plus an optional command); ``releaseCleanup`` runs a command
+for each device no container holds any more, watching the kubelet's PodResources.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from plugvisor.plugins.fpga.naming import intel_af_resource, intel_region_resource, xilinx_resource
+from plugvisor.plugins.fpga.options import FpgaOptions, Mode
+from plugvisor.plugins.fpga.source import (
+    FpgaKind,
+    FpgaSource,
+    Suggestion,
+    intel_resource_name,
+    suggest_resources,
+)
+
+KIND: Final = FpgaKind()
+
+__all__ = [
+    "KIND",
+    "FpgaKind",
+    "FpgaOptions",
+    "FpgaSource",
+    "Mode",
+    "Suggestion",
+    "intel_af_resource",
+    "intel_region_resource",
+    "intel_resource_name",
+    "suggest_resources",
+    "xilinx_resource",
+]
