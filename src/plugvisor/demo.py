@@ -35,7 +35,6 @@ from rich.text import Text
 from plugvisor.deviceplugin.logs import configure_logging
 from plugvisor.emulators import lab as lab_
 from plugvisor.emulators.kubelet import EmulatedKubelet
-from plugvisor.plugins.kinds import UnknownKindError, get_kind
 from plugvisor.supervisor import status as status_
 
 GPU: Final = "plugvisor.io/gpu"
@@ -44,15 +43,6 @@ FPGA: Final = "plugvisor.io/fpga"
 FUSE: Final = "plugvisor.io/fuse"
 STEP_TIMEOUT: Final = 30.0
 REFRESH_SECONDS: Final = 0.2
-
-
-def _fpga_available() -> bool:
-    """Whether the fpga kind is installed (it is an entry point like any third-party kind)."""
-    try:
-        get_kind("fpga")
-    except UnknownKindError:  # includes KindLoadError: registered but not loadable
-        return False
-    return True
 
 
 @dataclass
@@ -187,10 +177,9 @@ class Demo:
         resources: list[dict[str, Any]] = [
             {"name": GPU, "kind": "gpu"},
             {"name": NIC, "kind": "nic", "match": {"pfNames": [nic_pf]}},
+            {"name": FPGA, "kind": "fpga", "mode": "af"},
             {"name": FUSE, "kind": "generic", "paths": ["/dev/fuse"], "count": 4},
         ]
-        if _fpga_available():
-            resources.insert(2, {"name": FPGA, "kind": "fpga"})
         config = {
             "kubeletDir": str(self.node.kubelet_dir),
             "hostRoot": str(self.node.lab_root),
@@ -235,7 +224,8 @@ class Demo:
             f"{sum(r.kind is lab_.DeviceKind.FPGA for r in records)} FPGAs, "
             f"NIC {nic0.netdev} with {nic0.num_vfs} VFs, in {self.node.lab_root}"
         )
-        self.resources = {GPU: len(gpus), NIC: nic0.num_vfs or 0, FUSE: 4}
+        dfl_ports = sum(r.kind is lab_.DeviceKind.FPGA and r.vendor == "0x8086" for r in records)
+        self.resources = {GPU: len(gpus), NIC: nic0.num_vfs or 0, FPGA: dfl_ports, FUSE: 4}
         assert nic0.netdev is not None
         self._write_config(nic0.netdev)
         return gpus
