@@ -211,25 +211,19 @@ class _Builder:
                 self.function(parent, Bdf(0, bus, 0, 0), "mgmt", "xclmgmt"),
                 self.function(parent, Bdf(0, bus, 0, 1), "user", "xocl"),
             ]
-            dev = DeviceState(
-                name=name,
-                kind=DeviceKind.FPGA,
-                model=model.key,
-                numa_node=node.id,
-                switch=switch,
-                functions=functions,
-            )
-            dev.shell = group.shell or model.vbnv
         else:
             functions = [self.function(parent, Bdf(0, bus, 0, 0), "fpga", "dfl-pci")]
-            dev = DeviceState(
-                name=name,
-                kind=DeviceKind.FPGA,
-                model=model.key,
-                numa_node=node.id,
-                switch=switch,
-                functions=functions,
-            )
+        dev = DeviceState(
+            name=name,
+            kind=DeviceKind.FPGA,
+            model=model.key,
+            numa_node=node.id,
+            switch=switch,
+            functions=functions,
+        )
+        if isinstance(model, XilinxFpgaModel):
+            dev.shell = group.shell or model.vbnv
+        else:
             dev.afu_id = group.afu_id or model.afu_id
             dev.interface_id = group.interface_id or model.interface_id
         self.devices[name] = dev
