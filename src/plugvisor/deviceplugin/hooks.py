@@ -13,7 +13,7 @@ server's business.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -95,6 +95,19 @@ class PostAllocator(Protocol):
 
     def post_allocate(self, allocation: ContainerAllocation, devices: DeviceSet) -> ContainerAllocation:
         """Return the allocation the container should really get."""
+        ...
+
+
+@runtime_checkable
+class UeventSubscriber(Protocol):
+    """**Protocol:** a source that wants a rescan when the kernel announces a device change.
+
+    On real nodes sysfs sends no inotify events; hot-plug arrives as kernel
+    uevents. Return the subsystems that matter (``pci``, ``drm``, ``net``...).
+    """
+
+    def uevent_subsystems(self) -> Collection[str]:
+        """Return the uevent subsystems whose events should trigger a rescan."""
         ...
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -23,7 +24,8 @@ from asyncinotify import Inotify, Mask, Watch
 
 from plugvisor.deviceplugin.cell import SnapshotCell
 from plugvisor.deviceplugin.devices import DeviceSet
-from plugvisor.deviceplugin.hooks import DeviceSource
+from plugvisor.deviceplugin.hooks import DeviceSource, UeventSubscriber
+from plugvisor.deviceplugin.uevents import UeventListener
 
 CHANGE_MASK: Final = (
     Mask.CREATE | Mask.DELETE | Mask.MOVED_FROM | Mask.MOVED_TO | Mask.DELETE_SELF | Mask.MOVE_SELF
@@ -106,14 +108,26 @@ class DeviceWatcher:
         *,
         rescan_interval: float = 30.0,
         resource: str = "",
+        uevent_socket: socket.socket | None = None,
     ) -> None:
         self._source = source
+        self._kick = asyncio.Event()
+        self.uevents: UeventListener | None = None
+        """Set when the source names uevent subsystems; ``uevent_socket`` replaces the kernel's (tests)."""
+        if isinstance(source, UeventSubscriber):
+            self.uevents = UeventListener(
+                source.uevent_subsystems(), lambda _event: self.kick(), sock=uevent_socket
+            )
         self._cell = cell
         self._rescan_interval = rescan_interval
         self._log = structlog.get_logger("plugvisor.discovery").bind(resource=resource)
         self.scans = 0
         self.failed_scans = 0
         self.first_scan_done = asyncio.Event()
+
+    def kick(self) -> None:
+        """Rescan as soon as possible (what a matching uevent does)."""
+        self._kick.set()
 
     async def scan_once(self) -> bool:
         """Scan now and publish the result; returns whether the device set changed."""
@@ -138,21 +152,50 @@ class DeviceWatcher:
         return changed
 
     async def run(self) -> None:
-        """Scan, then rescan on every inotify event and every ``rescan_interval`` seconds, forever."""
-        with Inotify(sync_timeout=0) as inotify:
-            watches = WatchSet(inotify)
-            while True:
-                # Arm the watches before scanning: a change during the scan then triggers another one.
-                watches.sync(self._source.watch_paths())
-                drain(inotify)
-                last_scan = time.monotonic()
-                await self.scan_once()
-                watches.sync(self._source.watch_paths())
-                try:
-                    await asyncio.wait_for(inotify.get(), self._rescan_interval)
-                except TimeoutError:
-                    continue
-                # Coalesce the rest of a burst: let already-sent events arrive, then take them all.
-                since = time.monotonic() - last_scan
-                await asyncio.sleep(max(0.0, MIN_EVENT_SCAN_INTERVAL - since))
-                drain(inotify)
+        """Scan, then rescan on every inotify event, matching uevent and ``rescan_interval``, forever."""
+        loop = asyncio.get_running_loop()
+        uevents = self.uevents if self.uevents is not None and self.uevents.open() else None
+        if uevents is not None:
+            loop.add_reader(uevents.fileno(), uevents.read_ready)
+        try:
+            with Inotify(sync_timeout=0) as inotify:
+                await self._loop(inotify)
+        finally:
+            if uevents is not None:
+                loop.remove_reader(uevents.fileno())
+                uevents.close()
+
+    async def _loop(self, inotify: Inotify) -> None:
+        watches = WatchSet(inotify)
+        while True:
+            # Arm the watches before scanning: a change during the scan then triggers another one.
+            watches.sync(self._source.watch_paths())
+            drain(inotify)
+            self._kick.clear()
+            last_scan = time.monotonic()
+            await self.scan_once()
+            watches.sync(self._source.watch_paths())
+            if not await self._wait_for_change(inotify):
+                continue  # the periodic rescan
+            # Coalesce the rest of a burst: let already-sent events arrive, then take them all.
+            since = time.monotonic() - last_scan
+            await asyncio.sleep(max(0.0, MIN_EVENT_SCAN_INTERVAL - since))
+            drain(inotify)
+
+    async def _wait_for_change(self, inotify: Inotify) -> bool:
+        """Wait for an inotify event or a uevent kick; False when the rescan interval ran out first.
+
+        A kick cancels the pending inotify read; events that read may have taken
+        are covered by the rescan the kick causes.
+        """
+        event = asyncio.ensure_future(inotify.get())
+        kicked = asyncio.ensure_future(self._kick.wait())
+        done, pending = await asyncio.wait(
+            {event, kicked}, timeout=self._rescan_interval, return_when=asyncio.FIRST_COMPLETED
+        )
+        for task in pending:
+            task.cancel()
+        for task in pending:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        return bool(done)

@@ -4,6 +4,8 @@ import asyncio
 import contextlib
 from pathlib import Path
 
+import pytest
+
 from plugvisor.deviceplugin.cell import SnapshotCell
 from plugvisor.deviceplugin.devices import Device, DeviceSet
 from plugvisor.deviceplugin.watch import DeviceWatcher
@@ -99,3 +101,53 @@ async def test_a_failing_scan_keeps_the_last_good_list(short_dir):
     assert await watcher.scan_once() is False
     assert watcher.failed_scans == 1
     assert list(cell.value) == ["a"]
+
+
+class CountFile:
+    """Devices counted from a file nobody watches: only a uevent or the timer can notice a change."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def scan(self) -> DeviceSet:
+        return DeviceSet(Device(f"d{i}") for i in range(int(self.path.read_text())))
+
+    def watch_paths(self) -> list[Path]:
+        return []
+
+    def uevent_subsystems(self) -> list[str]:
+        return ["pci"]
+
+
+async def test_a_matching_kernel_uevent_triggers_a_rescan(short_dir):
+    import socket
+
+    count = short_dir / "count"
+    count.write_text("1")
+    kernel, ours = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    cell = SnapshotCell(DeviceSet())
+    watcher = DeviceWatcher(CountFile(count), cell, rescan_interval=3600, uevent_socket=ours)
+    listener = watcher.uevents
+    assert listener is not None
+    task = asyncio.create_task(watcher.run())
+    try:
+        await until(cell, lambda d: len(d) == 1)
+        count.write_text("3")
+        kernel.send(b"add@/devices/usb1/1-1\0ACTION=add\0SUBSYSTEM=usb\0")  # not ours: ignored
+        kernel.send(b"add@/devices/pci0000:00/0000:00:02.0\0ACTION=add\0SUBSYSTEM=pci\0")
+        await until(cell, lambda d: len(d) == 3)
+        assert listener.matched == 1
+    finally:
+        await stop(task)
+        kernel.close()
+
+
+async def test_a_source_that_names_subsystems_gets_a_kernel_listener(short_dir):
+    count = short_dir / "count"
+    count.write_text("0")
+    watcher = DeviceWatcher(CountFile(count), SnapshotCell(DeviceSet()), rescan_interval=3600)
+    assert watcher.uevents is not None
+    assert watcher.uevents.subsystems == {"pci"}
+    if not watcher.uevents.open():
+        pytest.skip("this machine refuses the kernel's uevent socket (needs a netlink-capable sandbox)")
+    watcher.uevents.close()

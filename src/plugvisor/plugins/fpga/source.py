@@ -164,6 +164,10 @@ class FpgaSource:
     def _spec(self, local: Path) -> DeviceSpec:
         return DeviceSpec("/" + str(local.relative_to(self.paths.root)), self.paths.for_kubelet(local))
 
+    def uevent_subsystems(self) -> tuple[str, ...]:
+        """Rescan on real nodes when the kernel announces PCI, FPGA region or DFL changes."""
+        return ("pci", "fpga_region", "dfl")
+
     def watch_paths(self) -> Sequence[Path]:
         """The bus directory, each card's function, region and port directories, devfs."""
         with self._lock:

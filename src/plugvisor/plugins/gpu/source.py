@@ -119,6 +119,10 @@ class GpuSource:
     def _cdi_node(self, local: Path) -> cdi.Node:
         return cdi.Node("/" + str(local.relative_to(self.paths.root)), self.paths.for_kubelet(local))
 
+    def uevent_subsystems(self) -> tuple[str, ...]:
+        """Rescan on real nodes when the kernel announces PCI or DRM device changes."""
+        return ("pci", "drm")
+
     def watch_paths(self) -> Sequence[Path]:
         """The bus directory (hot-plug), each GPU's directory (driver, AER), devfs and NVIDIA's procfs."""
         with self._lock:

@@ -200,6 +200,10 @@ class NicSource:
     def _spec(self, local: Path) -> DeviceSpec:
         return DeviceSpec("/" + str(local.relative_to(self.paths.root)), self.paths.for_kubelet(local))
 
+    def uevent_subsystems(self) -> tuple[str, ...]:
+        """Rescan on real nodes when the kernel announces PCI or network device changes."""
+        return ("pci", "net")
+
     def watch_paths(self) -> Sequence[Path]:
         """The bus directory (VFs come and go), each PF (``sriov_numvfs``, links) and its netdev, each VF."""
         with self._lock:
