@@ -190,12 +190,16 @@ class DeviceWatcher:
         """
         event = asyncio.ensure_future(inotify.get())
         kicked = asyncio.ensure_future(self._kick.wait())
-        done, pending = await asyncio.wait(
-            {event, kicked}, timeout=self._rescan_interval, return_when=asyncio.FIRST_COMPLETED
-        )
-        for task in pending:
-            task.cancel()
-        for task in pending:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        try:
+            done, _ = await asyncio.wait(
+                {event, kicked}, timeout=self._rescan_interval, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            # Also when we are cancelled: an orphaned read would keep a reader on the inotify
+            # descriptor, and a later Inotify that reuses its number would lose events to it.
+            for task in (event, kicked):
+                task.cancel()
+            for task in (event, kicked):
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         return bool(done)

@@ -151,3 +151,18 @@ async def test_a_source_that_names_subsystems_gets_a_kernel_listener(short_dir):
     if not watcher.uevents.open():
         pytest.skip("this machine refuses the kernel's uevent socket (needs a netlink-capable sandbox)")
     watcher.uevents.close()
+
+
+async def test_a_stopped_watcher_leaves_nothing_that_steals_the_next_ones_events(short_dir):
+    """Stopping cancels the pending inotify read; an orphan would keep reading the (reused) descriptor."""
+    (short_dir / "devs").mkdir()
+    for _ in range(3):
+        cell, _, task = await start(short_dir)
+        await asyncio.sleep(0.05)  # let it settle into waiting for a change
+        await stop(task)
+    cell, _, task = await start(short_dir)
+    try:
+        (short_dir / "devs" / "fresh").touch()
+        await until(cell, lambda d: "fresh" in d, timeout=5)
+    finally:
+        await stop(task)
