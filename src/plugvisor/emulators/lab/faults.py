@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from plugvisor.emulators.lab import catalog, errors, fpga, gpu, nic
-from plugvisor.emulators.lab.state import DeviceKind, DeviceState, LabState
+from plugvisor.emulators.lab import errors, fpga, gpu, kinds, nic
+from plugvisor.emulators.lab.state import DeviceState, LabState
 
 
 class FaultKind(StrEnum):
@@ -31,26 +31,15 @@ class FaultKind(StrEnum):
     LINK_DOWN = nic.LINK_DOWN
     AFU_ID_INVALID = fpga.AFU_ID_INVALID
     ROM_MISSING = fpga.ROM_MISSING
-    VFS_RESET = "vfs-reset"
+    VFS_RESET = nic.VFS_RESET
 
 
 _AER = {FaultKind.AER_FATAL: 0, FaultKind.AER_NONFATAL: 1, FaultKind.AER_CORRECTABLE: 2}
 
 
 def applicable(dev: DeviceState) -> tuple[FaultKind, ...]:
-    """Return the faults that make sense for a device, in a stable order."""
-    kinds = list(_AER)
-    if dev.kind is DeviceKind.GPU:
-        kinds.append(FaultKind.FALLEN_OFF_BUS)
-    elif dev.kind is DeviceKind.FPGA:
-        kinds.append(FaultKind.FALLEN_OFF_BUS)
-        flavor = catalog.FPGAS[dev.model].flavor
-        kinds.append(FaultKind.AFU_ID_INVALID if flavor == "dfl" else FaultKind.ROM_MISSING)
-    elif dev.kind is DeviceKind.NIC_PF:
-        kinds += [FaultKind.LINK_DOWN, FaultKind.VFS_RESET]
-    elif dev.netdev:
-        kinds.append(FaultKind.LINK_DOWN)
-    return tuple(kinds)
+    """Return the faults that make sense for a device, in a stable order (AER first, then its kind's)."""
+    return (*_AER, *(FaultKind(f) for f in kinds.get(dev.kind).faults(dev)))
 
 
 def parse(kind: str | FaultKind, dev: DeviceState) -> FaultKind:

@@ -10,11 +10,14 @@ directory ``xbutil reset`` makes vanish), and ``/dev/xclmgmt<instance>``.
 
 from __future__ import annotations
 
-from plugvisor.emulators.lab import catalog, majors, pci
+from typing import Any
+
+from plugvisor.emulators.lab import catalog, kinds, majors, pci
 from plugvisor.emulators.lab.catalog import DflFpgaModel, XilinxFpgaModel
-from plugvisor.emulators.lab.gpu import FALLEN_OFF_BUS, render_drm
-from plugvisor.emulators.lab.spec import Dir, File, Spec, add_link, add_node, text
-from plugvisor.emulators.lab.state import DeviceState, FunctionState, LabState
+from plugvisor.emulators.lab.gpu import FALLEN_OFF_BUS, drm_shared, render_drm
+from plugvisor.emulators.lab.pci import Bdf
+from plugvisor.emulators.lab.spec import Dir, File, Spec, add_link, add_node, driver_dir, text
+from plugvisor.emulators.lab.state import DeviceKind, DeviceState, FunctionState, LabState
 
 AFU_ID_INVALID = "afu-id-invalid"
 ROM_MISSING = "rom-missing"
@@ -134,3 +137,95 @@ def render(state: LabState, dev: DeviceState) -> Spec:
     if isinstance(model, XilinxFpgaModel):
         return _render_xilinx(state, dev, model)
     return _render_dfl(state, dev, model)
+
+
+PLATFORM_DRIVERS = {"dfl-fme": "dfl_fme", "dfl-port": "dfl_afu"}
+"""DFL feature drivers on the platform bus -> their modules."""
+
+
+class _FpgaKind:
+    """FPGA cards: a DFL function, or a Xilinx-like management/user PF pair."""
+
+    owns: tuple[DeviceKind, ...] = (DeviceKind.FPGA,)
+    section: str | None = "fpgas"
+    prefix = "fpga"
+
+    def ports(self, group: Any) -> int:
+        return 1
+
+    def buses(self, group: Any) -> int:
+        return 1
+
+    def place(
+        self,
+        placer: kinds.Placer,
+        names: list[str],
+        group: Any,
+        *,
+        node: int,
+        parent: str,
+        bus: int,
+        switch: str | None,
+    ) -> None:
+        model = catalog.FPGAS[group.model]
+        if isinstance(model, XilinxFpgaModel):
+            functions = [
+                placer.function(parent, Bdf(0, bus, 0, 0), "mgmt", "xclmgmt"),
+                placer.function(parent, Bdf(0, bus, 0, 1), "user", "xocl"),
+            ]
+        else:
+            functions = [placer.function(parent, Bdf(0, bus, 0, 0), "fpga", "dfl-pci")]
+        dev = DeviceState(
+            name=names[0],
+            kind=DeviceKind.FPGA,
+            model=model.key,
+            numa_node=node,
+            switch=switch,
+            functions=functions,
+        )
+        if isinstance(model, XilinxFpgaModel):
+            dev.shell = group.shell or model.vbnv
+        else:
+            dev.afu_id = group.afu_id or model.afu_id
+            dev.interface_id = group.interface_id or model.interface_id
+        placer.add(dev)
+
+    def number(self, state: LabState, dev: DeviceState, counters: dict[str, int]) -> None:
+        dev.fpga_index = counters.get("fpga", 0)
+        counters["fpga"] = dev.fpga_index + 1
+        if catalog.FPGAS[dev.model].flavor == "xilinx":
+            dev.card = counters.get("drm", 0)
+            counters["drm"] = dev.card + 1
+
+    def finish(self, state: LabState, dev: DeviceState) -> None:
+        return
+
+    def render(self, state: LabState, dev: DeviceState) -> Spec:
+        return render(state, dev)
+
+    def family(self, state: LabState, dev: DeviceState) -> list[str]:
+        return [dev.name]
+
+    def identity(self, dev: DeviceState) -> pci.Identity:
+        model = catalog.FPGAS[dev.model]
+        return model.user if isinstance(model, XilinxFpgaModel) else model.identity
+
+    def faults(self, dev: DeviceState) -> tuple[str, ...]:
+        flavor = catalog.FPGAS[dev.model].flavor
+        return (FALLEN_OFF_BUS, AFU_ID_INVALID if flavor == "dfl" else ROM_MISSING)
+
+    def shared(self, state: LabState, devices: list[DeviceState]) -> kinds.Shared:
+        out = kinds.Shared()
+        flavors = {catalog.FPGAS[d.model].flavor for d in devices}
+        if "dfl" in flavors:
+            out.majors |= {majors.DFL_FME, majors.DFL_PORT}
+            out.spec["sys/class/fpga_region"] = Dir()
+            for driver, module in PLATFORM_DRIVERS.items():
+                driver_dir(out.spec, "platform", driver, module)
+        if "xilinx" in flavors:
+            out.majors.add(majors.XCLMGMT)
+            drm_shared(out)
+        return out
+
+
+KIND = kinds.register(_FpgaKind())

@@ -16,12 +16,18 @@ loses its driver, its device nodes and its readable config space.
 
 from __future__ import annotations
 
-from plugvisor.emulators.lab import catalog, majors, pci
+import hashlib
+import uuid
+from typing import Any
+
+from plugvisor.emulators.lab import catalog, kinds, majors, pci
 from plugvisor.emulators.lab.catalog import GpuModel
-from plugvisor.emulators.lab.spec import Dir, File, Spec, add_link, add_node, text
+from plugvisor.emulators.lab.pci import Bdf
+from plugvisor.emulators.lab.spec import Dir, File, Spec, add_link, add_node, text, virtual_device
 from plugvisor.emulators.lab.state import DeviceKind, DeviceState, LabState
 
 FALLEN_OFF_BUS = "fallen-off-bus"
+_UUID_NAMESPACE = uuid.UUID("6d3c1f0e-4a8b-5c2d-9e7f-1a2b3c4d5e6f")
 KFD_NODES = "sys/devices/virtual/kfd/kfd/topology/nodes"
 KFD_PROPERTIES = (
     "cpu_cores_count",
@@ -252,3 +258,149 @@ def render(state: LabState, dev: DeviceState) -> Spec:
         assert dev.card is not None
         render_drm(spec, fn.path, fn.bdf, dev.card, lmem_bytes=model.lmem_bytes)
     return spec
+
+
+def _kfd(spec: Spec, state: LabState) -> None:
+    """The KFD device and its CPU topology nodes (one per NUMA node), written once for the node."""
+    virtual_device(spec, "sys/devices/virtual/kfd/kfd", majors.KFD, 0, "dev/kfd")
+    add_link(spec, "sys/class/kfd/kfd", "sys/devices/virtual/kfd/kfd")
+    topo = "sys/devices/virtual/kfd/kfd/topology"
+    spec[f"{topo}/generation_id"] = text(1)
+    spec[f"{topo}/system_properties"] = File(b"platform_oem 0\nplatform_id 0\nplatform_rev 0\n")
+    cores = state.profile.cpus_per_numa_node
+    for node in state.numa_nodes:
+        d = f"{KFD_NODES}/{node.id}"
+        others = [o for o in state.numa_nodes if o.id != node.id]
+        spec[f"{d}/properties"] = File(
+            kfd_properties(cpu_cores=cores, cpu_core_base=node.id * cores, io_links=len(others))
+        )
+        spec[f"{d}/gpu_id"] = text(0)
+        spec[f"{d}/name"] = text("")
+        spec[f"{d}/io_links"] = Dir()
+        spec[f"{d}/p2p_links"] = Dir()
+        for k, other in enumerate(others):
+            spec[f"{d}/io_links/{k}/properties"] = File(io_link(2, node.id, other.id, 21))
+
+
+def _nvidia(spec: Spec) -> None:
+    """Add the NVIDIA driver's shared nodes and procfs entries."""
+    virtual_device(
+        spec,
+        "sys/devices/virtual/nvidia/nvidiactl",
+        majors.NVIDIA,
+        majors.NVIDIACTL_MINOR,
+        "dev/nvidiactl",
+    )
+    virtual_device(
+        spec,
+        "sys/devices/virtual/nvidia/nvidia-modeset",
+        majors.NVIDIA,
+        majors.NVIDIA_MODESET_MINOR,
+        "dev/nvidia-modeset",
+    )
+    virtual_device(spec, "sys/devices/virtual/nvidia-uvm/nvidia-uvm", majors.NVIDIA_UVM, 0, "dev/nvidia-uvm")
+    virtual_device(
+        spec,
+        "sys/devices/virtual/nvidia-uvm/nvidia-uvm-tools",
+        majors.NVIDIA_UVM,
+        1,
+        "dev/nvidia-uvm-tools",
+    )
+    spec["proc/driver/nvidia/gpus"] = Dir()
+    spec["proc/driver/nvidia/version"] = text(
+        "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 22:23:56 UTC 2024\n"
+        "GCC version:  gcc version 12.2.0 (Debian 12.2.0-14)"
+    )
+    spec["proc/driver/nvidia/params"] = text("ModifyDeviceFiles: 1\nDeviceFileUID: 0\nDeviceFileGID: 0")
+
+
+def drm_shared(shared: kinds.Shared) -> None:
+    """What any DRM driver brings node-wide: the DRM major, ``sys/class/drm``, ``dev/dri/by-path``."""
+    shared.majors.add(majors.DRM)
+    shared.spec["sys/class/drm"] = Dir()
+    shared.spec["dev/dri/by-path"] = Dir()
+
+
+class _GpuKind:
+    """GPUs: one PCI function each, numbered by their driver in bus order."""
+
+    owns: tuple[DeviceKind, ...] = (DeviceKind.GPU,)
+    section: str | None = "gpus"
+    prefix = "gpu"
+
+    def ports(self, group: Any) -> int:
+        return 1
+
+    def buses(self, group: Any) -> int:
+        return 1
+
+    def place(
+        self,
+        placer: kinds.Placer,
+        names: list[str],
+        group: Any,
+        *,
+        node: int,
+        parent: str,
+        bus: int,
+        switch: str | None,
+    ) -> None:
+        model = catalog.GPUS[group.model]
+        bdf = Bdf(0, bus, 0, 0)
+        fn = placer.function(parent, bdf, "gpu", model.driver)
+        ident = uuid.uuid5(_UUID_NAMESPACE, f"{placer.profile_name}/{names[0]}/{bdf}")
+        placer.add(
+            DeviceState(
+                name=names[0],
+                kind=DeviceKind.GPU,
+                model=model.key,
+                numa_node=node,
+                switch=switch,
+                functions=[fn],
+                uuid=f"GPU-{ident}",
+            )
+        )
+
+    def number(self, state: LabState, dev: DeviceState, counters: dict[str, int]) -> None:
+        model = catalog.GPUS[dev.model]
+        if model.flavor == "nvidia":
+            dev.minor = counters.get("nvidia", 0)
+            counters["nvidia"] = dev.minor + 1
+        else:
+            dev.card = counters.get("drm", 0)
+            counters["drm"] = dev.card + 1
+        if model.flavor == "amd":
+            dev.kfd_node = counters["kfd"]
+            counters["kfd"] += 1
+            dev.gpu_id = int.from_bytes(hashlib.sha256(dev.primary.bdf.encode()).digest()[:2], "big") | 1
+
+    def finish(self, state: LabState, dev: DeviceState) -> None:
+        return
+
+    def render(self, state: LabState, dev: DeviceState) -> Spec:
+        return render(state, dev)
+
+    def family(self, state: LabState, dev: DeviceState) -> list[str]:
+        return [dev.name]
+
+    def identity(self, dev: DeviceState) -> pci.Identity:
+        return catalog.GPUS[dev.model].identity
+
+    def faults(self, dev: DeviceState) -> tuple[str, ...]:
+        return (FALLEN_OFF_BUS,)
+
+    def shared(self, state: LabState, devices: list[DeviceState]) -> kinds.Shared:
+        out = kinds.Shared()
+        flavors = {catalog.GPUS[d.model].flavor for d in devices}
+        if "nvidia" in flavors:
+            out.majors |= {majors.NVIDIA, majors.NVIDIA_UVM}
+            _nvidia(out.spec)
+        if flavors & {"intel", "amd"}:
+            drm_shared(out)
+        if "amd" in flavors:
+            out.majors.add(majors.KFD)
+            _kfd(out.spec, state)
+        return out
+
+
+KIND = kinds.register(_GpuKind())

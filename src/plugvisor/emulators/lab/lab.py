@@ -19,9 +19,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from plugvisor.emulators.lab import catalog, errors, faults, layout, profiles, render, state
+from plugvisor.emulators.lab import errors, faults, kinds, layout, profiles, render, state
 from plugvisor.emulators.lab.faults import FaultKind
-from plugvisor.emulators.lab.pci import Identity
 from plugvisor.emulators.lab.profiles import Profile
 from plugvisor.emulators.lab.spec import Node
 from plugvisor.emulators.lab.state import DeviceKind, DeviceState, LabState
@@ -65,19 +64,8 @@ class DeviceRecord:
     uuid: str | None = None
 
 
-def _identity(dev: DeviceState) -> Identity:
-    if dev.kind is DeviceKind.GPU:
-        return catalog.GPUS[dev.model].identity
-    if dev.kind is DeviceKind.NIC_PF:
-        return catalog.NICS[dev.model].pf
-    if dev.kind is DeviceKind.NIC_VF:
-        return catalog.NICS[dev.model].vf
-    model = catalog.FPGAS[dev.model]
-    return model.user if isinstance(model, catalog.XilinxFpgaModel) else model.identity
-
-
 def _record(st: LabState, dev: DeviceState) -> DeviceRecord:
-    ident = _identity(dev)
+    ident = kinds.get(dev.kind).identity(dev)
     nodes = tuple(
         DeviceNode("/" + path, entry.major, entry.minor)
         for path, entry in sorted(render.device(st, dev).items())

@@ -12,17 +12,13 @@ order. The result is a :class:`~.state.LabState`; nothing is written here.
 
 from __future__ import annotations
 
-import hashlib
-import uuid
 from dataclasses import dataclass, field
 
-from plugvisor.emulators.lab import catalog, errors, nic
-from plugvisor.emulators.lab.catalog import XilinxFpgaModel
+from plugvisor.emulators.lab import errors, kinds
 from plugvisor.emulators.lab.pci import Bdf
-from plugvisor.emulators.lab.profiles import FpgaGroup, GpuGroup, NicGroup, Placement, Profile
+from plugvisor.emulators.lab.profiles import Placement, Profile
 from plugvisor.emulators.lab.state import (
     BridgeState,
-    DeviceKind,
     DeviceState,
     FunctionState,
     LabState,
@@ -30,7 +26,6 @@ from plugvisor.emulators.lab.state import (
     SwitchState,
 )
 
-_UUID_NAMESPACE = uuid.UUID("6d3c1f0e-4a8b-5c2d-9e7f-1a2b3c4d5e6f")
 MAX_ROOT_PORTS = 31
 
 
@@ -38,6 +33,7 @@ MAX_ROOT_PORTS = 31
 class _Unit:
     """One thing that occupies a PCIe slot: a GPU, an FPGA card or a NIC card."""
 
+    kind: kinds.LabKind
     section: str
     index: int
     group: Placement
@@ -165,16 +161,14 @@ class _Builder:
             )
         )
 
-    # -- endpoints -------------------------------------------------------------------------------
+    # -- endpoints (the kind modules decide what a unit is; see kinds.py) -----------------------------
 
     def place(self, unit: _Unit, node: _Node, *, parent: str, bus: int, switch: str | None) -> None:
-        group = unit.group
-        if isinstance(group, GpuGroup):
-            self.place_gpu(unit.names[0], group, node=node, parent=parent, bus=bus, switch=switch)
-        elif isinstance(group, FpgaGroup):
-            self.place_fpga(unit.names[0], group, node=node, parent=parent, bus=bus, switch=switch)
-        elif isinstance(group, NicGroup):
-            self.place_nic(unit.names, group, node=node, parent=parent, bus=bus, switch=switch)
+        unit.kind.place(self, unit.names, unit.group, node=node.id, parent=parent, bus=bus, switch=switch)
+
+    @property
+    def profile_name(self) -> str:
+        return self.profile.name
 
     def function(self, parent: str, bdf: Bdf, role: str, driver: str | None) -> FunctionState:
         return FunctionState(
@@ -185,107 +179,32 @@ class _Builder:
             iommu_group=self.group_id(),
         )
 
-    def place_gpu(
-        self, name: str, group: GpuGroup, *, node: _Node, parent: str, bus: int, switch: str | None
-    ) -> None:
-        model = catalog.GPUS[group.model]
-        bdf = Bdf(0, bus, 0, 0)
-        fn = self.function(parent, bdf, "gpu", model.driver)
-        ident = uuid.uuid5(_UUID_NAMESPACE, f"{self.profile.name}/{name}/{bdf}")
-        self.devices[name] = DeviceState(
-            name=name,
-            kind=DeviceKind.GPU,
-            model=model.key,
-            numa_node=node.id,
-            switch=switch,
-            functions=[fn],
-            uuid=f"GPU-{ident}",
-        )
+    def next_ifindex(self) -> int:
+        self.ifindex += 1
+        return self.ifindex - 1
 
-    def place_fpga(
-        self, name: str, group: FpgaGroup, *, node: _Node, parent: str, bus: int, switch: str | None
-    ) -> None:
-        model = catalog.FPGAS[group.model]
-        if isinstance(model, XilinxFpgaModel):
-            functions = [
-                self.function(parent, Bdf(0, bus, 0, 0), "mgmt", "xclmgmt"),
-                self.function(parent, Bdf(0, bus, 0, 1), "user", "xocl"),
-            ]
-        else:
-            functions = [self.function(parent, Bdf(0, bus, 0, 0), "fpga", "dfl-pci")]
-        dev = DeviceState(
-            name=name,
-            kind=DeviceKind.FPGA,
-            model=model.key,
-            numa_node=node.id,
-            switch=switch,
-            functions=functions,
-        )
-        if isinstance(model, XilinxFpgaModel):
-            dev.shell = group.shell or model.vbnv
-        else:
-            dev.afu_id = group.afu_id or model.afu_id
-            dev.interface_id = group.interface_id or model.interface_id
-        self.devices[name] = dev
-
-    def place_nic(
-        self, names: list[str], group: NicGroup, *, node: _Node, parent: str, bus: int, switch: str | None
-    ) -> None:
-        model = catalog.NICS[group.model]
-        total = model.max_vfs if group.total_vfs is None else group.total_vfs
-        ports = group.ports_per_card
-        first = max(model.first_vf_offset, ports)
-        base = Bdf(0, bus, 0, 0).routing_id
-        vf_driver = "vfio-pci" if group.vf_driver == "vfio-pci" else model.vf_driver
-        for port, name in enumerate(names):
-            bdf = Bdf(0, bus, 0, port)
-            fn = self.function(parent, bdf, "pf", model.pf_driver)
-            digest = hashlib.sha256(f"{self.profile.name}/{name}".encode()).digest()
-            self.devices[name] = DeviceState(
-                name=name,
-                kind=DeviceKind.NIC_PF,
-                model=model.key,
-                numa_node=node.id,
-                switch=switch,
-                functions=[fn],
-                netdev=f"enp{bus}s0f{port}",
-                mac=f"{model.oui}:{digest[0]:02x}:{digest[1]:02x}:{digest[2]:02x}",
-                ifindex=self.ifindex,
-                total_vfs=total,
-                num_vfs=0,
-                vf_offset=base + first + port * total - (base + port),
-                vf_stride=1,
-                vf_driver=vf_driver,
-                vf_group_base=self.group_id(total),
-            )
-            self.ifindex += 1
+    def add(self, dev: DeviceState) -> None:
+        self.devices[dev.name] = dev
 
 
 def _units(profile: Profile) -> list[tuple[int, _Unit]]:
     """Expand the profile's groups into slot-sized units, each assigned a NUMA node."""
-    counters = {"gpus": 0, "fpgas": 0, "nics": 0}
-    prefix = {"gpus": "gpu", "fpgas": "fpga", "nics": "nic"}
     out: list[tuple[int, _Unit]] = []
-    sections: list[tuple[str, list[GpuGroup] | list[FpgaGroup] | list[NicGroup]]] = [
-        ("gpus", profile.gpus),
-        ("fpgas", profile.fpgas),
-        ("nics", profile.nics),
-    ]
-    for section, groups in sections:
+    for kind in kinds.placing():
+        assert kind.section is not None
+        counter = 0
+        groups: list[Placement] = getattr(profile, kind.section)
         for gi, group in enumerate(groups):
             nodes = group.numa_nodes or list(range(profile.numa_nodes))
-            per_unit = group.ports_per_card if isinstance(group, NicGroup) else 1
+            per_unit = kind.ports(group)
             count = group.count // per_unit
-            buses = 1
-            if isinstance(group, NicGroup):
-                model = catalog.NICS[group.model]
-                total = model.max_vfs if group.total_vfs is None else group.total_vfs
-                rids = max(model.first_vf_offset, per_unit) + per_unit * total
-                buses = -(-rids // 256)
+            buses = kind.buses(group)
             for i in range(count):
-                names = [f"{prefix[section]}{counters[section] + k}" for k in range(per_unit)]
-                counters[section] += per_unit
-                out.append((nodes[i * len(nodes) // count], _Unit(section, gi, group, names, buses)))
+                names = [f"{kind.prefix}{counter + k}" for k in range(per_unit)]
+                counter += per_unit
+                out.append(
+                    (nodes[i * len(nodes) // count], _Unit(kind, kind.section, gi, group, names, buses))
+                )
     return out
 
 
@@ -331,39 +250,9 @@ def name_key(name: str) -> tuple[str, int]:
 
 
 def _number(state: LabState) -> None:
-    """Assign the numbers drivers hand out in probe (bus) order."""
-    by_bus = sorted(state.devices.values(), key=lambda d: d.primary.address)
-    minor = card = kfd = fpga = 0
-    kfd = len(state.numa_nodes)
-    for dev in by_bus:
-        if dev.kind is DeviceKind.GPU:
-            model = catalog.GPUS[dev.model]
-            if model.flavor == "nvidia":
-                dev.minor = minor
-                minor += 1
-            else:
-                dev.card = card
-                card += 1
-            if model.flavor == "amd":
-                dev.kfd_node = kfd
-                kfd += 1
-                dev.gpu_id = int.from_bytes(hashlib.sha256(dev.primary.bdf.encode()).digest()[:2], "big") | 1
-        elif dev.kind is DeviceKind.FPGA:
-            dev.fpga_index = fpga
-            fpga += 1
-            if catalog.FPGAS[dev.model].flavor == "xilinx":
-                dev.card = card
-                card += 1
+    """Assign the numbers drivers hand out in probe (bus) order, then let each device finish."""
+    counters = {"kfd": len(state.numa_nodes)}
+    for dev in sorted(state.devices.values(), key=lambda d: d.primary.address):
+        kinds.get(dev.kind).number(state, dev, counters)
     for dev in list(state.devices.values()):
-        if dev.kind is DeviceKind.NIC_PF:
-            nic.set_vf_states(state, dev, _nic_group(state.profile, dev.name).num_vfs)
-
-
-def _nic_group(profile: Profile, name: str) -> NicGroup:
-    index = int(name.removeprefix("nic"))
-    seen = 0
-    for group in profile.nics:
-        if index < seen + group.count:
-            return group
-        seen += group.count
-    raise AssertionError(name)
+        kinds.get(dev.kind).finish(state, dev)

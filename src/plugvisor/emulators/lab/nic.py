@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import hashlib
 import posixpath
+from typing import Any
 
-from plugvisor.emulators.lab import catalog, majors, pci
+from plugvisor.emulators.lab import catalog, kinds, majors, pci
 from plugvisor.emulators.lab.pci import Bdf
-from plugvisor.emulators.lab.spec import Dir, Spec, add_link, add_node, text
+from plugvisor.emulators.lab.profiles import NicGroup, Profile
+from plugvisor.emulators.lab.spec import Dir, Spec, add_link, add_node, text, virtual_device
 from plugvisor.emulators.lab.state import DeviceKind, DeviceState, FunctionState, LabState
 
 LINK_DOWN = "link-down"
+VFS_RESET = "vfs-reset"
 VFIO_DRIVER = "vfio-pci"
 
 
@@ -172,3 +175,122 @@ def render_vf(state: LabState, dev: DeviceState) -> Spec:
         up = LINK_DOWN not in dev.faults and LINK_DOWN not in pf.faults
         _netdev(spec, fn.path, dev, up=up, speed_mbps=model.speed_mbps, dev_port=0)
     return spec
+
+
+def _group(profile: Profile, name: str) -> NicGroup:
+    """The profile group a PF (``nic<i>``) came from."""
+    index = int(name.removeprefix("nic"))
+    seen = 0
+    for group in profile.nics:
+        if index < seen + group.count:
+            return group
+        seen += group.count
+    raise AssertionError(name)
+
+
+class _NicKind:
+    """SR-IOV NICs: PFs (ports of a card) placed from the profile, VFs derived from ``sriov_numvfs``."""
+
+    owns: tuple[DeviceKind, ...] = (DeviceKind.NIC_PF, DeviceKind.NIC_VF)
+    section: str | None = "nics"
+    prefix = "nic"
+
+    def ports(self, group: Any) -> int:
+        ports: int = group.ports_per_card
+        return ports
+
+    def buses(self, group: Any) -> int:
+        model = catalog.NICS[group.model]
+        total = model.max_vfs if group.total_vfs is None else group.total_vfs
+        rids: int = max(model.first_vf_offset, group.ports_per_card) + group.ports_per_card * total
+        return -(-rids // 256)
+
+    def place(
+        self,
+        placer: kinds.Placer,
+        names: list[str],
+        group: Any,
+        *,
+        node: int,
+        parent: str,
+        bus: int,
+        switch: str | None,
+    ) -> None:
+        model = catalog.NICS[group.model]
+        total = model.max_vfs if group.total_vfs is None else group.total_vfs
+        ports = group.ports_per_card
+        first = max(model.first_vf_offset, ports)
+        base = Bdf(0, bus, 0, 0).routing_id
+        vf_driver = VFIO_DRIVER if group.vf_driver == VFIO_DRIVER else model.vf_driver
+        for port, name in enumerate(names):
+            bdf = Bdf(0, bus, 0, port)
+            fn = placer.function(parent, bdf, "pf", model.pf_driver)
+            digest = hashlib.sha256(f"{placer.profile_name}/{name}".encode()).digest()
+            placer.add(
+                DeviceState(
+                    name=name,
+                    kind=DeviceKind.NIC_PF,
+                    model=model.key,
+                    numa_node=node,
+                    switch=switch,
+                    functions=[fn],
+                    netdev=f"enp{bus}s0f{port}",
+                    mac=f"{model.oui}:{digest[0]:02x}:{digest[1]:02x}:{digest[2]:02x}",
+                    ifindex=placer.next_ifindex(),
+                    total_vfs=total,
+                    num_vfs=0,
+                    vf_offset=base + first + port * total - (base + port),
+                    vf_stride=1,
+                    vf_driver=vf_driver,
+                    vf_group_base=placer.group_id(total),
+                )
+            )
+
+    def number(self, state: LabState, dev: DeviceState, counters: dict[str, int]) -> None:
+        return
+
+    def finish(self, state: LabState, dev: DeviceState) -> None:
+        if dev.kind is DeviceKind.NIC_PF:
+            set_vf_states(state, dev, _group(state.profile, dev.name).num_vfs)
+
+    def render(self, state: LabState, dev: DeviceState) -> Spec:
+        if dev.kind is DeviceKind.NIC_PF:
+            return render_pf(state, dev)
+        assert dev.parent is not None
+        if not state.devices[dev.parent].present:
+            return {}
+        return render_vf(state, dev)
+
+    def family(self, state: LabState, dev: DeviceState) -> list[str]:
+        if dev.kind is DeviceKind.NIC_PF:
+            return [dev.name, *(vf.name for vf in state.vfs_of(dev.name))]
+        return [dev.name]
+
+    def identity(self, dev: DeviceState) -> pci.Identity:
+        model = catalog.NICS[dev.model]
+        return model.pf if dev.kind is DeviceKind.NIC_PF else model.vf
+
+    def faults(self, dev: DeviceState) -> tuple[str, ...]:
+        if dev.kind is DeviceKind.NIC_PF:
+            return (LINK_DOWN, VFS_RESET)
+        return (LINK_DOWN,) if dev.netdev else ()
+
+    def shared(self, state: LabState, devices: list[DeviceState]) -> kinds.Shared:
+        out = kinds.Shared()
+        pfs = [d for d in devices if d.kind is DeviceKind.NIC_PF]
+        if pfs:
+            out.spec["sys/class/net"] = Dir()
+        out.drivers = {d.vf_driver for d in pfs if d.vf_driver}
+        if VFIO_DRIVER in out.drivers:
+            out.majors.add(majors.VFIO)
+            virtual_device(
+                out.spec,
+                "sys/devices/virtual/misc/vfio",
+                majors.MISC,
+                majors.VFIO_CONTAINER_MINOR,
+                "dev/vfio/vfio",
+            )
+        return out
+
+
+KIND = kinds.register(_NicKind())

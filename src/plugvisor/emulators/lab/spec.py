@@ -95,3 +95,30 @@ def add_node(spec: Spec, *, at: str, major: int, minor: int, sys_target: str, mo
     spec[at] = Node(major, minor, mode)
     add_link(spec, f"sys/dev/char/{major}:{minor}", sys_target)
     add_link(spec, f"dev/char/{major}:{minor}", at)
+
+
+def virtual_device(spec: Spec, path: str, major: int, minor: int, node: str) -> None:
+    """Add a class device under ``sys/devices/virtual`` (``dev``, ``uevent``) and its node."""
+    spec[path] = Dir()
+    spec[f"{path}/dev"] = text(f"{major}:{minor}")
+    name = node.removeprefix("dev/")
+    spec[f"{path}/uevent"] = text(f"MAJOR={major}\nMINOR={minor}\nDEVNAME={name}")
+    add_node(spec, at=node, major=major, minor=minor, sys_target=path)
+
+
+def driver_dir(spec: Spec, bus: str, driver: str, module: str | None) -> None:
+    """Add ``sys/bus/<bus>/drivers/<driver>`` with its control files and, for a module, both links.
+
+    ``module -> sys/module/<mod>`` and ``sys/module/<mod>/drivers/<bus>:<driver>``
+    back: ROCm's plugin finds ``amdgpu`` devices through the latter.
+    """
+    d = f"sys/bus/{bus}/drivers/{driver}"
+    spec[d] = Dir()
+    for name in ("bind", "unbind", "uevent") + (("new_id", "remove_id") if bus == "pci" else ()):
+        spec[f"{d}/{name}"] = File(b"", 0o200)
+    if module:
+        m = f"sys/module/{module}"
+        spec[f"{m}/initstate"] = text("live")
+        spec[f"{m}/refcnt"] = text(0)
+        add_link(spec, f"{d}/module", m)
+        add_link(spec, f"{m}/drivers/{bus}:{driver}", d)
