@@ -61,7 +61,7 @@ def _pcts(samples: list[float]) -> str:
 
 
 async def _run(changes: int, restarts: int) -> None:
-    from plugvisor.deviceplugin.logs import configure_logging
+    from plugvisor.common.logs import configure_logging
     from plugvisor.emulators.kubelet import EmulatedKubelet
 
     configure_logging(level="warning")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import structlog
 
-from plugvisor.deviceplugin.hostpaths import HostPaths
+from plugvisor.common.hostpaths import HostPaths
 from plugvisor.deviceplugin.runtime import DevicePluginRuntime, PluginConfig
 from plugvisor.emulators import lab
 from plugvisor.emulators.kubelet import EmulatedKubelet

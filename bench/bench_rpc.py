@@ -169,10 +169,10 @@ def bench_allocate(calls: int, rounds: int = 12) -> None:
 
 
 def bench_10k() -> None:
+    from plugvisor.common.hostpaths import HostPaths
     from plugvisor.deviceplugin import allocation
     from plugvisor.deviceplugin.cell import SnapshotCell
     from plugvisor.deviceplugin.hooks import Hooks
-    from plugvisor.deviceplugin.hostpaths import HostPaths
     from plugvisor.deviceplugin.server import PluginServer, device_list_message
     from plugvisor.plugins.generic import GenericOptions, GenericSource
 
@@ -231,7 +231,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=1000)
     parser.add_argument("--serve", nargs=2, metavar=("KIND", "SOCKET"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    from plugvisor.deviceplugin.logs import configure_logging
+    from plugvisor.common.logs import configure_logging
 
     configure_logging(level="warning")
     if args.serve:

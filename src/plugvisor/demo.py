@@ -32,7 +32,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from plugvisor.deviceplugin.logs import configure_logging
+from plugvisor.common.logs import configure_logging
 from plugvisor.emulators import lab as lab_
 from plugvisor.emulators.kubelet import EmulatedKubelet
 from plugvisor.supervisor import status as status_

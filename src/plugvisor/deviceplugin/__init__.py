@@ -19,6 +19,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from plugvisor.common.hostpaths import HostPaths
+    from plugvisor.common.logs import configure_logging
     from plugvisor.deviceplugin.devices import (
         Device,
         DeviceSet,
@@ -43,8 +45,6 @@ if TYPE_CHECKING:
         PreferredAllocator,
         resolve_hooks,
     )
-    from plugvisor.deviceplugin.hostpaths import HostPaths
-    from plugvisor.deviceplugin.logs import configure_logging
     from plugvisor.deviceplugin.runtime import DevicePluginRuntime, PluginConfig, Registration, run_plugin
 
 _HOME = {
@@ -66,8 +66,8 @@ _HOME = {
     "PostAllocator": "hooks",
     "PreferredAllocator": "hooks",
     "resolve_hooks": "hooks",
-    "HostPaths": "hostpaths",
-    "configure_logging": "logs",
+    "HostPaths": "plugvisor.common.hostpaths",
+    "configure_logging": "plugvisor.common.logs",
     "DevicePluginRuntime": "runtime",
     "PluginConfig": "runtime",
     "Registration": "runtime",
@@ -106,4 +106,5 @@ def __getattr__(name: str) -> Any:
     module = _HOME.get(name)
     if module is None:
         raise AttributeError(f"module 'plugvisor.deviceplugin' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"plugvisor.deviceplugin.{module}"), name)
+    home = module if "." in module else f"plugvisor.deviceplugin.{module}"
+    return getattr(importlib.import_module(home), name)

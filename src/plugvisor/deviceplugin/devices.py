@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Final, overload
 
-from plugvisor.api import constants
+from plugvisor.common import constants
 
 MAX_DEVICE_ID_LENGTH: Final = 63
 """The API's documented limit. The kubelet does not enforce it, but IDs end up in pod

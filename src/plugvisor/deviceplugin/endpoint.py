@@ -1,6 +1,6 @@
 """The plugin's own socket and gRPC server: unique per instance, probed before binding.
 
-Three rules from the field (see style.md, pitfalls): a fresh socket file name
+Three rules from the field (docs/architecture.md, "Plugin sockets"): a fresh socket file name
 for every server instance (a kubelet that tracks instances per socket path can
 then hand over between an old and a new plugin without a gap, and a stale socket
 can never be mistaken for ours); never bind over a socket another live process
@@ -11,36 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import os
-import re
-import secrets
 import stat
 from pathlib import Path
-from typing import Final
 
 import grpc
 import structlog
 
-from plugvisor.api import constants
 from plugvisor.api.deviceplugin.v1beta1 import api_pb2_grpc
+from plugvisor.common.sockets import socket_name, socket_path_problem
 from plugvisor.deviceplugin.errors import ConfigurationError, SocketInUseError
-
-SOCKET_PREFIX: Final = "plugvisor-"
-_SLUG_RE: Final = re.compile(r"[^a-z0-9]+")
-
-
-def socket_name(resource: str, token: str | None = None) -> str:
-    """A new socket file name for one server instance of ``resource``.
-
-    Readable (``plugvisor-gpu-1a2b3c-9f8e7d6c.sock``) yet short: the name part of
-    the resource, a hash of the full name (two domains may share a name part) and
-    a random token for this instance.
-    """
-    name_part = resource.rsplit("/", 1)[-1].lower()
-    slug = _SLUG_RE.sub("-", name_part).strip("-")[:24] or "resource"
-    digest = hashlib.sha256(resource.encode()).hexdigest()[:6]
-    return f"{SOCKET_PREFIX}{slug}-{digest}-{token or secrets.token_hex(4)}.sock"
 
 
 async def socket_is_live(path: Path, timeout: float = 0.5) -> bool:
@@ -57,11 +37,9 @@ async def socket_is_live(path: Path, timeout: float = 0.5) -> bool:
 
 def check_socket_path(path: Path) -> None:
     """Refuse a socket path grpc cannot bind (too long), naming the limit."""
-    if len(os.fsencode(path)) > constants.MAX_UNIX_SOCKET_PATH:
-        raise ConfigurationError(
-            f"socket path {str(path)!r} is {len(os.fsencode(path))} bytes; unix sockets allow "
-            f"{constants.MAX_UNIX_SOCKET_PATH}: use a shorter kubelet directory"
-        )
+    problem = socket_path_problem(path)
+    if problem is not None:
+        raise ConfigurationError(f"{problem}: use a shorter kubelet directory")
 
 
 class PluginEndpoint:

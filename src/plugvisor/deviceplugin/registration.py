@@ -4,8 +4,8 @@ A restarting kubelet deletes every socket in its device-plugins directory, then
 listens on a new ``kubelet.sock``; each plugin must serve a fresh socket and
 register again, or its resource drops to zero. Plugins in the wild detect this
 either by their own socket vanishing (Intel) or by ``kubelet.sock`` being created
-(NVIDIA, the kubelet's own Stub). :class:`KubeletDirWatch` watches for both with
-inotify, so the reaction starts within milliseconds rather than at the next poll.
+(NVIDIA, the kubelet's own Stub). :class:`KubeletDirState` counts both, from the
+inotify watch shared with the agent, so the reaction starts within milliseconds.
 
 A ``kubelet.sock`` creation only counts as a restart when the socket is a
 different file from the one we registered through (compared by inode and
@@ -23,10 +23,10 @@ from pathlib import Path
 
 import grpc
 import structlog
-from asyncinotify import Inotify, Mask
 
-from plugvisor.api import constants
 from plugvisor.api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from plugvisor.common import constants
+from plugvisor.common.kubeletdir import DirChange, DirEvent, KubeletDirWatch
 from plugvisor.deviceplugin.cell import SnapshotCell
 from plugvisor.deviceplugin.errors import RegistrationRejectedError
 
@@ -56,53 +56,39 @@ class DirState:
     socket_deletions: int = 0
 
 
-class KubeletDirWatch:
-    """Watches the device-plugins directory for kubelet.sock creations and our socket's deletion."""
+class KubeletDirState:
+    """The kubelet directory as registration needs it: counters of kubelet starts and of our socket's removal.
+
+    Fed by the shared :class:`~plugvisor.common.kubeletdir.KubeletDirWatch`; a
+    cell, so that any number of waiters see every change.
+    """
 
     def __init__(self, kubelet_dir: Path) -> None:
         self.kubelet_dir = kubelet_dir
         self.kubelet_socket = kubelet_dir / constants.KUBELET_SOCKET_NAME
         self.state: SnapshotCell[DirState] = SnapshotCell(DirState())
         self.own_socket: str | None = None
-        self._inotify: Inotify | None = None
-        self._log = structlog.get_logger("plugvisor.kubelet_watch")
+        self._watch = KubeletDirWatch(kubelet_dir, self._apply)
 
     def open(self) -> None:
         """Start watching (before anything is registered, so no event can be missed)."""
-        self.kubelet_dir.mkdir(mode=0o750, parents=True, exist_ok=True)
-        inotify = Inotify(sync_timeout=0)
-        inotify.add_watch(
-            self.kubelet_dir,
-            Mask.CREATE | Mask.DELETE | Mask.MOVED_TO | Mask.MOVED_FROM | Mask.DELETE_SELF | Mask.ONLYDIR,
-        )
-        self._inotify = inotify
+        self._watch.open()
 
     def close(self) -> None:
         """Stop watching."""
-        if self._inotify is not None:
-            self._inotify.close()
-            self._inotify = None
+        self._watch.close()
 
-    def _apply(self, mask: Mask, name: str) -> None:
+    def _apply(self, event: DirEvent) -> None:
         state = self.state.value
-        if mask & (Mask.CREATE | Mask.MOVED_TO) and name == constants.KUBELET_SOCKET_NAME:
+        if event.change is DirChange.KUBELET_SOCKET_CREATED:
             state = DirState(state.kubelet_creations + 1, state.socket_deletions)
-        elif mask & (Mask.DELETE | Mask.MOVED_FROM) and name == self.own_socket:
+        elif event.change is DirChange.FILE_REMOVED and event.name == self.own_socket:
             state = DirState(state.kubelet_creations, state.socket_deletions + 1)
-        elif mask & Mask.DELETE_SELF:
-            self._log.error("kubelet_dir_deleted", dir=str(self.kubelet_dir))
         self.state.publish(state)
 
     async def run(self) -> None:
-        """Turn inotify events into DirState changes, forever."""
-        inotify = self._inotify
-        if inotify is None:
-            raise RuntimeError("KubeletDirWatch.open() must be called before run()")
-        while True:
-            event = await inotify.get()
-            self._apply(event.mask, event.name.name if event.name else "")
-            while (more := inotify.sync_get()) is not None:
-                self._apply(more.mask, more.name.name if more.name else "")
+        """Turn directory events into DirState changes, forever."""
+        await self._watch.run()
 
     async def wait_for_kubelet(self) -> None:
         """Return once kubelet.sock exists (event-driven: no sleep loop)."""
@@ -157,7 +143,7 @@ class Registrar:
     the fallback for a kubelet that is up but slow to answer.
     """
 
-    def __init__(self, watch: KubeletDirWatch, *, resource: str, register_timeout: float = 30.0) -> None:
+    def __init__(self, watch: KubeletDirState, *, resource: str, register_timeout: float = 30.0) -> None:
         self._watch = watch
         self._resource = resource
         self._timeout = register_timeout

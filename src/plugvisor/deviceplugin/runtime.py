@@ -18,28 +18,23 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Final, Literal
+from typing import Literal
 
 import structlog
 
+from plugvisor.common.exitcodes import EXIT_CONFIGURATION, EXIT_FAILURE, EXIT_KUBELET_RESTARTED, EXIT_OK
+from plugvisor.common.hostpaths import HostPaths
+from plugvisor.common.names import extended_resource_name_problem
+from plugvisor.common.notify import StatusReporter
 from plugvisor.deviceplugin import metrics
 from plugvisor.deviceplugin.cell import SnapshotCell
 from plugvisor.deviceplugin.devices import DeviceSet
 from plugvisor.deviceplugin.endpoint import PluginEndpoint
 from plugvisor.deviceplugin.errors import ConfigurationError, RegistrationRejectedError, SocketInUseError
 from plugvisor.deviceplugin.hooks import DeviceSource, Hooks, resolve_hooks
-from plugvisor.deviceplugin.hostpaths import HostPaths
-from plugvisor.deviceplugin.names import extended_resource_name_problem
-from plugvisor.deviceplugin.registration import EndpointLostError, KubeletDirWatch, Registrar
+from plugvisor.deviceplugin.registration import EndpointLostError, KubeletDirState, Registrar
 from plugvisor.deviceplugin.server import PluginServer
-from plugvisor.deviceplugin.status import StatusReporter
 from plugvisor.deviceplugin.watch import DeviceWatcher
-
-EXIT_OK: Final = 0
-EXIT_FAILURE: Final = 1
-EXIT_CONFIGURATION: Final = 2
-EXIT_KUBELET_RESTARTED: Final = 3
-"""With ``on_kubelet_restart="exit"``: the kubelet restarted; whoever owns restarts starts us again now."""
 
 KubeletRestartPolicy = Literal["reregister", "exit"]
 
@@ -117,7 +112,7 @@ class DevicePluginRuntime:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Discover, serve, register; re-register after each kubelet restart; return when ``stop`` is set."""
-        dir_watch = KubeletDirWatch(self.config.paths.kubelet_dir)
+        dir_watch = KubeletDirState(self.config.paths.kubelet_dir)
         dir_watch.open()
         registrar = Registrar(
             dir_watch, resource=self.config.resource, register_timeout=self.config.register_timeout

@@ -18,8 +18,8 @@ from typing import Any, Final
 import grpc
 import structlog
 
-from plugvisor.api import constants
 from plugvisor.api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from plugvisor.common import constants
 from plugvisor.deviceplugin import allocation, metrics
 from plugvisor.deviceplugin.cell import CellClosedError, SnapshotCell
 from plugvisor.deviceplugin.devices import DeviceSet

@@ -25,8 +25,8 @@ from typing import Annotated, Any, Final, Literal
 
 import pydantic
 
+from plugvisor.common.hostpaths import HostPaths
 from plugvisor.deviceplugin.devices import MAX_DEVICE_ID_LENGTH, Device, DeviceSet, DeviceSpec, Mount
-from plugvisor.deviceplugin.hostpaths import HostPaths
 
 _ID_UNSAFE: Final = re.compile(r"[^A-Za-z0-9_.-]+")
 _GLOB_MAGIC: Final = re.compile(r"[*?\[]")

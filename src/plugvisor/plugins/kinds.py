@@ -9,12 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from importlib.metadata import EntryPoint, entry_points
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import pydantic
 
-from plugvisor.deviceplugin.hooks import DeviceSource
-from plugvisor.deviceplugin.hostpaths import HostPaths
+from plugvisor.common.hostpaths import HostPaths
+
+if TYPE_CHECKING:
+    # For the annotation only: the agent imports this registry to validate its configuration,
+    # and its import graph must not reach the framework (see docs/architecture.md).
+    from plugvisor.deviceplugin.hooks import DeviceSource
 
 ENTRY_POINT_GROUP = "plugvisor.plugins"
 

@@ -32,15 +32,12 @@ from typing import Any, Final
 
 import structlog
 
+from plugvisor.common.exitcodes import EXIT_CONFIGURATION, EXIT_KUBELET_RESTARTED
 from plugvisor.supervisor import states
 from plugvisor.supervisor.backoff import BackoffPolicy
 from plugvisor.supervisor.clock import Clock
 from plugvisor.supervisor.config import ChildSpec
 from plugvisor.supervisor.spawner import Spawner, SpawnError
-
-EXIT_CONFIGURATION: Final = 2
-EXIT_KUBELET_RESTARTED: Final = 3
-"""The child's exit codes (``plugvisor.deviceplugin.runtime``, restated: that module imports gRPC)."""
 
 CAUSE_CRASH: Final = "crash"
 CAUSE_KILLED: Final = "killed"
@@ -233,7 +230,7 @@ class Child:
         self._back_off(cap=cause == CAUSE_CONFIG)
 
     def on_status(self, fields: Mapping[str, str]) -> None:
-        """A status datagram from the process (see ``plugvisor.deviceplugin.status``)."""
+        """A status datagram from the process (see :mod:`plugvisor.common.notify`)."""
         if self.state not in (states.STARTING, states.RUNNING):
             return
         devices = fields.get("DEVICES")

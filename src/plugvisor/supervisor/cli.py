@@ -12,15 +12,13 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Final
 
 import click
 
+from plugvisor.common.exitcodes import EXIT_FAILURE, EXIT_USAGE
+from plugvisor.common.logs import configure_logging, log_options
 from plugvisor.supervisor import status as status_
 from plugvisor.supervisor.config import DEFAULT_RUNTIME_DIR, RUNTIME_DIR_ENV, ConfigError, load_config
-
-EXIT_FAILURE: Final = 1
-EXIT_USAGE: Final = 2
 
 _CONFIG = click.option(
     "--config",
@@ -33,20 +31,7 @@ _CONFIG = click.option(
 
 @click.command("run")
 @_CONFIG
-@click.option(
-    "--log-level",
-    type=click.Choice(["debug", "info", "warning", "error"]),
-    default="info",
-    show_default=True,
-    help="Least severe log level printed (to stderr), for the supervisor and its children.",
-)
-@click.option(
-    "--log-format",
-    type=click.Choice(["kv", "json"]),
-    default="kv",
-    show_default=True,
-    help="One line per event, key=value or JSON.",
-)
+@log_options(scope="for the agent and its children")
 def run_command(*, config_path: Path, log_level: str, log_format: str) -> None:
     """Run the node agent: one supervised plugin process per configured resource.
 
@@ -56,7 +41,6 @@ def run_command(*, config_path: Path, log_level: str, log_format: str) -> None:
     announced once every resource is registered.
     """
     # Imported when run: `plugvisor status` and `export` need neither the agent nor prometheus-client.
-    from plugvisor.deviceplugin.logs import configure_logging  # noqa: PLC0415
     from plugvisor.supervisor.supervisor import run_agent  # noqa: PLC0415
 
     configure_logging(level=log_level, fmt="json" if log_format == "json" else "kv")

@@ -10,16 +10,14 @@ before any process starts, exactly like a typo in our own keys.
 
 Validation runs in two passes (our keys, then each kind's keys) and the errors
 of the second pass are re-rooted under ``resources[i]`` so that one renderer
-(:func:`plugvisor.validation.describe`) prints them all.
+(:func:`plugvisor.common.validation.describe`) prints them all.
 """
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
 import json
 import os
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,30 +27,14 @@ import pydantic
 import pydantic_core
 import yaml
 
-from plugvisor.api import constants
-from plugvisor.deviceplugin.names import extended_resource_name_problem
+from plugvisor.common import constants
+from plugvisor.common.names import extended_resource_name_problem
+from plugvisor.common.sockets import longest_socket_path
+from plugvisor.common.validation import describe
 from plugvisor.plugins import kinds
-from plugvisor.validation import describe
 
-SOCKET_PREFIX: Final = "plugvisor-"
-"""Children name their sockets ``plugvisor-<slug>-<hash6>-<token>.sock``.
-
-The same rule as ``plugvisor.deviceplugin.endpoint.socket_name``, restated here
-because that module imports gRPC, which the supervisor never loads; a test
-checks that both agree.
-"""
-_SLUG_RE: Final = re.compile(r"[^a-z0-9]+")
-_SOCKET_NAME_LENGTH_WITHOUT_PREFIX: Final = len("-12345678.sock")
 DEFAULT_RUNTIME_DIR: Final = Path("/run/plugvisor")
 RUNTIME_DIR_ENV: Final = "PLUGVISOR_RUNTIME_DIR"
-
-
-def socket_prefix(resource: str) -> str:
-    """The part of a child's socket file name that is the same for every instance of ``resource``."""
-    name_part = resource.rsplit("/", 1)[-1].lower()
-    slug = _SLUG_RE.sub("-", name_part).strip("-")[:24] or "resource"
-    digest = hashlib.sha256(resource.encode()).hexdigest()[:6]
-    return f"{SOCKET_PREFIX}{slug}-{digest}"
 
 
 class ConfigError(Exception):
@@ -186,8 +168,7 @@ def _entry_errors(config: NodeConfig) -> list[pydantic_core.InitErrorDetails]:
             message = f"{resource.name} is already configured by resources[{seen[resource.name]}]"
             errors.append(_custom("duplicate_resource", message, ("resources", index, "name"), resource.name))
         seen.setdefault(resource.name, index)
-        longest = len(os.fsencode(config.kubelet_dir)) + 1 + len(socket_prefix(resource.name))
-        longest += _SOCKET_NAME_LENGTH_WITHOUT_PREFIX
+        longest = longest_socket_path(config.kubelet_dir, resource.name)
         if longest > constants.MAX_UNIX_SOCKET_PATH:
             message = (
                 f"too long for the sockets of {resource.name}: {longest} bytes, "

@@ -40,8 +40,13 @@ from typing import Any
 from plugvisor.supervisor import prctl
 from plugvisor.supervisor.spawner import CHILD_DEATH_SIGNAL
 
-_PLUGIN_COMMAND = "plugvisor.cli"
-"""The module whose ``main`` the children run: the same command ``python -m plugvisor`` runs."""
+_PLUGIN_ENTRY = "plugvisor.plugins.entry"
+"""The plugin entry module: its ``main(args)`` is what a child runs, the same as ``plugvisor plugin``.
+
+Imported by name, in this helper only: the supervisor's own import graph must
+not reach the framework (an import-linter contract), and only this process
+needs it.
+"""
 
 
 def _thread_count() -> int:
@@ -137,23 +142,13 @@ class _Server:
 
 
 def _run_plugin_command(args: list[str]) -> int:
-    command = importlib.import_module(_PLUGIN_COMMAND)
-    try:
-        command.main(args=args, prog_name="plugvisor")
-    except SystemExit as exc:
-        if exc.code is None:
-            return 0
-        if isinstance(exc.code, int):
-            return exc.code
-        sys.stderr.write(f"{exc.code}\n")
-        return 1
-    return 0
+    code: int = importlib.import_module(_PLUGIN_ENTRY).main(args)
+    return code
 
 
 def _preload(kinds: Sequence[str]) -> None:
     """Import what every child needs, so that a fork inherits it instead of importing it again."""
-    importlib.import_module(_PLUGIN_COMMAND)
-    importlib.import_module("plugvisor.deviceplugin.runtime")
+    importlib.import_module(_PLUGIN_ENTRY).preload()
     kinds_ = importlib.import_module("plugvisor.plugins.kinds")
     for name in kinds:
         with contextlib.suppress(Exception):  # the child reports a broken kind itself

@@ -1,6 +1,6 @@
 """Receiving the children's status datagrams, each attributed to the process that sent it.
 
-Children send sd_notify-format datagrams (``plugvisor.deviceplugin.status``) to
+Children send sd_notify-format datagrams (:mod:`plugvisor.common.notify`) to
 one socket in the runtime directory, named in their environment. Like systemd
 with ``NOTIFY_SOCKET``, the supervisor tells senders apart by the kernel's
 credentials (``SO_PASSCRED``): the sender's PID cannot be forged by a child and
@@ -17,7 +17,7 @@ import struct
 from collections.abc import Callable
 from pathlib import Path
 
-from plugvisor.deviceplugin import status
+from plugvisor.common import notify
 
 Report = Callable[[int, dict[str, str]], None]
 """Called with the sender's PID and the decoded fields."""
@@ -64,7 +64,7 @@ class ReportListener:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
                     pid = _UCRED.unpack(payload[: _UCRED.size])[0]
             if pid:
-                self._on_report(pid, status.decode(data))
+                self._on_report(pid, notify.decode(data))
 
     def close(self) -> None:
         """Stop reading and remove the socket file."""

@@ -31,13 +31,14 @@ from typing import IO, Any, Final
 
 import structlog
 
+from plugvisor.common.notify import STATUS_SOCKET_ENV
+from plugvisor.common.sockets import SOCKET_PREFIX, SOCKET_SUFFIX
 from plugvisor.supervisor import states
 from plugvisor.supervisor import status as status_
 from plugvisor.supervisor.backoff import BackoffPolicy
 from plugvisor.supervisor.child import CAUSE_RELOAD, Child
 from plugvisor.supervisor.clock import Clock, SystemClock
 from plugvisor.supervisor.config import (
-    SOCKET_PREFIX,
     ChildSpec,
     ConfigError,
     NodeConfig,
@@ -310,7 +311,7 @@ def remove_stale_sockets(kubelet_dir: Path) -> list[str]:
     """
     removed = []
     with contextlib.suppress(FileNotFoundError):
-        for path in sorted(kubelet_dir.glob(f"{SOCKET_PREFIX}*.sock")):
+        for path in sorted(kubelet_dir.glob(f"{SOCKET_PREFIX}*{SOCKET_SUFFIX}")):
             try:
                 if not stat.S_ISSOCK(path.lstat().st_mode) or _socket_is_live(path):
                     continue
@@ -380,7 +381,7 @@ class Agent:
 
     def _child_env(self, report_socket: Path, multiproc_dir: Path) -> dict[str, str]:
         env = {key: value for key, value in self._env.items() if key not in SYSTEMD_ENV}
-        env["PLUGVISOR_STATUS_SOCKET"] = str(report_socket)
+        env[STATUS_SOCKET_ENV] = str(report_socket)
         env["PROMETHEUS_MULTIPROC_DIR"] = str(multiproc_dir)
         return env
 

@@ -4,18 +4,18 @@ With ``Type=notify`` systemd considers the agent started only when it sends
 ``READY=1``; we send it once every resource is registered with the kubelet, so
 that units ordered after plugvisor (and ``systemctl start`` itself) see a node
 that actually advertises its devices. The protocol is a datagram of
-``KEY=value`` lines (sd_notify(3)); it is small enough to speak directly, which
-keeps libsystemd out of the dependencies. Everything here is a no-op when the
-variables are absent, so the same code runs outside systemd.
+``KEY=value`` lines (:mod:`plugvisor.common.notify`, shared with the plugins'
+reports to us). Everything here is a no-op when the variables are absent, so
+the same code runs outside systemd.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import socket
 from collections.abc import Mapping
 from typing import Final
+
+from plugvisor.common.notify import DatagramSender, socket_address
 
 NOTIFY_SOCKET_ENV: Final = "NOTIFY_SOCKET"
 WATCHDOG_USEC_ENV: Final = "WATCHDOG_USEC"
@@ -29,11 +29,7 @@ class Notifier:
 
     def __init__(self, env: Mapping[str, str] | None = None) -> None:
         env = os.environ if env is None else env
-        path = env.get(NOTIFY_SOCKET_ENV) or None
-        self.address: str | None = None
-        if path is not None and path.startswith(("/", "@")):
-            # A leading '@' names a socket in the abstract namespace.
-            self.address = "\0" + path[1:] if path.startswith("@") else path
+        self._sender = DatagramSender(socket_address(env.get(NOTIFY_SOCKET_ENV, "")))
         self.watchdog_interval: float | None = None
         usec = env.get(WATCHDOG_USEC_ENV, "")
         watchdog_pid = env.get(WATCHDOG_PID_ENV, "")
@@ -41,26 +37,21 @@ class Notifier:
         if usec.isdigit() and int(usec) > 0 and for_us:
             # Ping at half the timeout, as sd_watchdog_enabled(3) recommends.
             self.watchdog_interval = int(usec) / 1e6 / 2
-        self._sock: socket.socket | None = None
-        if self.address is not None:
-            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
         self._last_status: str | None = None
 
     @property
     def enabled(self) -> bool:
         """Whether systemd listens."""
-        return self._sock is not None
+        return self._sender.enabled
+
+    @property
+    def address(self) -> str | None:
+        """Where the datagrams go (a leading NUL: the abstract namespace), or None outside systemd."""
+        return self._sender.address
 
     def notify(self, **fields: str | int) -> bool:
-        """Send one datagram of ``KEY=value`` lines; never raises."""
-        if self._sock is None or self.address is None:
-            return False
-        message = "\n".join(f"{key}={value}" for key, value in fields.items()).encode()
-        try:
-            self._sock.sendto(message, self.address)
-        except OSError:
-            return False
-        return True
+        """Send one datagram of ``KEY=value`` lines; a missing listener only drops it."""
+        return self._sender.send(**fields)
 
     def ready(self, status: str) -> None:
         """The service is up: every resource registered."""
@@ -87,7 +78,4 @@ class Notifier:
 
     def close(self) -> None:
         """Release the socket."""
-        if self._sock is not None:
-            with contextlib.suppress(OSError):
-                self._sock.close()
-            self._sock = None
+        self._sender.close()

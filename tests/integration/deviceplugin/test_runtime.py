@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from plugvisor.common.hostpaths import HostPaths
 from plugvisor.deviceplugin.devices import Device, DeviceSet, DeviceSpec, Health
-from plugvisor.deviceplugin.hostpaths import HostPaths
 from plugvisor.deviceplugin.runtime import DevicePluginRuntime, PluginConfig
 from plugvisor.emulators.kubelet import EmulatedKubelet, PluginMethod
 
@@ -219,7 +219,7 @@ class TestSupervision:
     ):
         import socket
 
-        from plugvisor.deviceplugin.status import StatusReporter, decode
+        from plugvisor.common.notify import StatusReporter, decode
 
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         listener.bind(str(short_dir / "status.sock"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from plugvisor.api import constants
+from plugvisor.common import constants
 from plugvisor.emulators.kubelet import EmulatedKubelet, EventKind, checkpoint, devices
 from plugvisor.emulators.kubelet.pods import PodPhase
 

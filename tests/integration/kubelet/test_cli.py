@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from plugvisor.api import constants
+from plugvisor.common import constants
 
 RUN = "from plugvisor.emulators.kubelet.cli import kubelet_command; kubelet_command()"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from plugvisor.api import constants
+from plugvisor.common import constants
 from plugvisor.emulators.kubelet import EmulatedKubelet, EventKind, PluginMethod, device, devices
 
 from .conftest import PluginFactory, counts

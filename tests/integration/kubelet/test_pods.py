@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from plugvisor.api import constants
 from plugvisor.api.deviceplugin.v1beta1 import api_pb2
+from plugvisor.common import constants
 from plugvisor.emulators.kubelet import EmulatedKubelet, EventKind, PluginMethod, device, devices
 from plugvisor.emulators.kubelet.gates import FeatureGates
 from plugvisor.emulators.kubelet.manifest import ManifestError

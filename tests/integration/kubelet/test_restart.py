@@ -7,7 +7,7 @@ import os
 import socket
 from pathlib import Path
 
-from plugvisor.api import constants
+from plugvisor.common import constants
 from plugvisor.emulators.kubelet import EmulatedKubelet, EventKind, devices
 
 from .conftest import PluginFactory, counts

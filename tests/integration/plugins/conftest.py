@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from plugvisor.deviceplugin.hostpaths import HostPaths
+from plugvisor.common.hostpaths import HostPaths
 from plugvisor.deviceplugin.runtime import DevicePluginRuntime, PluginConfig
 from plugvisor.emulators import lab
 from plugvisor.emulators.kubelet import EmulatedKubelet

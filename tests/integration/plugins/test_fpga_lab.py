@@ -264,8 +264,8 @@ async def test_plugin_fpga_runs_as_a_real_process_with_release_cleanup(make_lab,
 
 async def test_the_proposed_deallocate_call_cleans_once_even_when_the_watch_also_sees_the_release(short_dir):
     """Deallocate (emulated kubelet gate) and the PodResources watch may both notice one release."""
+    from plugvisor.common.hostpaths import HostPaths
     from plugvisor.deviceplugin.devices import DeviceSet
-    from plugvisor.deviceplugin.hostpaths import HostPaths
 
     lab_root = Path(tempfile.mkdtemp(prefix="pvf-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     try:

@@ -6,8 +6,8 @@ from collections.abc import Iterable
 
 import pytest
 
-from plugvisor.api import constants
 from plugvisor.api.deviceplugin.v1beta1 import api_pb2
+from plugvisor.common import constants
 from plugvisor.emulators.kubelet import allocation, endpoint, errors, journal, manager, model
 
 GPU = "example.com/gpu"

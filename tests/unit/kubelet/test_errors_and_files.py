@@ -12,8 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from plugvisor.api import constants
-from plugvisor.deviceplugin import names
+from plugvisor.common import constants, names
 from plugvisor.emulators.kubelet import errors, registration, view
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from plugvisor.api import constants
 from plugvisor.api.deviceplugin.v1beta1 import api_pb2
+from plugvisor.common import constants
 from plugvisor.emulators.kubelet import endpoint, journal, manager, model
 
 GPU = "example.com/gpu"

@@ -6,8 +6,8 @@ from types import MappingProxyType
 
 import pytest
 
-from plugvisor.api import constants
 from plugvisor.api.deviceplugin.v1beta1 import api_pb2
+from plugvisor.common import constants
 from plugvisor.emulators.kubelet import gates, manager, podresources
 
 GPU = "example.com/gpu"

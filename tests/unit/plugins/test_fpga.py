@@ -9,9 +9,9 @@ from pathlib import Path
 import pydantic
 import pytest
 
+from plugvisor.common.hostpaths import HostPaths
+from plugvisor.common.names import extended_resource_name_problem
 from plugvisor.deviceplugin.devices import DeviceSet
-from plugvisor.deviceplugin.hostpaths import HostPaths
-from plugvisor.deviceplugin.names import extended_resource_name_problem
 from plugvisor.emulators import lab
 from plugvisor.plugins.fpga import (
     KIND,

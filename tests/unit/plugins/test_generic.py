@@ -5,9 +5,9 @@ from pathlib import Path
 import pydantic
 import pytest
 
-from plugvisor.deviceplugin.hostpaths import HostPaths
+from plugvisor.common.hostpaths import HostPaths
+from plugvisor.common.validation import describe
 from plugvisor.plugins.generic import KIND, GenericOptions, GenericSource
-from plugvisor.validation import describe
 
 ROOT = Path("/lab")
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import pydantic
 import pytest
 
-from plugvisor.deviceplugin.hostpaths import HostPaths
+from plugvisor.common.hostpaths import HostPaths
+from plugvisor.common.validation import describe
 from plugvisor.emulators import lab
 from plugvisor.plugins.gpu import KIND, GpuOptions
 from plugvisor.plugins.gpu.discovery import parse_information
-from plugvisor.validation import describe
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,8 @@
 import pydantic
 import pytest
 
+from plugvisor.common.validation import describe
 from plugvisor.plugins.nic import NicOptions, env_name
-from plugvisor.validation import describe
 
 
 def test_env_name_follows_the_sriov_plugin():

@@ -103,12 +103,3 @@ class TestParseConfig:
         bad.write_text("resources: [\n")
         with pytest.raises(config_.ConfigError, match="not valid YAML"):
             config_.load_config(bad)
-
-
-class TestSocketPrefix:
-    @pytest.mark.parametrize("resource", ["example.com/fuse", "vendor.example/GPU_big.x", "a.b/---"])
-    def test_it_matches_the_names_children_give_their_sockets(self, resource):
-        """The supervisor's copy of the naming rule agrees with the framework's (which imports gRPC)."""
-        from plugvisor.deviceplugin.endpoint import socket_name
-
-        assert socket_name(resource, "12345678") == config_.socket_prefix(resource) + "-12345678.sock"

@@ -33,7 +33,7 @@ from types import MappingProxyType
 from google.protobuf import text_format
 
 from plugvisor.api.deviceplugin.v1beta1 import api_pb2
-from plugvisor.deviceplugin import names
+from plugvisor.common import names
 from plugvisor.emulators.kubelet import endpoint as endpoint_
 from plugvisor.emulators.kubelet import errors, journal, manager, model
 

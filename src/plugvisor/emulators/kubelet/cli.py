@@ -25,7 +25,7 @@ from typing import Any
 import click
 import structlog
 
-from plugvisor.api import constants
+from plugvisor.common import constants
 from plugvisor.emulators.kubelet import gates, model, registration
 from plugvisor.emulators.kubelet import kubelet as kubelet_
 

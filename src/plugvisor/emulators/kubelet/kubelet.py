@@ -38,8 +38,8 @@ from typing import Final
 
 import grpc
 
-from plugvisor.api import constants
 from plugvisor.api.deviceplugin.v1beta1 import api_pb2
+from plugvisor.common import constants
 from plugvisor.emulators.kubelet import allocation as allocation_
 from plugvisor.emulators.kubelet import checkpoint as checkpoint_
 from plugvisor.emulators.kubelet import client as client_

@@ -29,8 +29,8 @@ from typing import Final
 
 from google.protobuf import message as message_
 
-from plugvisor.api import constants
 from plugvisor.api.deviceplugin.v1beta1 import api_pb2
+from plugvisor.common import constants
 from plugvisor.emulators.kubelet import checkpoint as checkpoint_
 from plugvisor.emulators.kubelet import endpoint as endpoint_
 from plugvisor.emulators.kubelet import journal, model

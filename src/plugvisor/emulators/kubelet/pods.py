@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol
 
-from plugvisor.api import constants
 from plugvisor.api.deviceplugin.v1beta1 import api_pb2
+from plugvisor.common import constants
 from plugvisor.emulators.kubelet import allocation, errors, journal, manager, manifest, model, runtime_config
 
 

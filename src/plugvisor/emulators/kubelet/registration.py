@@ -51,9 +51,8 @@ from typing import Literal, TypeAlias
 import grpc
 import structlog
 
-from plugvisor.api import constants
 from plugvisor.api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
-from plugvisor.deviceplugin import names
+from plugvisor.common import constants, names
 from plugvisor.emulators.kubelet import client as client_
 from plugvisor.emulators.kubelet import errors, journal, model, unixserver
 

@@ -30,8 +30,8 @@ from typing import TypeAlias
 import grpc
 from google.protobuf import message as message_
 
-from plugvisor.api import constants
 from plugvisor.api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from plugvisor.common import constants
 from plugvisor.emulators.kubelet import model, unixserver
 
 AllocateFunc: TypeAlias = Callable[[api_pb2.AllocateRequest], api_pb2.AllocateResponse]

@@ -16,7 +16,7 @@ import hashlib
 import re
 from typing import Final
 
-from plugvisor.deviceplugin.names import extended_resource_name_problem
+from plugvisor.common.names import extended_resource_name_problem
 
 INTEL_DOMAIN: Final = "fpga.intel.com"
 XILINX_DOMAIN: Final = "amd.com"

@@ -14,8 +14,8 @@ from typing import Any, Final, Literal
 import pydantic
 import structlog
 
+from plugvisor.common.hostpaths import HostPaths
 from plugvisor.deviceplugin.devices import Device, DeviceSet, DeviceSpec, Health
-from plugvisor.deviceplugin.hostpaths import HostPaths
 from plugvisor.plugins import sysfs
 from plugvisor.plugins.fpga import naming
 from plugvisor.plugins.fpga.discovery import FpgaDevice, FpgaScanner

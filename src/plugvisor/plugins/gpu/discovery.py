@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from plugvisor.deviceplugin.hostpaths import HostPaths
+from plugvisor.common.hostpaths import HostPaths
 from plugvisor.plugins import sysfs
 from plugvisor.plugins.gpu.options import ACCELERATOR_CLASS, AMD, DISPLAY_CLASS, NVIDIA, GpuOptions
 

@@ -11,9 +11,9 @@ from typing import Any, Final, Literal
 import pydantic
 import structlog
 
+from plugvisor.common.hostpaths import HostPaths
 from plugvisor.deviceplugin.devices import Device, DeviceSet, DeviceSpec, Health
 from plugvisor.deviceplugin.hooks import ContainerAllocation
-from plugvisor.deviceplugin.hostpaths import HostPaths
 from plugvisor.plugins import sysfs, topology
 from plugvisor.plugins.gpu import cdi
 from plugvisor.plugins.gpu.discovery import Gpu, GpuScanner

@@ -30,9 +30,9 @@ from typing import Any, Final, Literal
 import pydantic
 import structlog
 
+from plugvisor.common.hostpaths import HostPaths
 from plugvisor.deviceplugin.devices import Device, DeviceSet, DeviceSpec, Health
 from plugvisor.deviceplugin.hooks import ContainerAllocation
-from plugvisor.deviceplugin.hostpaths import HostPaths
 from plugvisor.plugins import sysfs
 from plugvisor.plugins.nic.options import NicOptions
 

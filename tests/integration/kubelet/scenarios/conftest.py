@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from plugvisor.common.hostpaths import HostPaths
 from plugvisor.deviceplugin.devices import Device, DeviceSet, Health, Mount
-from plugvisor.deviceplugin.hostpaths import HostPaths
 from plugvisor.deviceplugin.runtime import DevicePluginRuntime, PluginConfig
 from plugvisor.emulators.kubelet import EmulatedKubelet
 from plugvisor.emulators.kubelet.gates import FeatureGates

@@ -2,7 +2,7 @@
 
 import pytest
 
-from plugvisor.deviceplugin.status import StatusReporter, decode, encode
+from plugvisor.common.notify import StatusReporter, decode, encode
 
 
 def test_fields_round_trip():

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from plugvisor.api import constants
+from plugvisor.common import constants
 
 
 @dataclass(frozen=True, slots=True)

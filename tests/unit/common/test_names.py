@@ -2,7 +2,7 @@
 
 import pytest
 
-from plugvisor.deviceplugin.names import extended_resource_name_problem, go_quote, is_extended_resource_name
+from plugvisor.common.names import extended_resource_name_problem, go_quote, is_extended_resource_name
 
 
 class TestExtendedResourceName:

@@ -1,0 +1,109 @@
+"""Watching the kubelet's device-plugins directory, for the plugins and for the agent alike.
+
+A starting kubelet deletes every socket in its device-plugins directory and then
+listens on a new ``kubelet.sock`` (docs/architecture.md, "Kubelet restarts"). A plugin
+must notice this to serve a fresh socket and register again; the agent notices it
+to report the restart, to know which children lost their registration and (policy
+``restart``) to restart them at once. Plugins in the wild watch for either sign:
+their own socket vanishing (Intel) or ``kubelet.sock`` being created (NVIDIA, the
+kubelet's own test stub). This watch reports both, with inotify, so a reaction
+starts within milliseconds rather than at the next poll.
+
+One watch serves both users, so it reports every sign and leaves the choice of
+which matter to them: a ``kubelet.sock`` created or moved in, any file deleted or
+moved away (the plugin cares about its own socket, the agent about any of its
+children's), and the directory itself going away.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+import structlog
+from asyncinotify import Inotify, Mask
+
+from plugvisor.common.constants import KUBELET_SOCKET_NAME
+
+_MASK: Final = Mask.CREATE | Mask.MOVED_TO | Mask.DELETE | Mask.MOVED_FROM | Mask.DELETE_SELF | Mask.ONLYDIR
+
+
+class DirChange(enum.Enum):
+    """What happened in the kubelet's directory."""
+
+    KUBELET_SOCKET_CREATED = "kubelet-socket-created"
+    """``kubelet.sock`` was created or moved in: a kubelet (possibly a new one) listens."""
+    FILE_REMOVED = "file-removed"
+    """A file was deleted or moved away (a starting kubelet removes every socket)."""
+    DIR_REMOVED = "dir-removed"
+    """The directory itself was deleted; nothing more will be reported."""
+
+
+@dataclass(frozen=True, slots=True)
+class DirEvent:
+    """One change, with the file name it concerns (empty for :attr:`DirChange.DIR_REMOVED`)."""
+
+    change: DirChange
+    name: str
+
+
+def classify(mask: Mask, name: str) -> DirEvent | None:
+    """Turn one inotify event into what it means for the kubelet contract (None: nothing)."""
+    if mask & (Mask.CREATE | Mask.MOVED_TO):
+        return DirEvent(DirChange.KUBELET_SOCKET_CREATED, name) if name == KUBELET_SOCKET_NAME else None
+    if mask & (Mask.DELETE | Mask.MOVED_FROM):
+        return DirEvent(DirChange.FILE_REMOVED, name)
+    if mask & Mask.DELETE_SELF:
+        return DirEvent(DirChange.DIR_REMOVED, "")
+    return None
+
+
+class KubeletDirWatch:
+    """inotify on one kubelet directory, calling ``on_event`` for each :class:`DirEvent`, in order.
+
+    :meth:`open` starts watching at once (before anything is registered, so no
+    event can be missed); :meth:`run` delivers the events and runs until
+    cancelled, on the running event loop.
+    """
+
+    def __init__(self, kubelet_dir: Path, on_event: Callable[[DirEvent], None]) -> None:
+        self.kubelet_dir = kubelet_dir
+        self.kubelet_socket = kubelet_dir / KUBELET_SOCKET_NAME
+        self._on_event = on_event
+        self._inotify: Inotify | None = None
+        self._log = structlog.get_logger("plugvisor.kubelet_dir")
+
+    def open(self) -> None:
+        """Start watching, creating the directory as the kubelet would (mode 0750)."""
+        self.kubelet_dir.mkdir(mode=0o750, parents=True, exist_ok=True)
+        inotify = Inotify(sync_timeout=0)
+        inotify.add_watch(self.kubelet_dir, _MASK)
+        self._inotify = inotify
+
+    def close(self) -> None:
+        """Stop watching."""
+        if self._inotify is not None:
+            self._inotify.close()
+            self._inotify = None
+
+    def _deliver(self, mask: Mask, name: str) -> None:
+        event = classify(mask, name)
+        if event is None:
+            return
+        if event.change is DirChange.DIR_REMOVED:
+            self._log.error("kubelet_dir_deleted", dir=str(self.kubelet_dir))
+        self._on_event(event)
+
+    async def run(self) -> None:
+        """Deliver events until cancelled (a burst is delivered without yielding in between)."""
+        inotify = self._inotify
+        if inotify is None:
+            raise RuntimeError("KubeletDirWatch.open() must be called before run()")
+        while True:
+            event = await inotify.get()
+            self._deliver(event.mask, event.name.name if event.name else "")
+            while (more := inotify.sync_get()) is not None:
+                self._deliver(more.mask, more.name.name if more.name else "")

@@ -1,0 +1,129 @@
+"""Structured logging for every plugvisor process: one line per event, ``key=value`` or JSON.
+
+Under ``plugvisor run`` the agent and all its children write to the same
+standard error, so a record must reach it whole: each one is rendered to a
+single line (the renderers escape newlines, tracebacks included) and written
+with one ``write(2)`` of the whole line. Python's ``print`` writes the text and
+the newline separately, and when standard error is unbuffered (``python -u``,
+``PYTHONUNBUFFERED``) two processes' records then interleave mid-line; a log
+shipper reading JSON lines chokes on the result. The kernel keeps a single
+write to a pipe of up to ``PIPE_BUF`` (4096) bytes in one piece, and a single
+write to a file in one piece at the file's offset.
+
+structlog's filtering bound logger makes a disabled level cost one method call,
+which matters on the Allocate path (allocations are logged at debug).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import sys
+from collections.abc import Callable
+from typing import Any, Final, Literal, TextIO
+
+import click
+import structlog
+
+LogFormat = Literal["kv", "json"]
+LOG_LEVELS: Final = ("debug", "info", "warning", "error")
+
+
+class LineWriter:
+    """A structlog logger that writes each rendered record as one line in one write.
+
+    When the stream has a file descriptor the line goes straight to it with
+    ``os.write`` (retried for the rest after a partial write, which only a
+    signal or a line longer than the pipe's buffer causes); a stream without one
+    (pytest's capture, an ``io.StringIO``) gets the whole line in one ``write``
+    call. Logging never raises: a closed or full standard error loses the line.
+    """
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        try:
+            self._fd: int | None = stream.fileno()
+        except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+            self._fd = None
+
+    def msg(self, message: str) -> None:
+        """Write one record."""
+        line = message + "\n"
+        with contextlib.suppress(OSError, ValueError):
+            if self._fd is None:
+                self._stream.write(line)
+                self._stream.flush()
+                return
+            # Whatever Python buffered for this stream must come out first, to keep the order.
+            self._stream.flush()
+            data = line.encode(errors="backslashreplace")
+            while data:
+                written = os.write(self._fd, data)
+                data = data[written:]
+
+    log = debug = info = warn = warning = error = err = critical = exception = fatal = failure = msg
+
+
+def configure_logging(*, level: str = "info", fmt: LogFormat = "kv", stream: TextIO | None = None) -> None:
+    """Configure structlog for a plugvisor process (idempotent; last call wins).
+
+    ``stream`` defaults to the process's standard error at the time of the call.
+    """
+    numeric = logging.getLevelNamesMapping().get(level.upper())
+    if numeric is None:
+        raise ValueError(f"log level {level!r} is not one of {', '.join(LOG_LEVELS)}")
+    renderer: structlog.typing.Processor
+    if fmt == "json":
+        renderer = structlog.processors.JSONRenderer(sort_keys=False)
+    else:
+        renderer = structlog.processors.KeyValueRenderer(
+            key_order=["ts", "level", "event"], drop_missing=True
+        )
+    writer = LineWriter(sys.stderr if stream is None else stream)
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True, key="ts"),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(numeric),
+        logger_factory=lambda *_args: writer,
+        cache_logger_on_first_use=False,
+    )
+
+
+def log_options(*, scope: str = "") -> Callable[[Any], Any]:
+    """The ``--log-level`` and ``--log-format`` options every long-running command shares."""
+    suffix = f", {scope}" if scope else ""
+
+    def decorate(func: Any) -> Any:
+        func = click.option(
+            "--log-format",
+            type=click.Choice(["kv", "json"]),
+            default="kv",
+            show_default=True,
+            help="One line per event, key=value or JSON.",
+        )(func)
+        return click.option(
+            "--log-level",
+            type=click.Choice(LOG_LEVELS),
+            default="info",
+            show_default=True,
+            help=f"Least severe log level printed (to stderr){suffix}.",
+        )(func)
+
+    return decorate
+
+
+def quiet_grpc_core() -> None:
+    """Keep gRPC core's own info lines (a GOAWAY on every peer restart) off standard error.
+
+    gRPC reads ``GRPC_VERBOSITY`` when it is first imported, so this must run
+    before that; our structured log says what matters. An explicit
+    ``GRPC_VERBOSITY`` in the environment still wins.
+    """
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")

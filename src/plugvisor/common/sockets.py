@@ -1,0 +1,58 @@
+"""How plugvisor names its plugin sockets, and the length limit every socket path must respect.
+
+Each server instance of a resource gets a fresh file name in the kubelet's
+directory, ``plugvisor-<slug>-<hash6>-<token>.sock``: readable (the name part of
+the resource), unambiguous (a hash of the full name: two domains may share a
+name part) and unique per instance (a random token), so a stale file can never
+be mistaken for a live one. The plugin creates these names; the agent finds its
+children's files by the same prefix (to notice their deletion, to clean up after
+a crash) and checks the configured directory leaves room for them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import secrets
+from pathlib import Path
+from typing import Final
+
+from plugvisor.common.constants import MAX_UNIX_SOCKET_PATH
+
+SOCKET_PREFIX: Final = "plugvisor-"
+SOCKET_SUFFIX: Final = ".sock"
+_SLUG_RE: Final = re.compile(r"[^a-z0-9]+")
+_TOKEN_BYTES: Final = 4
+_INSTANCE_PART_LENGTH: Final = len("-") + 2 * _TOKEN_BYTES + len(SOCKET_SUFFIX)
+
+
+def socket_prefix(resource: str) -> str:
+    """The part of a socket file name that is the same for every instance of ``resource``."""
+    name_part = resource.rsplit("/", 1)[-1].lower()
+    slug = _SLUG_RE.sub("-", name_part).strip("-")[:24] or "resource"
+    digest = hashlib.sha256(resource.encode()).hexdigest()[:6]
+    return f"{SOCKET_PREFIX}{slug}-{digest}"
+
+
+def socket_name(resource: str, token: str | None = None) -> str:
+    """A new socket file name for one server instance of ``resource`` (``token``: fixed, for tests)."""
+    return f"{socket_prefix(resource)}-{token or secrets.token_hex(_TOKEN_BYTES)}{SOCKET_SUFFIX}"
+
+
+def is_plugvisor_socket(name: str) -> bool:
+    """Whether a file name in the kubelet's directory is one of our plugin sockets."""
+    return name.startswith(SOCKET_PREFIX) and name.endswith(SOCKET_SUFFIX)
+
+
+def longest_socket_path(kubelet_dir: Path, resource: str) -> int:
+    """The length in bytes of every socket path of ``resource`` in ``kubelet_dir``."""
+    return len(os.fsencode(kubelet_dir)) + 1 + len(socket_prefix(resource)) + _INSTANCE_PART_LENGTH
+
+
+def socket_path_problem(path: Path) -> str | None:
+    """Why a unix socket cannot be bound at ``path`` (too long for ``sun_path``); None when it can."""
+    length = len(os.fsencode(path))
+    if length > MAX_UNIX_SOCKET_PATH:
+        return f"socket path {str(path)!r} is {length} bytes; unix sockets allow {MAX_UNIX_SOCKET_PATH}"
+    return None

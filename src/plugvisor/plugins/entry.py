@@ -1,0 +1,236 @@
+"""One plugin process: ``plugvisor plugin KIND ...``, and what the agent's fork server runs in a child.
+
+This is the whole of what a plugin process needs on top of the framework: the
+command's options, the kind's options read from a file, JSON or flags, and
+:func:`~plugvisor.deviceplugin.run_plugin`. The fork server imports this module
+(and nothing of the command-line group) before it forks, and calls :func:`main`
+in each child; ``plugvisor plugin`` is the same command reached through the
+``plugvisor`` group.
+
+When ``PLUGVISOR_STATUS_SOCKET`` names a unix datagram socket, the plugin
+reports its registrations and device counts there (:mod:`plugvisor.common.notify`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+import pydantic
+import yaml
+
+from plugvisor.common import constants
+from plugvisor.common.exitcodes import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
+from plugvisor.common.hostpaths import HostPaths
+from plugvisor.common.logs import configure_logging, log_options, quiet_grpc_core
+from plugvisor.common.validation import describe
+from plugvisor.plugins.kinds import UnknownKindError, get_kind
+
+# The framework's runtime (and so grpc) is imported when a plugin starts, after this.
+quiet_grpc_core()
+
+COMMAND = "plugin"
+"""The first of a child's arguments: the agent hands a child ``plugin KIND --resource ...``."""
+
+
+def _load_options_file(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise click.BadParameter(f"cannot read {path}: {exc.strerror}", param_hint="--options-file") from exc
+    except yaml.YAMLError as exc:
+        raise click.BadParameter(f"{path} is not valid YAML: {exc}", param_hint="--options-file") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise click.BadParameter(
+            f"{path} must hold a mapping of the kind's keys, not {type(data).__name__}",
+            param_hint="--options-file",
+        )
+    return data
+
+
+def _parse_options_json(text: str) -> dict[str, Any]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"not valid JSON: {exc}", param_hint="--options-json") from exc
+    if not isinstance(data, dict):
+        raise click.BadParameter(
+            f"must be a JSON object of the kind's keys, not {type(data).__name__}",
+            param_hint="--options-json",
+        )
+    return data
+
+
+@click.command("plugin")
+@click.argument("kind")
+@click.option(
+    "--resource", help="Extended resource name, e.g. example.com/fuse [default: plugvisor.io/<KIND>]."
+)
+@click.option(
+    "--host-root",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("/"),
+    show_default=True,
+    help="Where sys/, dev/ and proc/ are read (an emulated lab root in emulation).",
+)
+@click.option(
+    "--kubelet-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path(constants.DEVICE_PLUGIN_PATH),
+    show_default=True,
+    help="The kubelet's device-plugins directory (holds kubelet.sock).",
+)
+@click.option(
+    "--spec-root",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Prefix of host paths handed to the kubelet [default: --host-root]; '/' when the host is mounted.",
+)
+@click.option(
+    "--path", "paths", multiple=True, help="generic: a path or glob under the host root (repeatable)."
+)
+@click.option(
+    "--count", type=click.IntRange(min=1), help="generic: how many times each device is handed out."
+)
+@click.option(
+    "--options-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="YAML mapping of the kind's configuration keys (as in a resources entry).",
+)
+@click.option(
+    "--options-json",
+    help="The kind's configuration keys as one JSON object (how the supervisor hands a child its entry).",
+)
+@click.option(
+    "--on-kubelet-restart",
+    type=click.Choice(["reregister", "exit"]),
+    default="reregister",
+    show_default=True,
+    help="reregister: serve a fresh socket and register again in process; exit: exit with status 3 "
+    "so that a supervisor restarts the process.",
+)
+@click.option(
+    "--rescan-interval",
+    type=click.FloatRange(min=0.05),
+    default=30.0,
+    show_default=True,
+    help="Seconds between safety-net rescans (changes under watched paths trigger one at once).",
+)
+@click.option(
+    "--metrics-listen",
+    metavar="HOST:PORT",
+    help="Serve this plugin's Prometheus metrics (the supervisor serves them for its children instead).",
+)
+@log_options()
+def plugin_command(
+    *,
+    kind: str,
+    resource: str | None,
+    host_root: Path,
+    kubelet_dir: Path,
+    spec_root: Path | None,
+    paths: tuple[str, ...],
+    count: int | None,
+    options_file: Path | None,
+    options_json: str | None,
+    on_kubelet_restart: str,
+    rescan_interval: float,
+    metrics_listen: str | None,
+    log_level: str,
+    log_format: str,
+) -> None:
+    """Run one device plugin for one resource in this process (no configuration file needed).
+
+    When PLUGVISOR_STATUS_SOCKET names a unix datagram socket, the plugin reports its
+    registrations and device counts there in sd_notify format.
+    """
+    from plugvisor.deviceplugin.errors import ConfigurationError
+    from plugvisor.deviceplugin.runtime import PluginConfig, run_plugin
+
+    configure_logging(level=log_level, fmt="json" if log_format == "json" else "kv")
+    try:
+        plugin_kind = get_kind(kind)
+    except UnknownKindError as exc:
+        raise click.BadParameter(str(exc), param_hint="KIND") from exc
+    if options_file and options_json:
+        raise click.UsageError("give --options-file or --options-json, not both")
+    raw: dict[str, Any] = _load_options_file(options_file) if options_file else {}
+    if options_json is not None:
+        raw = _parse_options_json(options_json)
+    if paths or count is not None:
+        if kind != "generic":
+            raise click.UsageError("--path and --count apply to the generic kind only; use --options-file")
+        if paths:
+            raw["paths"] = list(paths)
+        if count is not None:
+            raw["count"] = count
+    source_name = (
+        str(options_file) if options_file else "--options-json" if options_json else "command-line options"
+    )
+    try:
+        options = plugin_kind.options_model.model_validate(raw)
+    except pydantic.ValidationError as exc:
+        click.echo(f"plugvisor plugin {kind}: invalid options\n{describe(exc, source=source_name)}", err=True)
+        sys.exit(EXIT_USAGE)
+    resource_name = resource or f"plugvisor.io/{kind}"
+    host = HostPaths(root=host_root.absolute(), kubelet_dir=kubelet_dir.absolute(), spec_root=spec_root)
+    try:
+        config = PluginConfig(
+            resource_name,
+            host,
+            rescan_interval=rescan_interval,
+            on_kubelet_restart="exit" if on_kubelet_restart == "exit" else "reregister",
+        )
+        source = plugin_kind.build(options, host, resource=resource_name)
+    except ConfigurationError as exc:
+        click.echo(f"plugvisor plugin {kind}: {exc}", err=True)
+        sys.exit(EXIT_USAGE)
+    if metrics_listen:
+        _serve_metrics(metrics_listen)
+    sys.exit(run_plugin(config, source))
+
+
+def _serve_metrics(listen: str) -> None:
+    from prometheus_client import start_http_server
+
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit():
+        raise click.BadParameter(f"{listen!r} is not HOST:PORT", param_hint="--metrics-listen")
+    try:
+        start_http_server(int(port), addr=host or "127.0.0.1")
+    except OSError as exc:
+        raise click.BadParameter(
+            f"cannot listen on {listen}: {exc.strerror}", param_hint="--metrics-listen"
+        ) from exc
+
+
+def preload() -> None:
+    """Import what every plugin process needs, so that the fork server's children inherit it."""
+    import plugvisor.deviceplugin.runtime  # noqa: F401
+
+
+def main(args: Sequence[str]) -> int:
+    """Run the plugin command with ``args`` (``plugin KIND ...``, as the agent writes them).
+
+    What the fork server calls in a freshly forked child: the command's own
+    errors are printed, and every way out becomes an exit status.
+    """
+    if not args or args[0] != COMMAND:
+        sys.stderr.write(f"plugvisor: a plugin process takes '{COMMAND} KIND ...', got {list(args)!r}\n")
+        return EXIT_USAGE
+    try:
+        # Standalone mode: click prints its own usage errors and always ends with SystemExit.
+        plugin_command.main(args=list(args[1:]), prog_name=f"plugvisor {COMMAND}")
+    except SystemExit as exc:
+        if exc.code is None:
+            return EXIT_OK
+        if isinstance(exc.code, int):
+            return exc.code
+        sys.stderr.write(f"{exc.code}\n")
+        return EXIT_FAILURE
