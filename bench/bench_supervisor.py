@@ -7,7 +7,7 @@ emulated kubelet runs in this process and every latency is measured on its
 side, from the moment of the event (SIGKILL sent, kubelet restarted, agent
 process spawned) to the moment its view shows every affected resource
 registered again. Memory is the summed PSS of the supervisor, the fork server
-(when used) and the three children. Targets are in shared/docs/product.md.
+(when used) and the three children. Targets are in bench/README.md.
 """
 
 from __future__ import annotations

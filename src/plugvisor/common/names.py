@@ -4,7 +4,7 @@ The kubelet rejects a registration whose resource name is not an *extended
 resource name*; checking it on our side first turns a remote, late failure into
 an early one with a clear message. The emulated kubelet uses the same function,
 so the rule lives in one place; its test vectors come from the kubelet's own
-(see kubelet-facts.md, 3.2).
+(docs/kubelet-contract.md, section 2).
 """
 
 from __future__ import annotations

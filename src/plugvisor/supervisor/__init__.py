@@ -12,5 +12,5 @@ programs (:mod:`.supervisord`).
 
 This process never imports gRPC (it is not fork-safe once started); children
 report to it through sd_notify-style datagrams instead (:mod:`.reports`). The
-package is deliberately not named after PyPI's ``supervisor``: see docs/style.md.
+package is deliberately not a top-level ``supervisor``: see docs/architecture.md, "Names".
 """

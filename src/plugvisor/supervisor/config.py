@@ -1,6 +1,6 @@
 """The node configuration file: schema, validation with errors that name the field, and child specs.
 
-One YAML file describes the node (see docs/supervisor.md and product.md): where
+One YAML file describes the node (see docs/supervisor.md): where
 the kubelet and the host are, the metrics endpoint, the supervisor's own knobs,
 and one ``resources`` entry per extended resource. Each entry's ``name`` and
 ``kind`` are ours; every other key belongs to the kind and is validated by the

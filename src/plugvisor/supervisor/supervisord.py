@@ -17,8 +17,8 @@ its policy is translated as closely as supervisord allows:
   restart seen from outside the child, the status socket and aggregated
   metrics. Children still re-register (or exit 3) on their own.
 
-This module writes the text only; it does not import supervisord (see the
-name-clash note in docs/style.md).
+This module writes the text only; it does not import supervisord (see
+docs/architecture.md, "Names").
 """
 
 from __future__ import annotations

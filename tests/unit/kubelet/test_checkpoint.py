@@ -1,6 +1,6 @@
 """The checkpoint file: the kubelet's JSON shape and checksum, to the byte.
 
-The four vectors come from kubelet-facts.md 3.7 (two of them are real kubelet
+The four vectors come from docs/kubelet-contract.md, section 7 (two of them are real kubelet
 files); if these pass, a checkpoint copied from a node verifies here and one
 written here verifies on a node.
 """

@@ -1,4 +1,4 @@
-"""The merge of a container's Allocate responses into what the runtime gets (kubelet-facts.md 3.6)."""
+"""How a container's Allocate responses merge into what the runtime gets (kubelet-contract.md §6)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ back). It runs pods from manifests (admission, PreStartContainer, the runtime
 config a container would get, pod status), serves PodResources v1 and writes
 ``kubelet_internal_checkpoint`` byte-compatible with the kubelet's. Its state is
 readable as Python objects and as JSON files beside the directory. Error texts, rules
-and their order follow the kubelet of v1.31-v1.35 (see docs, kubelet-facts.md).
+and their order follow the kubelet of v1.31-v1.35 (see docs/kubelet-contract.md).
 
 :class:`StubDevicePlugin` is the matching raw test plugin: a plain gRPC
 DevicePlugin with settable devices, options and failures.

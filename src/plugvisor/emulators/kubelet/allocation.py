@@ -1,7 +1,7 @@
 """Pod admission for one container: the kubelet's ``devicesToAllocate``, Allocate and PreStart.
 
-The order of checks and the error texts are the kubelet's (kubelet-facts.md
-3.5-3.6), because plugin authors debug by them:
+The order of checks and the error texts are the kubelet's (docs/kubelet-contract.md,
+sections 5 and 6), because plugin authors debug by them:
 
 1. a container that already holds devices must ask for the same count
    (``changed request``); 2. while the kubelet is re-initialising (pod sources

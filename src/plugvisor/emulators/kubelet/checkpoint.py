@@ -3,7 +3,7 @@
 Why exact: tools (and people) read this file on real nodes, and a plugin author
 who copies a checkpoint from a node into the emulator, or the other way round,
 must get the same answer from both. So this module reproduces, from
-kubelet-facts.md 3.7:
+docs/kubelet-contract.md, section 7:
 
 * the JSON shape Go's ``encoding/json`` writes for ``DeviceManagerCheckpoint``
   (field order, sorted map keys, ``null`` for nil slices and maps, ``[]byte`` as

@@ -6,7 +6,7 @@ unit-tested without sockets and the time is always passed in:
 * A ListAndWatch message *replaces* a resource's healthy and unhealthy sets;
   only ``health == "Healthy"`` counts as healthy. IDs are keys, so duplicates
   collapse - but an ID sent once healthy and once not lands in *both* sets,
-  counted twice in capacity and once in allocatable (kubelet-facts.md 3.3).
+  counted twice in capacity and once in allocatable (docs/kubelet-contract.md, section 3).
 * ``capacity = |healthy| + |unhealthy|``, ``allocatable = |healthy|``.
 * A disconnect moves every healthy ID to unhealthy and stops the endpoint;
   after the grace period (5 min upstream) the resource is dropped at the next

@@ -3,7 +3,7 @@
 Monitoring agents and device plugins themselves (to map a pod to its devices)
 query ``<root>/pod-resources/kubelet.sock``; this module serves it from the
 emulated kubelet's pods and allocations with the rules of ``server_v1.go``
-(kubelet-facts.md 2):
+(docs/kubelet-contract.md, section 9):
 
 * ``List`` first frees devices of pods that are no longer active
   (``UpdateAllocatedDevices``), then lists every *active* pod: restartable init

@@ -19,7 +19,7 @@ Errors reach the plugin as gRPC ``UNKNOWN`` with the text, as a Go handler that
 returns a plain error does.
 
 Two client tables, selectable because plugins must survive both kubelet
-generations (kubelet-facts.md 6, "Replacement race"):
+generations (docs/kubelet-contract.md, section 8):
 
 * ``"per-name"`` (v1.31-v1.35, the default): one client per resource name. It
   keeps upstream's quirks: a new Register replaces the client without closing

@@ -2,7 +2,7 @@
 
 The kubelet caches one ``ContainerAllocateResponse`` per (pod, container,
 resource) and, at every container start, merges the container's responses into
-run options (``podDevices.deviceRunContainerOptions``, kubelet-facts.md 3.6):
+run options (``podDevices.deviceRunContainerOptions``, docs/kubelet-contract.md, section 6):
 
 * envs by key, device nodes and mounts by ``container_path``, annotations by
   key - the first one wins and a *different* later value is only logged

@@ -1,4 +1,4 @@
-"""The kubelet's e2e_node device-plugin scenarios (kubelet-facts.md 5), against the emulated kubelet.
+"""The kubelet's e2e_node device-plugin scenarios (kubelet-contract.md §10), against the emulated kubelet.
 
 Each test is one upstream scenario that needs no container runtime, with the
 same (allocatable, capacity) steps, driven by a plugvisor framework plugin

@@ -4,7 +4,7 @@ isort:skip_file
 The kubelet's device plugin API, version v1beta1.
 
 Written for plugvisor from the kubelet's published message and field tables
-(see ../shared/docs/kubelet-facts.md, section 1). The proto package must stay
+(see docs/kubelet-contract.md, section 1). The proto package must stay
 `v1beta1`: the gRPC method paths on the wire (/v1beta1.Registration/Register,
 /v1beta1.DevicePlugin/Allocate, ...) are derived from it and must match what
 a real kubelet dials. Field numbers are the wire contract; names may follow

@@ -3,7 +3,7 @@
 isort:skip_file
 The kubelet's plugin-watcher registration API, version v1.
 
-Written for plugvisor from kubelet-facts.md, section 1 ("Related"). Served by
+Written for plugvisor from docs/kubelet-contract.md, section 1. Served by
 the plugin on a socket in <kubelet root>/plugins_registry/; the kubelet calls
 GetInfo, then NotifyRegistrationStatus.
 """

@@ -3,8 +3,8 @@
 isort:skip_file
 The kubelet's PodResources API, version v1.
 
-Written for plugvisor from the kubelet's field tables (kubelet-facts.md,
-section 2). Package `v1` gives the wire paths /v1.PodResourcesLister/List etc.
+Written for plugvisor from the kubelet's field tables (docs/kubelet-contract.md,
+sections 1 and 9). Package `v1` gives the wire paths /v1.PodResourcesLister/List etc.
 """
 
 from collections import abc as _abc
