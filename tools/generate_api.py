@@ -1,7 +1,7 @@
 """Regenerate ``src/plugvisor/api`` from ``proto/``.
 
 Run ``python tools/generate_api.py`` after editing a ``.proto`` file (the
-generator versions are pinned in the ``dev`` extra of pyproject.toml so that
+generator versions are pinned in the ``codegen`` extra of pyproject.toml so that
 the output is byte-for-byte reproducible); ``tests/unit/test_generated_api.py``
 runs this same function into a temporary directory and fails when the committed
 code differs.
@@ -37,7 +37,7 @@ def generate(out_root: Path) -> list[Path]:
     under ``out_root`` mirrors ``proto/`` so the three ``api.proto`` files keep
     distinct names in the protobuf descriptor pool.
     """
-    from grpc_tools import protoc  # imported late: only the dev extra has it
+    from grpc_tools import protoc  # imported late: only the codegen extra has it
 
     include = Path(protoc.__file__).parent / "_proto"
     files = proto_files()

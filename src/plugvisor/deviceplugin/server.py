@@ -61,13 +61,6 @@ def allocation_message(alloc: ContainerAllocation) -> api_pb2.ContainerAllocateR
     )
 
 
-PROPOSED_METHODS: Final = ("PostStopContainer", "Deallocate")
-"""The KEP-20210712 addendum's calls (never merged upstream). They travel as
-``/v1beta1.DevicePlugin/<method>`` with a message shaped like PreStartContainerRequest
-(``repeated string devices_ids = 1``) and an empty reply, so they are served with those
-two messages rather than by changing the faithful v1beta1 proto."""
-
-
 class PluginServer(api_pb2_grpc.DevicePluginServicer):
     """Serves the five DevicePlugin RPCs for one resource.
 
@@ -175,17 +168,16 @@ class PluginServer(api_pb2_grpc.DevicePluginServicer):
                 continue
             chosen = devices.subset(ids)
             alloc = allocation.build_allocation(chosen)
-            if post is not None:
-                try:
-                    alloc = post.post_allocate(alloc, chosen)
-                except Exception as exc:  # a hook bug must fail the call, not the server
-                    self._log.exception("post_allocate_failed", devices=ids)
-                    await self._abort(
-                        context,
-                        "Allocate",
-                        grpc.StatusCode.INTERNAL,
-                        f"post-allocate hook failed for {ids}: {exc}",
-                    )
+            try:
+                alloc = post.post_allocate(alloc, chosen)
+            except Exception as exc:  # a hook bug must fail the call, not the server
+                self._log.exception("post_allocate_failed", devices=ids)
+                await self._abort(
+                    context,
+                    "Allocate",
+                    grpc.StatusCode.INTERNAL,
+                    f"post-allocate hook failed for {ids}: {exc}",
+                )
             response.container_responses.append(allocation_message(alloc))
         self._allocated.inc(sum(len(ids) for ids in containers))
         self._allocate_seconds.observe(time.perf_counter() - started)
@@ -240,7 +232,14 @@ class PluginServer(api_pb2_grpc.DevicePluginServicer):
         return allocation.default_preferred(available, must, size)
 
     def proposed_handler(self) -> grpc.GenericRpcHandler | None:
-        """Serve the proposed calls this plugin implements; None if none (they then answer UNIMPLEMENTED)."""
+        """Serve the proposed calls this plugin implements; None if none (they then answer UNIMPLEMENTED).
+
+        ``PostStopContainer`` and ``Deallocate`` are the KEP-20210712 addendum's calls
+        (never merged upstream). They travel as ``/v1beta1.DevicePlugin/<method>`` with a
+        message shaped like PreStartContainerRequest (``repeated string devices_ids = 1``)
+        and an empty reply, so they are served with those two messages rather than by
+        changing the faithful v1beta1 proto.
+        """
         hooks = {"PostStopContainer": self._hooks.post_stop, "Deallocate": self._hooks.deallocate}
         handlers = {
             method: grpc.unary_unary_rpc_method_handler(

@@ -7,7 +7,6 @@ are found the same way and a missing or broken one is reported by name.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -60,11 +59,6 @@ class PluginKind(Protocol):
     def build(self, options: Any, paths: HostPaths, *, resource: str) -> DeviceSource:
         """Create the device source for one resource."""
         ...
-
-
-def available_kinds() -> Mapping[str, PluginKind]:
-    """Every installed kind, by name (loading each entry point)."""
-    return {ep.name: _load(ep) for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 
 def get_kind(name: str) -> PluginKind:

@@ -124,10 +124,6 @@ class PodDevices:
         """Return the UIDs of every pod holding an allocation."""
         return {uid for uid, per_pod in self.entries.items() if per_pod}
 
-    def has_pod(self, pod_uid: str) -> bool:
-        """Tell whether the pod holds any allocation (``podDevices.hasPod``)."""
-        return bool(self.entries.get(pod_uid))
-
     def container_resources(self, pod_uid: str, container: str) -> Mapping[str, ContainerAllocation]:
         """Return the container's allocations by resource (empty when none)."""
         return MappingProxyType(dict(self.entries.get(pod_uid, {}).get(container, {})))

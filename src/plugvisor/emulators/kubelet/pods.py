@@ -231,10 +231,6 @@ class Pods:
         """Return the pod called ``namespace/name``, deleted or not."""
         return self.records.get((namespace, name))
 
-    def by_uid(self, uid: str) -> PodRecord | None:
-        """Return the pod with this UID, if the node knows it."""
-        return next((pod for pod in self.records.values() if pod.uid == uid), None)
-
     def active(self) -> list[PodRecord]:
         """Pods that are on the node and not terminated, in arrival order."""
         return [pod for pod in self.records.values() if pod.is_active()]

@@ -178,12 +178,6 @@ class FpgaSource:
         with self._lock:
             return self._known.get(device_id)
 
-    def resource_names(self) -> dict[str, str | None]:
-        """Device ID -> the name Intel's (or Xilinx's) plugin would give its resource, for the latest scan."""
-        with self._lock:
-            known = dict(self._known)
-        return {i: intel_resource_name(d, self.options.mode) for i, d in sorted(known.items())}
-
     # -- PreStartContainer -----------------------------------------------------------
 
     def pre_start_container(self, devices: DeviceSet) -> None:
