@@ -124,6 +124,8 @@ class DeviceWatcher:
         self.scans = 0
         self.failed_scans = 0
         self.first_scan_done = asyncio.Event()
+        self.idle = asyncio.Event()
+        """Set while the watcher waits for a change (its inotify read pending), cleared while it scans."""
 
     def kick(self) -> None:
         """Rescan as soon as possible (what a matching uevent does)."""
@@ -172,6 +174,7 @@ class DeviceWatcher:
             watches.sync(self._source.watch_paths())
             drain(inotify)
             self._kick.clear()
+            self.idle.clear()
             last_scan = time.monotonic()
             await self.scan_once()
             watches.sync(self._source.watch_paths())
@@ -190,6 +193,8 @@ class DeviceWatcher:
         """
         event = asyncio.ensure_future(inotify.get())
         kicked = asyncio.ensure_future(self._kick.wait())
+        # Whoever this wakes runs after the read has started (the loop runs callbacks in order).
+        self.idle.set()
         try:
             done, _ = await asyncio.wait(
                 {event, kicked}, timeout=self._rescan_interval, return_when=asyncio.FIRST_COMPLETED

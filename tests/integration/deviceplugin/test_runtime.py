@@ -117,7 +117,9 @@ class TestRegistration:
         (short_dir / "dp").mkdir()
         runtime = runtime_for(kubelet, FileBackedWidgets(state_dir))
         async with running(runtime):
-            await asyncio.sleep(0.2)
+            async with asyncio.timeout(10):  # serving on its socket, so next it waits for the kubelet
+                while runtime.endpoint is None or not runtime.endpoint.path.exists():
+                    await asyncio.sleep(0.01)
             assert runtime.registrations.value is None
             await kubelet.start()
             try:

@@ -157,8 +157,8 @@ async def test_a_stopped_watcher_leaves_nothing_that_steals_the_next_ones_events
     """Stopping cancels the pending inotify read; an orphan would keep reading the (reused) descriptor."""
     (short_dir / "devs").mkdir()
     for _ in range(3):
-        cell, _, task = await start(short_dir)
-        await asyncio.sleep(0.05)  # let it settle into waiting for a change
+        cell, watcher, task = await start(short_dir)
+        await asyncio.wait_for(watcher.idle.wait(), 10)  # stopped while its inotify read is pending
         await stop(task)
     cell, _, task = await start(short_dir)
     try:

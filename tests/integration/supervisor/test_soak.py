@@ -9,6 +9,8 @@ import os
 import random
 import signal
 
+import pytest
+
 from .conftest import DISK, EXPECTED, FUSE, SERIAL, processes_of, registered_all
 
 KILLS = 200
@@ -19,6 +21,7 @@ def all_running(children):
     return len(children) == 3 and all(c["state"] == "RUNNING" and c["registered"] for c in children.values())
 
 
+@pytest.mark.soak
 async def test_soak(node, kubelet, agents):
     """Crash loop, random kills and kubelet restarts leave every resource registered, nothing orphaned."""
     node.write_config(
