@@ -5,14 +5,82 @@ Nothing in plugvisor hard-codes ``/sys`` or ``/dev``: every reader takes a
 container with the host mounted at ``/host``, and an emulated lab in a temp dir.
 (Intel's ``-prefix`` flag is the model; its ``pkg/topology`` ``mockRoot`` global is
 the pattern to avoid.)
+
+A host root is another machine's filesystem seen from inside ours, so its
+symlinks mean what they mean *there*: Debian and Ubuntu ship ``/var/run -> /run``,
+and followed naively from ``/host/var/run`` that link lands in *our* ``/run``.
+:func:`resolve_in_root` resolves a path the way the kernel would after
+``chroot(root)`` (``openat2``'s ``RESOLVE_IN_ROOT``): an absolute link restarts at
+the root, ``..`` stops at it. Every path :class:`HostPaths` hands out goes through
+it, so no read and no write of any kind can be led out of the host root by a link.
 """
 
 from __future__ import annotations
 
+import errno
+import os
+import stat
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import Final
 
 from plugvisor.common import constants
+
+MAX_SYMLINKS: Final = 40
+"""Links followed in one resolution before it fails with ``ELOOP`` (Linux's own limit)."""
+
+
+def resolve_in_root(root: Path, path: str | os.PathLike[str]) -> Path:
+    """Resolve ``path`` inside ``root`` as a process chrooted to ``root`` would.
+
+    ``path`` is host-absolute (``/var/run/cdi``) or relative to ``root``. Every
+    existing component is looked at with ``lstat``: a symlink is replaced by its
+    target, an absolute target restarts at ``root`` and ``..`` never climbs above
+    it. Components that do not exist (yet) are kept as written, so the result is
+    also where a write should create them. The result is ``root`` joined with
+    link-free components; ``root`` itself is trusted as given.
+
+    Raises :class:`OSError` ``ELOOP`` after :data:`MAX_SYMLINKS` links, as the
+    kernel does. Between this call and the use of its result the tree may change;
+    that race needs a process that can already write the host's filesystem.
+    """
+    pending = deque(path_parts(path))
+    if str(root) == "/":
+        # chroot("/") is the identity: the kernel's own resolution is already right.
+        return Path("/", *pending)
+    resolved: list[str] = []
+    links = 0
+    while pending:
+        name = pending.popleft()
+        if name == ".":
+            continue
+        if name == "..":
+            if resolved:
+                resolved.pop()
+            continue
+        candidate = os.path.join(root, *resolved, name)  # noqa: PTH118 - no Path per component
+        try:
+            mode = os.lstat(candidate).st_mode
+        except OSError:
+            mode = 0  # missing (or under a non-directory): kept as written, the use reports it
+        if stat.S_ISLNK(mode):
+            links += 1
+            if links > MAX_SYMLINKS:
+                where = str(root.joinpath(*path_parts(path)))
+                raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), where)
+            target = os.readlink(candidate)  # noqa: PTH115 - no Path per component
+            if target.startswith("/"):
+                resolved.clear()
+            pending.extendleft(reversed(path_parts(target)))
+            continue
+        resolved.append(name)
+    return root.joinpath(*resolved)
+
+
+def path_parts(path: str | os.PathLike[str]) -> tuple[str, ...]:
+    """The components of ``path`` below ``/`` (what joins it onto a root)."""
+    return tuple(part for part in PurePosixPath(path).parts if part.strip("/"))  # "//" is an anchor too
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,18 +101,18 @@ class HostPaths:
 
     @property
     def sysfs(self) -> Path:
-        """``<root>/sys``."""
-        return self.root / "sys"
+        """``<root>/sys``, resolved inside the root."""
+        return resolve_in_root(self.root, "sys")
 
     @property
     def devfs(self) -> Path:
-        """``<root>/dev``."""
-        return self.root / "dev"
+        """``<root>/dev``, resolved inside the root."""
+        return resolve_in_root(self.root, "dev")
 
     @property
     def procfs(self) -> Path:
-        """``<root>/proc``."""
-        return self.root / "proc"
+        """``<root>/proc``, resolved inside the root."""
+        return resolve_in_root(self.root, "proc")
 
     @property
     def kubelet_socket(self) -> Path:
@@ -52,11 +120,19 @@ class HostPaths:
         return self.kubelet_dir / constants.KUBELET_SOCKET_NAME
 
     def host(self, absolute: str | PurePosixPath) -> Path:
-        """Map a host-absolute path such as ``/dev/fuse`` to where this process reads it."""
+        """Map a host-absolute path such as ``/dev/fuse`` to where this process reads or writes it.
+
+        Resolved inside the root (:func:`resolve_in_root`): ``/var/run/cdi`` on a
+        host whose ``/var/run`` links to ``/run`` is ``<root>/run/cdi``.
+        """
         rel = PurePosixPath(absolute)
         if not rel.is_absolute():
             raise ValueError(f"host path {str(absolute)!r} must be absolute")
-        return self.root.joinpath(*rel.parts[1:])
+        return resolve_in_root(self.root, rel)
+
+    def inside(self, local: Path) -> Path:
+        """Resolve a path read under ``root`` (``<root>/sys/...``) inside the root, as :meth:`host` does."""
+        return resolve_in_root(self.root, local.relative_to(self.root))
 
     def for_kubelet(self, local: Path) -> str:
         """Name a path read under ``root`` the way the container runtime on the host must see it."""

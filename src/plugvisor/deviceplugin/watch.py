@@ -15,7 +15,7 @@ import contextlib
 import os
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Final
 
@@ -167,17 +167,25 @@ class DeviceWatcher:
                 loop.remove_reader(uevents.fileno())
                 uevents.close()
 
+    def _watch_paths(self) -> Sequence[Path]:
+        """The source's paths to watch; when it cannot say (a bad tree), the periodic rescan still runs."""
+        try:
+            return self._source.watch_paths()
+        except Exception as exc:
+            self._log.error("watch_paths_failed", error=f"{type(exc).__name__}: {exc}")
+            return ()
+
     async def _loop(self, inotify: Inotify) -> None:
         watches = WatchSet(inotify)
         while True:
             # Arm the watches before scanning: a change during the scan then triggers another one.
-            watches.sync(self._source.watch_paths())
+            watches.sync(self._watch_paths())
             drain(inotify)
             self._kick.clear()
             self.idle.clear()
             last_scan = time.monotonic()
             await self.scan_once()
-            watches.sync(self._source.watch_paths())
+            watches.sync(self._watch_paths())
             if not await self._wait_for_change(inotify):
                 continue  # the periodic rescan
             # Coalesce the rest of a burst: let already-sent events arrive, then take them all.

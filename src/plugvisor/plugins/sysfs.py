@@ -18,13 +18,14 @@ kinds select and score on, and the AER / link-state health checks.
 """
 
 # os.* rather than pathlib on purpose: scans of thousands of functions stay cheap (no Path objects per read).
-# ruff: noqa: PTH115, PTH116, PTH208
+# ruff: noqa: PTH112, PTH114, PTH115, PTH116, PTH208
 
 from __future__ import annotations
 
 import errno
 import os
 import re
+import stat
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from typing import Annotated, Final
 
 import pydantic
 import structlog
+
+from plugvisor.common.hostpaths import resolve_in_root
 
 PCI_DEVICES: Final = "bus/pci/devices"
 """Under sysfs: one link per PCI function, named by its address, into ``devices/pci...``."""
@@ -110,13 +113,39 @@ def _from_oserror(path: Path, exc: OSError) -> Unreadable:
     return Unreadable(path, Problem.UNREADABLE, os.strerror(code) if code else str(exc))
 
 
-def read_bytes(path: Path, *, limit: int = _MAX_ATTRIBUTE_BYTES) -> bytes | Unreadable:
-    """Read at most ``limit`` bytes of a file (sysfs attributes are small; a FIFO must not block us)."""
+_FILE_TYPES: Final = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+}
+
+
+def read_bytes(path: Path, *, limit: int = _MAX_ATTRIBUTE_BYTES) -> bytes | Unreadable:  # noqa: PLR0911 - one return per way a read fails
+    """Read at most ``limit`` bytes of an attribute file; anything that is not one is garbage.
+
+    sysfs and procfs attributes are small regular files, never links. So the
+    last component is opened with ``O_NOFOLLOW`` (a link there could lead out of
+    the host root), ``O_NONBLOCK`` (opening a FIFO must not block the scan), and
+    only a regular file of at most 64 KiB is read: a directory, FIFO, device or
+    a multi-gigabyte file put in an attribute's place is reported, not read.
+    """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
     except OSError as exc:
+        if exc.errno == errno.ELOOP and os.path.islink(path):
+            return Unreadable(path, Problem.GARBAGE, "a symlink where an attribute file belongs")
+        if exc.errno == errno.ENXIO:  # a FIFO or socket with no peer
+            return Unreadable(path, Problem.GARBAGE, "not a regular file")
         return _from_oserror(path, exc)
     try:
+        info = os.fstat(fd)
+        kind = stat.S_IFMT(info.st_mode)
+        if kind != stat.S_IFREG:
+            return Unreadable(path, Problem.GARBAGE, f"{_FILE_TYPES.get(kind, 'not a regular file')}")
+        if info.st_size > _MAX_ATTRIBUTE_BYTES:
+            return Unreadable(path, Problem.GARBAGE, f"{info.st_size} bytes, far larger than an attribute")
         return os.read(fd, limit)
     except OSError as exc:
         return _from_oserror(path, exc)
@@ -203,6 +232,25 @@ def exists(path: Path) -> bool:
     return True
 
 
+def node_problem(path: Path) -> str | None:
+    """Why a device node cannot be handed out (missing, a loop, a directory), or ``None``.
+
+    A regular file passes: the emulated lab writes those unless it may ``mknod``.
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        return (
+            "missing" if exc.errno in (errno.ENOENT, errno.ENOTDIR) else str(_from_oserror(path, exc).problem)
+        )
+    except ValueError:
+        return "missing"
+    kind = stat.S_IFMT(mode)
+    if kind in (stat.S_IFDIR, stat.S_IFIFO, stat.S_IFSOCK):
+        return f"is {_FILE_TYPES[kind]}, not a device node"
+    return None
+
+
 def is_bdf(name: str) -> bool:
     """Whether ``name`` is a PCI address in sysfs spelling (``0000:03:00.0``)."""
     return _BDF.match(name) is not None
@@ -226,6 +274,8 @@ class PciFunction:
     driver: str | None
     numa_node: int | None
     chain: tuple[str, ...]
+    driver_problem: str | None = None
+    """Why the ``driver`` link is unusable although present (dangling, a loop); ``driver`` is then None."""
 
     @property
     def base_class(self) -> int:
@@ -241,8 +291,25 @@ def pci_addresses(sysfs: Path) -> list[str] | Unreadable:
     return [name for name in names if is_bdf(name)]
 
 
-def pci_chain(sysfs: Path, bdf: str) -> tuple[tuple[str, ...], Path] | Unreadable:
-    """Where a function sits in the PCI tree, from its ``bus/pci/devices`` link (one readlink, no walk)."""
+def in_sysfs(sysfs: Path, path: Path) -> Path | Unreadable:
+    """``path`` (under ``sysfs``) with every link resolved, never leaving ``sysfs``.
+
+    The kernel's sysfs links are relative and stay in sysfs; one that does not
+    (an absolute link, too many ``..``) is resolved as if sysfs were the root, so
+    it can only miss, never read another tree.
+    """
+    try:
+        return resolve_in_root(sysfs, path.relative_to(sysfs))
+    except OSError as exc:
+        return _from_oserror(path, exc)
+
+
+def pci_chain(sysfs: Path, bdf: str) -> tuple[tuple[str, ...], Path] | Unreadable:  # noqa: PLR0911
+    """Where a function sits in the PCI tree, from its ``bus/pci/devices`` link (one readlink, no walk).
+
+    The returned directory is link-free and inside ``sysfs`` (:func:`in_sysfs`),
+    so the attributes read under it are the function's own.
+    """
     entry = sysfs / PCI_DEVICES / bdf
     try:
         target = os.readlink(entry)
@@ -258,7 +325,18 @@ def pci_chain(sysfs: Path, bdf: str) -> tuple[tuple[str, ...], Path] | Unreadabl
     parts = rel.parts
     if not parts or parts[-1] != bdf:
         return Unreadable(entry, Problem.GARBAGE, f"points to {target}")
-    return parts, local
+    real = in_sysfs(sysfs, local)
+    if isinstance(real, Unreadable):
+        return Unreadable(entry, real.problem, real.detail)
+    if not os.path.isdir(real):
+        return Unreadable(entry, Problem.DANGLING, f"points to {target}, which does not exist")
+    return parts, real
+
+
+def function_dir(sysfs: Path, bdf: str) -> Path | Unreadable:
+    """The directory of a listed PCI function, resolved inside ``sysfs`` (dangling links say so)."""
+    located = pci_chain(sysfs, bdf)
+    return located if isinstance(located, Unreadable) else located[1]
 
 
 def read_identity(path: Path) -> tuple[int, int, int] | Unreadable:
@@ -289,16 +367,27 @@ def read_function(sysfs: Path, bdf: str) -> PciFunction | Unreadable:
     identity = read_identity(path)
     if isinstance(identity, Unreadable):
         return identity
-    driver = link_name(path / "driver")
+    linked = link_name(path / "driver")
+    driver = None if isinstance(linked, Unreadable) else linked
+    driver_problem: str | None = None
+    if driver is not None:
+        try:
+            os.stat(path / "driver")
+        except OSError as exc:
+            broken = _from_oserror(path / "driver", exc)
+            problem = Problem.DANGLING if broken.problem is Problem.MISSING else broken.problem
+            driver_problem = f"driver link ({driver}): {problem}"
+            driver = None
     return PciFunction(
         bdf=bdf,
         path=path,
         vendor=identity[0],
         device=identity[1],
         class_code=identity[2],
-        driver=None if isinstance(driver, Unreadable) else driver,
+        driver=driver,
         numa_node=read_numa(path),
         chain=chain,
+        driver_problem=driver_problem,
     )
 
 
@@ -318,27 +407,63 @@ def aer_total(path: Path, kind: str) -> int | Unreadable:
 
 
 def aer_problems(path: Path, kinds: Iterable[str]) -> list[str]:
-    """Health problems from AER counters: one entry per configured kind whose total is above zero.
+    """Health problems from AER counters: one entry per configured kind above zero or unreadable.
 
     A missing file means the kernel has no AER for the device (common on
-    consumer boards): that is not a fault.
+    consumer boards): that is not a fault. A counter file that is there but
+    cannot be read or parsed (garbage, a directory, a FIFO, a huge file) is: the
+    device's health is then unknown, and unknown is unhealthy.
     """
     problems = []
     for kind in kinds:
         total = aer_total(path, kind)
-        if isinstance(total, int) and total > 0:
+        if isinstance(total, Unreadable):
+            if total.problem is not Problem.MISSING:
+                problems.append(f"AER {kind} counters unreadable: {total}")
+        elif total > 0:
             problems.append(f"{total} AER {kind} error(s)")
     return problems
 
 
 def link_problem(path: Path) -> str | None:
-    """A PCIe link that reads as down (width 0 or speed ``Unknown``), else ``None``."""
+    """A PCIe link that reads as down (width 0 or speed ``Unknown``) or cannot be read, else ``None``.
+
+    Missing link attributes are normal (integrated devices have none).
+    """
     width = read_int(path / "current_link_width")
     if isinstance(width, int) and width == 0:
         return "PCIe link down (width 0)"
+    if isinstance(width, Unreadable) and width.problem is not Problem.MISSING:
+        return f"PCIe link width unreadable: {width}"
     speed = read_text(path / "current_link_speed")
     if isinstance(speed, str) and speed.lower().startswith("unknown"):
         return "PCIe link down (speed unknown)"
+    if isinstance(speed, Unreadable) and speed.problem is not Problem.MISSING:
+        return f"PCIe link speed unreadable: {speed}"
+    return None
+
+
+OPERSTATES: Final = frozenset({"unknown", "notpresent", "down", "lowerlayerdown", "testing", "dormant", "up"})
+"""Every value the kernel writes to ``/sys/class/net/<if>/operstate`` (RFC 2863 names)."""
+
+
+def netdev_link_problem(netdev: Path, label: str) -> str | None:
+    """Why a network interface cannot carry traffic (``operstate`` down, ``carrier`` 0, unreadable).
+
+    ``carrier`` reads ``EINVAL`` while an interface is administratively down,
+    so only a clear ``0`` counts; ``operstate`` must be one of the kernel's values.
+    """
+    state = read_text(netdev / "operstate")
+    if isinstance(state, Unreadable):
+        if state.problem is not Problem.MISSING:
+            return f"{label} operstate unreadable: {state}"
+    elif state == "down":
+        return f"{label} link down"
+    elif state not in OPERSTATES:
+        return f"{label} operstate unreadable: {netdev / 'operstate'}: garbage ({state[:32]!r})"
+    carrier = read_int(netdev / "carrier")
+    if isinstance(carrier, int) and carrier == 0:
+        return f"{label} link down"
     return None
 
 

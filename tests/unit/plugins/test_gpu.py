@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pydantic
 import pytest
+import structlog
 
 from plugvisor.common.hostpaths import HostPaths
 from plugvisor.common.validation import describe
@@ -24,10 +25,11 @@ def pristine():
 
 
 @pytest.fixture
-def root(pristine, tmp_path):
-    copy = tmp_path / "root"
+def root(pristine):
+    copy = Path(tempfile.mkdtemp(dir=pristine.parent)) / "root"  # /dev/shm: copies take ms, not seconds
     shutil.copytree(pristine, copy, symlinks=True)
-    return copy
+    yield copy
+    shutil.rmtree(copy.parent, ignore_errors=True)
 
 
 def scan(root, **options):
@@ -73,6 +75,92 @@ class TestBrokenTrees:
 
     def test_no_sysfs_at_all_is_an_empty_list(self, tmp_path):
         assert len(scan(tmp_path)) == 0
+
+
+def _garbage_aer(path: Path, how: str) -> None:
+    path.unlink()
+    if how == "garbage":
+        path.write_text("TOTAL_ERR_FATAL lots\n")
+    elif how == "directory":
+        path.mkdir()
+    elif how == "fifo":
+        os.mkfifo(path)
+    elif how == "huge":
+        with path.open("wb") as huge:
+            huge.truncate(2 << 30)
+    else:
+        os.symlink("/etc/hostname", path)
+
+
+class TestUnreadableMeansUnhealthy:
+    """The docs' promise: what cannot be read is Unhealthy, with one log line naming device and cause."""
+
+    def _scan_twice(self, root, **options):
+        source = KIND.build(
+            GpuOptions.model_validate({"deviceIdStrategy": "pci", **options}),
+            HostPaths(root=root),
+            resource="x",
+        )
+        with structlog.testing.capture_logs() as logs:
+            source.scan()
+            devices = source.scan()
+        return devices, [e for e in logs if e["event"] in ("device_unhealthy", "device_skipped")]
+
+    @pytest.mark.parametrize("how", ["garbage", "directory", "fifo", "huge", "link-out"])
+    def test_aer_counters_that_cannot_be_read(self, root, how):
+        _garbage_aer(bus(root, "0000:03:00.0") / "aer_dev_fatal", how)
+        devices, logs = self._scan_twice(root)
+        assert not devices["0000:03:00.0"].healthy
+        assert sum(d.healthy for d in devices.values()) == 7
+        (line,) = logs
+        assert line["device"] == "0000:03:00.0" and "AER fatal counters unreadable" in line["cause"]
+
+    def test_a_looping_driver_link(self, root):
+        driver = bus(root, "0000:03:00.0") / "driver"
+        driver.unlink()
+        os.symlink("driver", driver)
+        devices, logs = self._scan_twice(root)
+        assert not devices["0000:03:00.0"].healthy
+        (line,) = logs
+        assert line["cause"].startswith("driver link (driver): symlink loop")
+
+    def test_a_device_node_that_is_a_directory(self, root):
+        (root / "dev/nvidia0").unlink()
+        (root / "dev/nvidia0").mkdir()
+        devices, logs = self._scan_twice(root, deviceIdStrategy="index")
+        assert not devices["0"].healthy
+        (line,) = logs
+        assert "dev/nvidia0 is a directory, not a device node" in line["cause"]
+
+    def test_a_dangling_bus_link_is_logged_not_silently_dropped(self, root):
+        link = bus(root, "0000:07:00.0")
+        link.unlink()
+        os.symlink("../../../devices/nowhere/0000:07:00.0", link)
+        devices, logs = self._scan_twice(root)
+        assert "0000:07:00.0" not in devices
+        (line,) = logs
+        assert line["event"] == "device_skipped" and line["device"] == "0000:07:00.0"
+        assert "dangling" in line["cause"]
+
+
+class TestHostRootConfinement:
+    def test_the_cdi_spec_lands_inside_the_host_root_through_an_absolute_var_run_link(self, root):
+        (root / "run").mkdir()
+        (root / "var").mkdir(exist_ok=True)
+        (root / "var/run").symlink_to("/run")  # Debian and Ubuntu ship this
+        source = KIND.build(
+            GpuOptions.model_validate({"cdi": True}), HostPaths(root=root), resource="x.io/gpu"
+        )
+        source.scan()
+        written = source.write_cdi_spec()
+        assert written == root / "run/cdi/x.io-gpu.json" and written.is_file()
+
+    def test_a_host_root_whose_dev_links_to_our_own_dev_reads_no_node_of_ours(self, root):
+        shutil.rmtree(root / "dev")
+        (root / "dev").symlink_to("/dev")  # inside the root this is dev -> dev: a loop, never our /dev
+        source = KIND.build(GpuOptions.model_validate({}), HostPaths(root=root), resource="x.io/gpu")
+        with pytest.raises(OSError, match="symbolic links"):
+            source.scan()
 
 
 class TestOptions:

@@ -1,10 +1,17 @@
 """The nic kind's options and naming rules."""
 
+import shutil
+import tempfile
+from pathlib import Path
+
 import pydantic
 import pytest
+import structlog
 
+from plugvisor.common.hostpaths import HostPaths
 from plugvisor.common.validation import describe
-from plugvisor.plugins.nic import NicOptions, env_name
+from plugvisor.emulators import lab
+from plugvisor.plugins.nic import KIND, NicOptions, env_name
 
 
 def test_env_name_follows_the_sriov_plugin():
@@ -32,3 +39,54 @@ def test_bad_options_name_the_field(options, message):
     with pytest.raises(pydantic.ValidationError) as info:
         NicOptions.model_validate(options)
     assert message in describe(info.value, source="node.yaml")
+
+
+@pytest.fixture(scope="module")
+def pristine():
+    base = Path(tempfile.mkdtemp(prefix="/dev/shm/pvl-" if Path("/dev/shm").is_dir() else "/tmp/pvl-"))
+    lab.Lab.create(str(base / "root"), "dgx-like")
+    yield base / "root"
+    shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def root(pristine):
+    copy = Path(tempfile.mkdtemp(dir=pristine.parent)) / "root"
+    shutil.copytree(pristine, copy, symlinks=True)
+    yield copy
+    shutil.rmtree(copy.parent, ignore_errors=True)
+
+
+class TestBrokenTrees:
+    """What cannot be read is Unhealthy or skipped, with one log line naming the device and the cause."""
+
+    PF = "0000:0a:00.0"
+
+    def _scan_twice(self, root):
+        options = NicOptions.model_validate({"match": {"pfNames": ["enp10s0f0"]}})
+        source = KIND.build(options, HostPaths(root=root), resource="x.io/nic")
+        with structlog.testing.capture_logs() as logs:
+            source.scan()
+            devices = source.scan()
+        return devices, [e for e in logs if e["event"] in ("device_unhealthy", "device_skipped")]
+
+    def test_a_pf_whose_operstate_is_garbage_makes_its_vfs_unhealthy(self, root):
+        operstate = root / "sys/bus/pci/devices" / self.PF / "net/enp10s0f0/operstate"
+        operstate.unlink()
+        operstate.write_text("sideways\n")
+        devices, logs = self._scan_twice(root)
+        assert len(devices) == 8 and not any(d.healthy for d in devices.values())
+        assert len(logs) == 8  # one per VF, not one per scan
+        assert all(
+            "PF enp10s0f0 operstate unreadable" in e["cause"] and "sideways" in e["cause"] for e in logs
+        )
+
+    def test_a_virtfn_link_that_loops_names_its_target_in_the_cause(self, root):
+        link = root / "sys/bus/pci/devices" / self.PF / "virtfn0"
+        link.unlink()
+        link.symlink_to("virtfn0")
+        devices, logs = self._scan_twice(root)
+        assert len(devices) == 7
+        (line,) = logs
+        assert line["device"] == f"{self.PF}/virtfn0"
+        assert line["cause"].endswith("virtfn0: points to 'virtfn0', not a PCI function")

@@ -130,7 +130,11 @@ class FpgaScanner:
         for bdf in listed:
             if self._addresses is not None and bdf not in self._addresses:
                 continue
-            klass = sysfs.read_hex(self.paths.sysfs / sysfs.PCI_DEVICES / bdf / "class")
+            entry = sysfs.function_dir(self.paths.sysfs, bdf)
+            if isinstance(entry, sysfs.Unreadable):
+                broken.append((bdf, entry))
+                continue
+            klass = sysfs.read_hex(entry / "class")
             if isinstance(klass, sysfs.Unreadable):
                 if klass.problem is not sysfs.Problem.MISSING:
                     broken.append((bdf, klass))
@@ -150,7 +154,9 @@ class FpgaScanner:
 
     def _pci_problems(self, function: sysfs.PciFunction) -> list[str]:
         problems: list[str] = []
-        if function.driver is None:
+        if function.driver_problem is not None:
+            problems.append(f"{function.bdf}: {function.driver_problem}")
+        elif function.driver is None:
             problems.append(f"{function.bdf}: no driver bound")
         if sysfs.config_all_ones(function.path):
             problems.append(f"{function.bdf}: config space reads all ones (fallen off the bus)")
@@ -161,7 +167,8 @@ class FpgaScanner:
         return problems
 
     def _node_problems(self, nodes: list[Path]) -> list[str]:
-        return [f"device node {self.paths.for_kubelet(n)} missing" for n in nodes if not sysfs.exists(n)]
+        found = ((n, sysfs.node_problem(n)) for n in nodes)
+        return [f"device node {self.paths.for_kubelet(n)} {problem}" for n, problem in found if problem]
 
     # -- Intel DFL / OPAE ----------------------------------------------------------
 

@@ -70,11 +70,19 @@ def render(kind: str, devices: Mapping[str, Sequence[Node]], shared: Sequence[No
 
 
 def write_if_changed(directory: Path, kind: str, content: bytes) -> bool:
-    """Atomically write the spec unless the file already holds exactly ``content``; True when written."""
+    """Atomically write the spec unless the file already holds exactly ``content``; True when written.
+
+    ``directory`` must already be resolved inside the host root
+    (:meth:`~plugvisor.common.hostpaths.HostPaths.host`); the rename then
+    replaces whatever is at the file's name, a link included, without following it.
+    """
     path = directory / spec_file_name(kind)
     with contextlib.suppress(OSError):
-        if path.read_bytes() == content:
-            return False
+        # O_NOFOLLOW: a link put where the spec belongs must not make us read another file.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as current:
+            if current.read(len(content) + 1) == content:
+                return False
     directory.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=directory)
     try:

@@ -94,7 +94,10 @@ class GpuScanner:
         for bdf in listed:
             if self._addresses is not None and bdf not in self._addresses:
                 continue
-            entry = sys_root / sysfs.PCI_DEVICES / bdf
+            entry = sysfs.function_dir(sys_root, bdf)
+            if isinstance(entry, sysfs.Unreadable):
+                broken.append((bdf, entry))  # a dangling or escaping bus link: say so, once
+                continue
             klass = sysfs.read_hex(entry / "class")
             if isinstance(klass, sysfs.Unreadable):
                 if klass.problem is not sysfs.Problem.MISSING or self._addresses is not None:
@@ -118,7 +121,9 @@ class GpuScanner:
         if self._devices is not None and function.device not in self._devices:
             return sysfs.Unreadable(function.path / "device", sysfs.Problem.GARBAGE, "not a wanted device ID")
         problems: list[str] = []
-        if function.driver is None:
+        if function.driver_problem is not None:
+            problems.append(function.driver_problem)
+        elif function.driver is None:
             problems.append("no driver bound")
         elif self._drivers is not None and function.driver not in self._drivers:
             return sysfs.Unreadable(function.path / "driver", sysfs.Problem.GARBAGE, "not a wanted driver")
@@ -135,8 +140,9 @@ class GpuScanner:
         if not nodes:
             problems.append("no device node")
         for node in nodes:
-            if not sysfs.exists(node):
-                problems.append(f"device node {self.paths.for_kubelet(node)} missing")
+            node_problem = sysfs.node_problem(node)
+            if node_problem is not None:
+                problems.append(f"device node {self.paths.for_kubelet(node)} {node_problem}")
         return Gpu(function, uuid, index, tuple(nodes), tuple(problems))
 
     def _remember(self, bdf: str, uuid: str | None, index: int | None) -> tuple[str | None, int | None]:

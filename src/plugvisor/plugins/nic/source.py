@@ -80,13 +80,12 @@ class NicSource:
     # -- discovery -----------------------------------------------------------------
 
     def _physical_functions(self, addresses: Sequence[str]) -> list[PhysicalFunction]:
-        bus = self.paths.sysfs / sysfs.PCI_DEVICES
         pfs: list[PhysicalFunction] = []
         for bdf in addresses:
             if self._roots is not None and bdf not in self._roots:
                 continue
-            entry = bus / bdf
-            if not sysfs.exists(entry / "sriov_totalvfs"):
+            entry = sysfs.function_dir(self.paths.sysfs, bdf)
+            if isinstance(entry, sysfs.Unreadable) or not sysfs.exists(entry / "sriov_totalvfs"):
                 continue
             names = sysfs.list_dir(entry / "net")
             ifname = names[0] if isinstance(names, list) and names else None
@@ -95,13 +94,14 @@ class NicSource:
             problems = [f"PF {bdf}: {p}" for p in sysfs.aer_problems(entry, self._aer)]
             link_down = False
             if ifname is not None:
-                link_down = _link_down(entry / "net" / ifname)
-                if link_down:
-                    problems.append(f"PF {ifname} link down")
+                link = sysfs.netdev_link_problem(entry / "net" / ifname, f"PF {ifname}")
+                link_down = link is not None
+                if link is not None:
+                    problems.append(link)
             pfs.append(PhysicalFunction(bdf, entry, ifname, link_down, tuple(problems)))
         return pfs
 
-    def _virtual_functions(self, pf: PhysicalFunction) -> list[tuple[int, str]]:
+    def _virtual_functions(self, pf: PhysicalFunction, reported: list[str]) -> list[tuple[int, str]]:
         names = sysfs.list_dir(pf.path)
         if isinstance(names, sysfs.Unreadable):
             return []
@@ -115,7 +115,13 @@ class NicSource:
                 continue
             target = sysfs.link_name(pf.path / name)
             if isinstance(target, sysfs.Unreadable) or not sysfs.is_bdf(target):
+                reported.append(f"{pf.bdf}/{name}")  # kept across scans: logged once, not every scan
+            if isinstance(target, sysfs.Unreadable):
                 self._problems.report(f"{pf.bdf}/{name}", str(target), skipped=True)
+                continue
+            if not sysfs.is_bdf(target):
+                cause = f"{pf.path / name}: points to {target!r}, not a PCI function"
+                self._problems.report(f"{pf.bdf}/{name}", cause, skipped=True)
                 continue
             vfs.append((index, target))
         vfs.sort()
@@ -133,7 +139,7 @@ class NicSource:
             watch.add(pf.path)
             if pf.ifname is not None:
                 watch.add(pf.path / "net" / pf.ifname)
-            for _, vf_bdf in self._virtual_functions(pf):
+            for _, vf_bdf in self._virtual_functions(pf, seen):
                 if self._addresses is not None and vf_bdf not in self._addresses:
                     continue
                 seen.append(vf_bdf)
@@ -160,7 +166,9 @@ class NicSource:
         problems = list(pf.problems)
         problems += sysfs.aer_problems(vf.path, self._aer)
         specs: list[DeviceSpec] = []
-        if vf.driver is None:
+        if vf.driver_problem is not None:
+            problems.append(vf.driver_problem)
+        elif vf.driver is None:
             problems.append("no driver bound")
         elif vf.driver == VFIO_DRIVER:
             node = self._vfio_node(vf.path)
@@ -169,15 +177,14 @@ class NicSource:
             else:
                 control = self.paths.devfs / "vfio/vfio"
                 specs = [self._spec(control), self._spec(node)]
-                for needed in (control, node):
-                    if not sysfs.exists(needed):
-                        problems.append(f"device node {self.paths.for_kubelet(needed)} missing")
+                problems += self._node_problems(control, node)
         if self.options.vf_link_health:
             names = sysfs.list_dir(vf.path / "net")
             if isinstance(names, list) and names:
                 watch.add(vf.path / "net" / names[0])
-                if _link_down(vf.path / "net" / names[0]):
-                    problems.append(f"VF {names[0]} link down")
+                link = sysfs.netdev_link_problem(vf.path / "net" / names[0], f"VF {names[0]}")
+                if link is not None:
+                    problems.append(link)
         self._problems.report(bdf, "; ".join(problems) or None)
         numa = None if self.options.exclude_topology else vf.numa_node
         return Device(
@@ -188,11 +195,16 @@ class NicSource:
             envs={self.env: bdf},
         )
 
+    def _node_problems(self, *nodes: Path) -> list[str]:
+        found = ((node, sysfs.node_problem(node)) for node in nodes)
+        return [f"device node {self.paths.for_kubelet(n)} {problem}" for n, problem in found if problem]
+
     def _vfio_node(self, path: Path) -> Path | str:
         group = sysfs.link_name(path / "iommu_group")
         if isinstance(group, sysfs.Unreadable):
             return f"bound to {VFIO_DRIVER} but has no IOMMU group ({group.problem})"
-        name = sysfs.read_text(path / "iommu_group" / "name")
+        group_dir = sysfs.in_sysfs(self.paths.sysfs, path / "iommu_group")
+        name = group_dir if isinstance(group_dir, sysfs.Unreadable) else sysfs.read_text(group_dir / "name")
         if isinstance(name, str) and name == "vfio-noiommu":
             return self.paths.devfs / "vfio" / f"noiommu-{group}"
         return self.paths.devfs / "vfio" / group
@@ -229,15 +241,6 @@ class NicSource:
             annotations=allocation.annotations,
             cdi_devices=allocation.cdi_devices,
         )
-
-
-def _link_down(netdev: Path) -> bool:
-    """Whether an interface's link reads as down (``operstate`` down, or ``carrier`` 0)."""
-    state = sysfs.read_text(netdev / "operstate")
-    if isinstance(state, str) and state == "down":
-        return True
-    carrier = sysfs.read_int(netdev / "carrier")
-    return isinstance(carrier, int) and carrier == 0
 
 
 class NicKind:
