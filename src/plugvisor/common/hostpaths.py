@@ -78,6 +78,40 @@ def resolve_in_root(root: Path, path: str | os.PathLike[str]) -> Path:
     return root.joinpath(*resolved)
 
 
+def kubelet_dir_problem(path: Path) -> str | None:
+    """Why no plugin could serve its socket in ``path``, or ``None``; the directory is created if missing.
+
+    Checked before anything starts (``plugvisor plugin``, ``plugvisor run`` and
+    every reload), so that a read-only, uncreatable or mistyped directory is one
+    clear error naming it, not a bind failure deep in gRPC in every child.
+    """
+    try:
+        path.mkdir(mode=0o750, parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"{path}: cannot create it: {exc.strerror or exc}"
+    if not path.is_dir():
+        return f"{path}: not a directory"
+    if not os.access(path, os.W_OK | os.X_OK):
+        read_only = os.statvfs(path).f_flag & os.ST_RDONLY
+        why = "on a read-only filesystem" if read_only else "not writable by this process"
+        return f"{path}: {why}; plugins create their sockets there"
+    return None
+
+
+def host_root_problem(root: Path) -> str | None:
+    """Why ``root`` cannot serve as a host root (missing, a file, a looping ``sys``...), or ``None``."""
+    if not root.exists():
+        return f"{root}: does not exist; expected the host's / (or an emulated lab root)"
+    if not root.is_dir():
+        return f"{root}: not a directory; expected the host's / (or an emulated lab root)"
+    for name in ("sys", "dev", "proc"):
+        try:
+            resolve_in_root(root, name)
+        except OSError as exc:
+            return f"{root / name}: {exc.strerror} (resolved inside the host root)"
+    return None
+
+
 def path_parts(path: str | os.PathLike[str]) -> tuple[str, ...]:
     """The components of ``path`` below ``/`` (what joins it onto a root)."""
     return tuple(part for part in PurePosixPath(path).parts if part.strip("/"))  # "//" is an anchor too

@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 from typing import Final
 
+from plugvisor.common.validation import shorten
+
 _DNS1123_LABEL: Final = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 # Matched with fullmatch: "$" would also accept a trailing newline, which Go's regexp
 # (and so the kubelet) rejects.
@@ -61,16 +63,17 @@ def is_extended_resource_name(name: str) -> bool:
 
 
 def extended_resource_name_problem(name: str) -> str | None:
-    """Explain, for a human, why ``name`` cannot be registered; None when it can."""
+    """Explain, for a human, why ``name`` cannot be registered; None when it can (bounded echo)."""
+    shown = repr(shorten(name, 330))  # a valid name has at most 253 + 1 + 63 characters
     if "/" not in name:
-        return f"{name!r} has no domain: expected <domain>/<name>, e.g. vendor.example/gpu"
+        return f"{shown} has no domain: expected <domain>/<name>, e.g. vendor.example/gpu"
     if "kubernetes.io/" in name:
-        return f"{name!r} uses a kubernetes.io domain, which is reserved for native resources"
+        return f"{shown} uses a kubernetes.io domain, which is reserved for native resources"
     if name.startswith("requests."):
-        return f"{name!r} starts with 'requests.', which is reserved for quota"
+        return f"{shown} starts with 'requests.', which is reserved for quota"
     errors = qualified_name_errors("requests." + name)
     if errors:
-        return f"{name!r} is not a valid extended resource name: " + "; ".join(errors)
+        return f"{shown} is not a valid extended resource name: " + "; ".join(errors)
     return None
 
 

@@ -10,6 +10,18 @@ from __future__ import annotations
 import pydantic
 
 
+def shorten(text: str, limit: int = 80) -> str:
+    """``text`` cut to ``limit`` characters, saying how long it was.
+
+    Every error that echoes input goes through this: a 20 MB resource name must
+    give a one-line error, and a gRPC status must stay far below the 4 MiB
+    message limit (else the caller sees RESOURCE_EXHAUSTED, not the error).
+    """
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
+
+
 def field_path(loc: tuple[int | str, ...]) -> str:
     """Render a pydantic error location as ``a.b[0].c`` using the user's key names."""
     out = ""

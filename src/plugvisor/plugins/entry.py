@@ -21,13 +21,14 @@ from typing import Any
 
 import click
 import pydantic
-import yaml
+import structlog
 
 from plugvisor.common import constants
 from plugvisor.common.exitcodes import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
-from plugvisor.common.hostpaths import HostPaths
+from plugvisor.common.hostpaths import HostPaths, host_root_problem, kubelet_dir_problem
 from plugvisor.common.logs import configure_logging, log_options, quiet_grpc_core
 from plugvisor.common.validation import describe
+from plugvisor.common.yamlfile import YamlFileError, read_yaml
 from plugvisor.plugins.kinds import UnknownKindError, get_kind
 
 # The framework's runtime (and so grpc) is imported when a plugin starts, after this.
@@ -39,11 +40,9 @@ COMMAND = "plugin"
 
 def _load_options_file(path: Path) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise click.BadParameter(f"cannot read {path}: {exc.strerror}", param_hint="--options-file") from exc
-    except yaml.YAMLError as exc:
-        raise click.BadParameter(f"{path} is not valid YAML: {exc}", param_hint="--options-file") from exc
+        data = read_yaml(path)
+    except YamlFileError as exc:
+        raise click.BadParameter(str(exc), param_hint="--options-file") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -59,6 +58,8 @@ def _parse_options_json(text: str) -> dict[str, Any]:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise click.BadParameter(f"not valid JSON: {exc}", param_hint="--options-json") from exc
+    except RecursionError:
+        raise click.BadParameter("nested too deeply to be options", param_hint="--options-json") from None
     if not isinstance(data, dict):
         raise click.BadParameter(
             f"must be a JSON object of the kind's keys, not {type(data).__name__}",
@@ -180,6 +181,7 @@ def plugin_command(
         sys.exit(EXIT_USAGE)
     resource_name = resource or f"plugvisor.io/{kind}"
     host = HostPaths(root=host_root.absolute(), kubelet_dir=kubelet_dir.absolute(), spec_root=spec_root)
+    _check_host(kind, host, resource_name)
     try:
         config = PluginConfig(
             resource_name,
@@ -194,6 +196,28 @@ def plugin_command(
     if metrics_listen:
         _serve_metrics(metrics_listen)
     sys.exit(run_plugin(config, source))
+
+
+def _check_host(kind: str, host: HostPaths, resource: str) -> None:
+    """Exit 2 naming the option when the host root or kubelet directory cannot work; warn when no PCI bus.
+
+    A mistyped --host-root used to give zero devices and no word about why, and an
+    unwritable --kubelet-dir a traceback from deep inside gRPC.
+    """
+    for option, problem in (
+        ("--host-root", host_root_problem(host.root)),
+        ("--kubelet-dir", kubelet_dir_problem(host.kubelet_dir)),
+    ):
+        if problem is not None:
+            click.echo(f"plugvisor plugin {kind}: {option}: {problem}", err=True)
+            sys.exit(EXIT_USAGE)
+    if kind != "generic" and not (host.sysfs / "bus/pci/devices").is_dir():
+        structlog.get_logger("plugvisor.plugin").warning(
+            "no_pci_bus",
+            resource=resource,
+            path=str(host.sysfs / "bus/pci/devices"),
+            meaning="no PCI device can be found under this host root; check --host-root",
+        )
 
 
 def _serve_metrics(listen: str) -> None:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import pydantic
 
 from plugvisor.common.hostpaths import HostPaths
+from plugvisor.common.validation import shorten
 
 if TYPE_CHECKING:
     # For the annotation only: the agent imports this registry to validate its configuration,
@@ -66,4 +67,5 @@ def get_kind(name: str) -> PluginKind:
     for ep in entry_points(group=ENTRY_POINT_GROUP, name=name):
         return _load(ep)
     known = sorted(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))
-    raise UnknownKindError(f"unknown plugin kind {name!r}: installed kinds are {', '.join(known) or 'none'}")
+    shown = shorten(name)
+    raise UnknownKindError(f"unknown plugin kind {shown!r}: installed kinds are {', '.join(known) or 'none'}")

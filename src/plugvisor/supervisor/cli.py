@@ -2,8 +2,9 @@
 
 Wired into the ``plugvisor`` group by ``plugvisor.cli``; they live here, beside
 the code they drive, and import nothing that loads gRPC. Exit codes follow the
-product: 0 success, 2 invalid configuration (the message names the file and
-the field), 1 anything else (including "no agent running" for ``status``).
+product: 0 success, 2 invalid configuration or a state file that is not the
+agent's (the message names the file and the field), 1 anything else (including
+"no agent running" for ``status``).
 """
 
 from __future__ import annotations
@@ -79,6 +80,9 @@ def status_command(*, as_json: bool, runtime_dir: Path | None, config_path: Path
         runtime_dir = Path(os.environ.get(RUNTIME_DIR_ENV) or DEFAULT_RUNTIME_DIR)
     try:
         document = status_.read_state(runtime_dir)
+    except status_.BadStateError as exc:
+        click.echo(f"plugvisor status: {exc}", err=True)
+        sys.exit(EXIT_USAGE)
     except status_.NoAgentError as exc:
         click.echo(f"plugvisor status: {exc}", err=True)
         sys.exit(EXIT_FAILURE)

@@ -25,16 +25,24 @@ from typing import Annotated, Any, Final, Literal
 
 import pydantic
 import pydantic_core
-import yaml
 
 from plugvisor.common import constants
+from plugvisor.common.hostpaths import host_root_problem, kubelet_dir_problem
 from plugvisor.common.names import extended_resource_name_problem
 from plugvisor.common.sockets import longest_socket_path
-from plugvisor.common.validation import describe
+from plugvisor.common.validation import describe, shorten
+from plugvisor.common.yamlfile import YamlFileError, read_yaml
 from plugvisor.plugins import kinds
 
 DEFAULT_RUNTIME_DIR: Final = Path("/run/plugvisor")
 RUNTIME_DIR_ENV: Final = "PLUGVISOR_RUNTIME_DIR"
+MAX_RESOURCES: Final = 256
+"""Most ``resources`` one node may configure: each is a process, and no node has more device types."""
+MAX_OPTIONS_BYTES: Final = 64 * 1024
+"""Largest kind options of one entry (as JSON): they travel on the child's command line."""
+MAX_PATH_BYTES: Final = 4096
+"""Linux's PATH_MAX: no longer path can be opened."""
+_STATUS_SOCKET_NAME: Final = "status.sock"  # plugvisor.supervisor.status.REPORT_SOCKET
 
 
 class ConfigError(Exception):
@@ -42,7 +50,9 @@ class ConfigError(Exception):
 
 
 class _Model(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = pydantic.ConfigDict(
+        extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False
+    )
 
 
 def _listen_address(value: str) -> str:
@@ -77,12 +87,12 @@ class MetricsConfig(_Model):
 class RestartConfig(_Model):
     """Backoff of unexpected exits (see :class:`plugvisor.supervisor.backoff.BackoffPolicy`)."""
 
-    initial_delay: Annotated[float, pydantic.Field(gt=0, alias="initialDelay")] = 0.25
-    max_delay: Annotated[float, pydantic.Field(gt=0, alias="maxDelay")] = 30.0
-    multiplier: Annotated[float, pydantic.Field(ge=1)] = 2.0
+    initial_delay: Annotated[float, pydantic.Field(gt=0, le=3600, alias="initialDelay")] = 0.25
+    max_delay: Annotated[float, pydantic.Field(gt=0, le=3600, alias="maxDelay")] = 30.0
+    multiplier: Annotated[float, pydantic.Field(ge=1, le=100)] = 2.0
     jitter: Annotated[float, pydantic.Field(ge=0, le=1)] = 0.2
-    reset_after: Annotated[float, pydantic.Field(gt=0, alias="resetAfter")] = 10.0
-    crash_loop_after: Annotated[int, pydantic.Field(ge=2, alias="crashLoopAfter")] = 5
+    reset_after: Annotated[float, pydantic.Field(gt=0, le=86400, alias="resetAfter")] = 10.0
+    crash_loop_after: Annotated[int, pydantic.Field(ge=2, le=1000, alias="crashLoopAfter")] = 5
 
     @pydantic.model_validator(mode="after")
     def _ordered(self) -> RestartConfig:
@@ -101,6 +111,20 @@ class SupervisorConfig(_Model):
     stop_timeout: Annotated[float, pydantic.Field(gt=0, le=300, alias="stopTimeout")] = 5.0
     runtime_dir: Path | None = pydantic.Field(default=None, alias="runtimeDir")
     restart: RestartConfig = RestartConfig()
+
+    @pydantic.field_validator("runtime_dir", mode="after")
+    @classmethod
+    def _runtime_dir(cls, value: Path | None) -> Path | None:
+        if value is None:
+            return value
+        _check_path(value)
+        longest = len(os.fsencode(value / _STATUS_SOCKET_NAME))
+        if longest > constants.MAX_UNIX_SOCKET_PATH:
+            raise ValueError(
+                f"too long for the status socket in it: {longest} bytes, "
+                f"unix sockets allow {constants.MAX_UNIX_SOCKET_PATH}"
+            )
+        return value
 
 
 class ResourceConfig(pydantic.BaseModel):
@@ -138,8 +162,8 @@ class NodeConfig(_Model):
     @pydantic.field_validator("kubelet_dir", "host_root", "spec_root", mode="after")
     @classmethod
     def _absolute(cls, value: Path | None) -> Path | None:
-        if value is not None and not value.is_absolute():
-            raise ValueError(f"{str(value)!r} must be an absolute path")
+        if value is not None:
+            _check_path(value)
         return value
 
     @property
@@ -148,6 +172,17 @@ class NodeConfig(_Model):
         if self.supervisor.runtime_dir is not None:
             return self.supervisor.runtime_dir
         return Path(os.environ.get(RUNTIME_DIR_ENV) or DEFAULT_RUNTIME_DIR)
+
+
+def _check_path(value: Path) -> None:
+    """An absolute path the kernel can open (no NUL byte, at most PATH_MAX bytes)."""
+    text = str(value)
+    if "\x00" in text:
+        raise ValueError(f"{shorten(text)!r} contains a NUL byte")
+    if len(os.fsencode(text)) > MAX_PATH_BYTES:
+        raise ValueError(f"{shorten(text)!r} is longer than {MAX_PATH_BYTES} bytes (PATH_MAX)")
+    if not value.is_absolute():
+        raise ValueError(f"{shorten(text)!r} must be an absolute path")
 
 
 def _custom(
@@ -184,6 +219,11 @@ def _entry_errors(config: NodeConfig) -> list[pydantic_core.InitErrorDetails]:
             message = f"kind {resource.kind!r} is installed but cannot be loaded: {exc!r}"
             errors.append(_custom("broken_kind", message, ("resources", index, "kind"), resource.kind))
             continue
+        size = len(json.dumps(resource.options, separators=(",", ":")))
+        if size > MAX_OPTIONS_BYTES:
+            message = f"the kind's keys take {size} bytes as JSON; at most {MAX_OPTIONS_BYTES} are allowed"
+            errors.append(_custom("options_too_large", message, ("resources", index), "..."))
+            continue
         try:
             kind.options_model.model_validate(resource.options)
         except pydantic.ValidationError as exc:
@@ -204,6 +244,12 @@ def parse_config(data: Any, *, source: str) -> NodeConfig:
     if not isinstance(data, dict):
         kind = "an empty file" if data is None else type(data).__name__
         raise ConfigError(f"{source}: (top level): expected a mapping with a 'resources' list, got {kind}")
+    resources = data.get("resources")
+    if isinstance(resources, list) and len(resources) > MAX_RESOURCES:
+        # Checked before validating anything: 200,000 entries would take minutes and gigabytes to reject.
+        raise ConfigError(
+            f"{source}: resources: {len(resources)} entries; at most {MAX_RESOURCES} resources per node"
+        )
     try:
         config = NodeConfig.model_validate(data)
     except pydantic.ValidationError as exc:
@@ -216,16 +262,39 @@ def parse_config(data: Any, *, source: str) -> NodeConfig:
 
 
 def load_config(path: Path) -> NodeConfig:
-    """Read and validate the file at ``path``."""
+    """Read and validate the file at ``path``; every way the file can be bad is a :class:`ConfigError`.
+
+    That includes a file that is not UTF-8, repeats a key, is a directory or a
+    FIFO, or is absurdly large (:func:`plugvisor.common.yamlfile.read_yaml`): on SIGHUP
+    the agent then keeps its running configuration instead of dying.
+    """
     try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        data = read_yaml(path)
+    except YamlFileError as exc:
+        raise ConfigError(str(exc)) from None
     return parse_config(data, source=str(path))
+
+
+def load_node_config(path: Path) -> NodeConfig:
+    """:func:`load_config`, then check that this node can run it (the agent's start and every reload).
+
+    The kubelet directory must be creatable and writable and the host root a
+    readable directory; otherwise every child would fail the same way, over and
+    over. Not part of :func:`load_config`: ``export`` and ``status`` may read a
+    file meant for another machine.
+    """
+    config = load_config(path)
+    problems = [
+        f"{path}: {field}: {problem}"
+        for field, problem in (
+            ("kubeletDir", kubelet_dir_problem(config.kubelet_dir)),
+            ("hostRoot", host_root_problem(config.host_root)),
+        )
+        if problem is not None
+    ]
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return config
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,52 @@ class NoAgentError(Exception):
     """No running supervisor uses that runtime directory (the message says what was found)."""
 
 
+class BadStateError(NoAgentError):
+    """The state file is there but is not what the agent writes (edited, truncated, another program's)."""
+
+
+_CHILD_FIELDS: Final = {
+    "resource": (str,),
+    "state": (str,),
+    "pid": (int, type(None)),
+    "restarts": (int,),
+    "registered": (bool,),
+    "crash_looping": (bool,),
+    "started_at": (int, float, type(None)),
+    "last_exit": (dict, type(None)),
+    "devices": (dict, type(None)),
+}
+
+
+def _shape_problem(document: Any) -> str | None:  # noqa: PLR0911 - one return per problem found
+    """Where ``document`` differs from what :func:`render` needs, or ``None``."""
+    if not isinstance(document, dict):
+        return f"top level is {type(document).__name__}, expected an object"
+    supervisor = document.get("supervisor")
+    if not isinstance(supervisor, dict) or type(supervisor.get("pid")) is not int:
+        return "supervisor.pid: expected an integer"
+    if not isinstance(supervisor.get("started_at", 0), int | float):
+        return "supervisor.started_at: expected a number"
+    children = document.get("children", [])
+    if not isinstance(children, list):
+        return "children: expected a list"
+    for index, child in enumerate(children):
+        if not isinstance(child, dict):
+            return f"children[{index}]: expected an object"
+        for key, types in _CHILD_FIELDS.items():
+            if key in ("resource", "state") and key not in child:
+                return f"children[{index}].{key}: missing"
+            if key in child and not isinstance(child[key], types):
+                return f"children[{index}].{key}: unexpected {type(child[key]).__name__}"
+        last = child.get("last_exit")
+        if last is not None and not {"cause", "status"} <= last.keys():
+            return f"children[{index}].last_exit: expected cause and status"
+        devices = child.get("devices")
+        if devices is not None and not all(isinstance(devices.get(k), int) for k in ("healthy", "total")):
+            return f"children[{index}].devices: expected integer healthy and total"
+    return None
+
+
 def write_state(runtime_dir: Path, document: dict[str, Any]) -> None:
     """Replace the state file atomically (readers never see half a file)."""
     target = runtime_dir / STATE_FILE
@@ -62,8 +108,13 @@ def read_state(runtime_dir: Path, *, now: float | None = None) -> dict[str, Any]
         raise NoAgentError(
             f"no plugvisor agent state in {runtime_dir} (is `plugvisor run` running?)"
         ) from None
-    except (OSError, ValueError) as exc:
-        raise NoAgentError(f"cannot read {path}: {exc}") from None
+    except OSError as exc:
+        raise NoAgentError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested absurdly deep
+        raise BadStateError(f"{path} is not a plugvisor agent state file: {exc}") from None
+    problem = _shape_problem(document)
+    if problem is not None:
+        raise BadStateError(f"{path} is not a plugvisor agent state file: {problem}")
     pid = document.get("supervisor", {}).get("pid")
     if not isinstance(pid, int) or not _alive(pid):
         raise NoAgentError(f"{path} is stale: supervisor PID {pid} is not running")

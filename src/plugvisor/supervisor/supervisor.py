@@ -43,7 +43,7 @@ from plugvisor.supervisor.config import (
     ConfigError,
     NodeConfig,
     child_specs,
-    load_config,
+    load_node_config,
 )
 from plugvisor.supervisor.kubelet_watch import KubeletWatch
 from plugvisor.supervisor.reports import ReportListener
@@ -557,7 +557,7 @@ class Agent:
         if announce:
             self.notifier.reloading(int(supervisor.clock.monotonic() * 1e6))
         try:
-            config = load_config(self.config_path)
+            config = load_node_config(self.config_path)
         except ConfigError as exc:
             _log.error("reload_rejected", error=str(exc), keeping="the running configuration")
             if announce:
@@ -597,6 +597,6 @@ def run_agent(config_path: Path, *, log_format: str = "kv", log_level: str = "in
 
     Raises :class:`ConfigError` (exit status 2 in the CLI) before starting anything.
     """
-    config = load_config(config_path)
+    config = load_node_config(config_path)
     agent = Agent(config, config_path=config_path, log_format=log_format, log_level=log_level)
     return asyncio.run(agent.run())

@@ -103,3 +103,73 @@ class TestParseConfig:
         bad.write_text("resources: [\n")
         with pytest.raises(config_.ConfigError, match="not valid YAML"):
             config_.load_config(bad)
+
+
+class TestBounds:
+    """What a configuration may hold is bounded: a clear error at once, not minutes and gigabytes."""
+
+    def test_too_many_resources_is_refused_before_validating_any(self):
+        entries = [{"name": f"a.com/r{i}", "kind": "generic", "paths": ["/x"]} for i in range(200_000)]
+        with pytest.raises(config_.ConfigError, match="200000 entries; at most 256 resources per node"):
+            config_.parse_config({"resources": entries}, source="node.yaml")
+
+    def test_a_huge_resource_name_gives_a_short_error(self):
+        with pytest.raises(config_.ConfigError) as caught:
+            config_.parse_config({"resources": [{"name": "x" * 20_000_000, "kind": "generic"}]}, source="n")
+        assert len(str(caught.value)) < 1000 and "(20000000 characters)" in str(caught.value)
+
+    @pytest.mark.parametrize(
+        ("document", "message"),
+        [
+            (
+                '{"kubeletDir": "/a\\u0000b", "resources": []}',
+                "kubeletDir: Value error, '/a\\x00b' contains a NUL",
+            ),
+            ('{"hostRoot": "/' + "h" * 5000 + '", "resources": []}', "longer than 4096 bytes"),
+            ('{"supervisor": {"runtimeDir": "run"}, "resources": []}', "must be an absolute path"),
+            (
+                '{"supervisor": {"runtimeDir": "/' + "r" * 100 + '"}, "resources": []}',
+                "too long for the status",
+            ),
+            ('{"supervisor": {"restart": {"maxDelay": 1e300}}, "resources": []}', "restart.maxDelay"),
+            ('{"supervisor": {"restart": {"maxDelay": ".inf"}}, "resources": []}', "restart.maxDelay"),
+        ],
+    )
+    def test_paths_and_numbers_are_bounded(self, document, message):
+        assert message in errors_of(document)
+
+    def test_kind_options_too_large_for_a_command_line_are_refused(self):
+        entry = {"name": "a.com/r", "kind": "generic", "paths": ["/dev/x" + "y" * 100 for _ in range(1000)]}
+        assert "at most 65536 are allowed" in errors_of(json.dumps({"resources": [entry]}))
+
+
+class TestLoadConfig:
+    def test_a_file_with_a_byte_that_is_not_utf8_is_a_configuration_error(self, tmp_path):
+        path = tmp_path / "node.yaml"
+        path.write_bytes(GOOD.encode().replace(b"fuse\n", b"fu\xffse\n", 1))
+        with pytest.raises(
+            config_.ConfigError, match=r"node.yaml: line \d+, column \d+: byte 0xff is not UTF-8"
+        ):
+            config_.load_config(path)
+
+    def test_a_repeated_key_is_a_configuration_error(self, tmp_path):
+        path = tmp_path / "node.yaml"
+        path.write_text("resources:\n  - {name: a.com/b, kind: generic, paths: [/x], count: 1, count: 5}\n")
+        with pytest.raises(config_.ConfigError, match="duplicate key 'count'"):
+            config_.load_config(path)
+
+    def test_the_node_check_names_an_uncreatable_kubelet_dir_and_a_missing_host_root(self, tmp_path):
+        (tmp_path / "file").write_text("")
+        path = tmp_path / "node.yaml"
+        path.write_text(
+            f"kubeletDir: {tmp_path}/file/dp\nhostRoot: {tmp_path}/nothing\n"
+            "resources: [{name: a.com/b, kind: generic, paths: [/x]}]\n"
+        )
+        config_.load_config(path)  # the file itself is fine
+        with pytest.raises(config_.ConfigError) as caught:
+            config_.load_node_config(path)
+        assert str(caught.value).splitlines() == [
+            f"{path}: kubeletDir: {tmp_path}/file/dp: cannot create it: Not a directory",
+            f"{path}: hostRoot: {tmp_path}/nothing: does not exist; "
+            "expected the host's / (or an emulated lab root)",
+        ]

@@ -1,0 +1,132 @@
+"""Reading the YAML files an operator writes: bounded, strict, and every failure names the file.
+
+A node configuration or a kind's options file is a few kilobytes written by a
+person. What can go wrong with one is mostly a slip (a key written twice, a
+byte that is not UTF-8, the wrong path given) and sometimes worse (a FIFO that
+would block a reader forever, a multi-gigabyte file, an alias "billion laughs"
+that expands to more values than memory holds). Each of these is turned into a
+:class:`YamlFileError` whose message names the file, and where it can, the
+line and the key, before anything else looks at the content.
+
+Duplicate keys are errors because PyYAML silently keeps the last one: with
+``count: 1`` and ``count: 5`` in one entry, which did the operator mean? Unknown
+keys are already errors; a repeated one deserves the same.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from typing import Any, Final
+
+import yaml
+
+from plugvisor.common.validation import shorten
+
+MAX_FILE_BYTES: Final = 1 << 20
+"""Largest file read (1 MiB): a node configuration of hundreds of resources is tens of kilobytes."""
+
+MAX_VALUES: Final = 100_000
+"""Most values (scalars, lists, mappings) a document may hold once aliases are expanded."""
+
+_MERGE_TAG: Final = "tag:yaml.org,2002:merge"
+
+
+class YamlFileError(ValueError):
+    """The file cannot be used; the message names it (and the line and key when known)."""
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a mapping that repeats a key."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == _MERGE_TAG:
+                    continue  # `<<: *defaults` keys are meant to be overridden by the mapping's own
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.get(key)
+                except TypeError:
+                    continue  # an unhashable key: PyYAML's own check reports it
+                if first is not None:
+                    raise yaml.constructor.ConstructorError(
+                        None,
+                        None,
+                        f"duplicate key {shorten(str(key))!r} (first at line {first})",
+                        key_node.start_mark,
+                    )
+                seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+def _count_values(data: Any, budget: int) -> int:
+    """Count values as a consumer walking the document would meet them (aliases counted each time)."""
+    stack = [data]
+    count = 0
+    while stack:
+        item = stack.pop()
+        count += 1
+        if count > budget:
+            break
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return count
+
+
+def parse_yaml(text: str, *, source: str) -> Any:
+    """Parse one YAML document strictly (no repeated keys, at most :data:`MAX_VALUES` values)."""
+    try:
+        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        problem = exc.problem or str(exc)
+        raise YamlFileError(f"{source}: {where}not valid YAML: {problem}") from None
+    except yaml.YAMLError as exc:
+        raise YamlFileError(f"{source}: not valid YAML: {shorten(str(exc), 300)}") from None
+    if _count_values(data, MAX_VALUES) > MAX_VALUES:
+        raise YamlFileError(
+            f"{source}: more than {MAX_VALUES} values once anchors and aliases are expanded; "
+            "a configuration file this large is a mistake"
+        )
+    return data
+
+
+def read_yaml(path: Path) -> Any:
+    """Read and parse the YAML file at ``path``: a regular file of at most 1 MiB of UTF-8 text."""
+    try:
+        # O_NONBLOCK: a FIFO given by mistake must be refused, not block the reader forever.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise YamlFileError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except ValueError as exc:  # an embedded NUL
+        raise YamlFileError(f"{shorten(str(path))}: cannot read: {exc}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            kind = "a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file"
+            raise YamlFileError(f"{path}: cannot read: {kind}; expected a YAML file")
+        with os.fdopen(os.dup(fd), "rb") as handle:
+            raw = handle.read(MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise YamlFileError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if len(raw) > MAX_FILE_BYTES:
+        raise YamlFileError(f"{path}: larger than {MAX_FILE_BYTES // 1024} KiB; expected a YAML file")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
+        byte = raw[exc.start]
+        raise YamlFileError(
+            f"{path}: line {line}, column {column}: byte 0x{byte:02x} is not UTF-8; expected UTF-8 YAML text"
+        ) from None
+    return parse_yaml(text, source=str(path))

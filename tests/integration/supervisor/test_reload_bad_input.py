@@ -1,0 +1,66 @@
+"""SIGHUP with a file the agent cannot use: rejected with one line naming it, every child left running."""
+
+import asyncio
+import signal
+
+import pytest
+import yaml
+
+from .conftest import EXPECTED, registered_all
+
+
+def running_registered(children):
+    return len(children) == 3 and all(c["state"] == "RUNNING" and c["registered"] for c in children.values())
+
+
+async def wait_for_log(agent, text: str, count: int) -> None:
+    deadline = asyncio.get_running_loop().time() + 15
+    while agent.log().count(text) < count:
+        assert asyncio.get_running_loop().time() < deadline, agent.log()[-3000:]
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize(
+    "breakage",
+    [
+        "a byte that is not UTF-8",
+        "a repeated key",
+        "a kubeletDir that cannot be created",
+        "a missing hostRoot",
+    ],
+)
+async def test_a_reload_the_node_cannot_run_keeps_the_running_configuration(node, kubelet, agents, breakage):
+    node.write_config()
+    agent = await agents()
+    await agent.wait_state(running_registered)
+    pids = {name: child["pid"] for name, child in agent.children().items()}
+
+    good = node.config_path.read_bytes()
+    if breakage == "a byte that is not UTF-8":
+        node.config_path.write_bytes(good.replace(b"/dev/fuse", b"/dev/f\xffuse"))
+        expected = "is not UTF-8"
+    elif breakage == "a repeated key":
+        node.config_path.write_bytes(good + b"hostRoot: /\n")
+        expected = "duplicate key 'hostRoot'"
+    else:
+        document = yaml.safe_load(good)
+        (node.base / "file").write_text("")
+        if breakage == "a missing hostRoot":
+            document["hostRoot"] = str(node.base / "typo")
+            expected = "hostRoot: "
+        else:
+            document["kubeletDir"] = str(node.base / "file" / "dp")
+            expected = "kubeletDir: "
+        node.config_path.write_text(yaml.safe_dump(document))
+    agent.send(signal.SIGHUP)
+    await wait_for_log(agent, "reload_rejected", 1)
+    assert expected in agent.log() and str(node.config_path) in agent.log()
+
+    # Still the same processes, all registered; and a good file is taken again afterwards.
+    assert {name: c["pid"] for name, c in agent.children().items()} == pids
+    assert registered_all(EXPECTED)(kubelet)
+    node.config_path.write_bytes(good)
+    agent.send(signal.SIGHUP)
+    await wait_for_log(agent, "reloaded", 1)
+    assert {name: c["pid"] for name, c in agent.children().items()} == pids
+    assert await agent.stop() == 0

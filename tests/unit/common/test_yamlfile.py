@@ -1,0 +1,60 @@
+"""Operator-written YAML: bounded, strict, and every failure names the file (and the line and key)."""
+
+import os
+
+import pytest
+
+from plugvisor.common.yamlfile import MAX_FILE_BYTES, YamlFileError, parse_yaml, read_yaml
+
+
+def error_of(path) -> str:
+    with pytest.raises(YamlFileError) as caught:
+        read_yaml(path)
+    return str(caught.value)
+
+
+class TestReadYaml:
+    def test_a_good_file_parses(self, tmp_path):
+        (tmp_path / "f.yaml").write_text("a: 1\nb: [x, y]\n")
+        assert read_yaml(tmp_path / "f.yaml") == {"a": 1, "b": ["x", "y"]}
+
+    def test_a_byte_that_is_not_utf8_is_named_with_its_line_and_column(self, tmp_path):
+        (tmp_path / "f.yaml").write_bytes(b"a: 1\nname: ab\xffc\n")
+        assert error_of(tmp_path / "f.yaml") == (
+            f"{tmp_path / 'f.yaml'}: line 2, column 9: byte 0xff is not UTF-8; expected UTF-8 YAML text"
+        )
+
+    @pytest.mark.parametrize(
+        ("text", "expected"),
+        [
+            (
+                "count: 1\ncount: 5\n",
+                "line 2, column 1: not valid YAML: duplicate key 'count' (first at line 1)",
+            ),
+            ("{count: 1, count: 5}\n", "duplicate key 'count' (first at line 1)"),
+            ("r:\n  - {name: a, x: 1}\n  - {name: b, x: 2, x: 3}\n", "line 3, column 21"),
+        ],
+    )
+    def test_a_repeated_key_is_an_error_naming_the_key_and_line(self, tmp_path, text, expected):
+        (tmp_path / "f.yaml").write_text(text)
+        assert expected in error_of(tmp_path / "f.yaml")
+
+    def test_merge_keys_may_be_overridden_by_the_mapping_own_keys(self):
+        assert parse_yaml("d: &d {a: 1, b: 2}\ne: {<<: *d, b: 3}\n", source="s")["e"] == {"a": 1, "b": 3}
+
+    def test_a_directory_a_fifo_and_a_missing_file_are_named_not_read(self, tmp_path):
+        os.mkfifo(tmp_path / "fifo")
+        assert "not a regular file" in error_of(tmp_path / "fifo")  # and did not block
+        assert "a directory" in error_of(tmp_path)
+        assert "No such file or directory" in error_of(tmp_path / "missing.yaml")
+
+    def test_a_huge_file_is_refused_without_reading_it_whole(self, tmp_path):
+        with (tmp_path / "f.yaml").open("wb") as big:
+            big.truncate(2 << 30)
+        assert f"larger than {MAX_FILE_BYTES // 1024} KiB" in error_of(tmp_path / "f.yaml")
+
+    def test_an_alias_bomb_is_refused(self):
+        lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+        lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]
+        with pytest.raises(YamlFileError, match="more than 100000 values"):
+            parse_yaml("\n".join(lines), source="bomb.yaml")
