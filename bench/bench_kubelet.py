@@ -31,24 +31,26 @@ DEVICES = 8
 def _serve_plugin(state_dir: str, kubelet_dir: str) -> int:
     from plugvisor.deviceplugin import (
         Device,
-        DeviceSet,
         Health,
         HostPaths,
         PluginConfig,
+        Snapshot,
         configure_logging,
         run_plugin,
     )
 
     class Widgets:
-        def scan(self) -> DeviceSet:
+        def scan(self) -> Snapshot[None]:
             sick = Path(state_dir)
-            return DeviceSet(
-                Device(f"w{i}", health=Health.UNHEALTHY if (sick / f"sick-w{i}").exists() else Health.HEALTHY)
-                for i in range(DEVICES)
+            return Snapshot(
+                [
+                    Device(
+                        f"w{i}", health=Health.UNHEALTHY if (sick / f"sick-w{i}").exists() else Health.HEALTHY
+                    )
+                    for i in range(DEVICES)
+                ],
+                watch=[sick],
             )
-
-        def watch_paths(self) -> list[Path]:
-            return [Path(state_dir)]
 
     configure_logging(level="warning")
     paths = HostPaths(kubelet_dir=Path(kubelet_dir))

@@ -87,7 +87,7 @@ def scan_big() -> None:
             times = []
             for _ in range(5):
                 started = time.perf_counter()
-                devices = source.scan()
+                devices = source.scan().devices
                 times.append(time.perf_counter() - started)
             median = statistics.median(times) * 1000
             print(f"scan of big, {kind.name}: {len(devices)} devices, median {median:.0f} ms")

@@ -54,10 +54,11 @@ async def _serve_plugvisor(socket_path: str) -> None:
     from plugvisor.deviceplugin.cell import SnapshotCell
     from plugvisor.deviceplugin.hooks import Hooks
     from plugvisor.deviceplugin.server import PluginServer
+    from plugvisor.deviceplugin.snapshot import Snapshot
 
     server = grpc.aio.server()
     api_pb2_grpc.add_DevicePluginServicer_to_server(
-        PluginServer("bench.example/gpu", SnapshotCell(_devices(DEVICE_COUNT)), Hooks()), server
+        PluginServer("bench.example/gpu", SnapshotCell(Snapshot(_devices(DEVICE_COUNT))), Hooks()), server
     )
     server.add_insecure_port(f"unix:{socket_path}")
     await server.start()
@@ -182,7 +183,8 @@ def bench_10k() -> None:
         (tmp / "dev" / "fuse").touch()
         source = GenericSource(GenericOptions(paths=["/dev/fuse"], count=10_000), HostPaths(root=tmp))
         t0 = time.perf_counter()
-        devices = source.scan()
+        snapshot = source.scan()
+        devices = snapshot.devices
         scan = time.perf_counter() - t0
         t0 = time.perf_counter()
         message = device_list_message(devices)
@@ -192,7 +194,7 @@ def bench_10k() -> None:
         async def first_list() -> float:
             server = grpc.aio.server()
             api_pb2_grpc.add_DevicePluginServicer_to_server(
-                PluginServer("bench.example/fuse", SnapshotCell(devices), Hooks()), server
+                PluginServer("bench.example/fuse", SnapshotCell(snapshot), Hooks()), server
             )
             server.add_insecure_port(f"unix:{tmp / 'big.sock'}")
             await server.start()

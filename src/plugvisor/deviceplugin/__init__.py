@@ -1,9 +1,10 @@
 """The device-plugin framework: write a device source, get a kubelet-compliant plugin.
 
 A plugin is a :class:`DeviceSource` (a one-shot ``scan()`` returning a
-:class:`DeviceSet`, and the directories to watch) plus, optionally, any of the
-hook Protocols (:class:`PreferredAllocator`, :class:`ContainerPreStarter`,
-:class:`PostAllocator`). :func:`run_plugin` does the rest: event-driven
+:class:`Snapshot`: the devices, the directories to watch, and the data its hooks
+need) plus, optionally, any of the hook Protocols (:class:`PreferredAllocator`,
+:class:`ContainerPreStarter`, :class:`PostAllocator`, :class:`ReleaseHandler`,
+:class:`PluginLifecycle`, ...). :func:`run_plugin` does the rest: event-driven
 rediscovery, the five DevicePlugin RPCs with strict request checking,
 registration that survives kubelet restarts, and structured logs.
 
@@ -38,14 +39,21 @@ if TYPE_CHECKING:
     )
     from plugvisor.deviceplugin.hooks import (
         ContainerAllocation,
+        ContainerPostStopper,
         ContainerPreStarter,
+        Deallocator,
         DeviceSource,
         Hooks,
+        PluginLifecycle,
         PostAllocator,
         PreferredAllocator,
+        ReleaseHandler,
+        ReleaseWatch,
+        UeventSubscriber,
         resolve_hooks,
     )
     from plugvisor.deviceplugin.runtime import DevicePluginRuntime, PluginConfig, Registration, run_plugin
+    from plugvisor.deviceplugin.snapshot import Snapshot
 
 _HOME = {
     "Device": "devices",
@@ -60,11 +68,17 @@ _HOME = {
     "RequestError": "errors",
     "SocketInUseError": "errors",
     "ContainerAllocation": "hooks",
+    "ContainerPostStopper": "hooks",
     "ContainerPreStarter": "hooks",
+    "Deallocator": "hooks",
     "DeviceSource": "hooks",
     "Hooks": "hooks",
+    "PluginLifecycle": "hooks",
     "PostAllocator": "hooks",
     "PreferredAllocator": "hooks",
+    "ReleaseHandler": "hooks",
+    "ReleaseWatch": "hooks",
+    "UeventSubscriber": "hooks",
     "resolve_hooks": "hooks",
     "HostPaths": "plugvisor.common.hostpaths",
     "configure_logging": "plugvisor.common.logs",
@@ -72,12 +86,15 @@ _HOME = {
     "PluginConfig": "runtime",
     "Registration": "runtime",
     "run_plugin": "runtime",
+    "Snapshot": "snapshot",
 }
 
 __all__ = [
     "ConfigurationError",
     "ContainerAllocation",
+    "ContainerPostStopper",
     "ContainerPreStarter",
+    "Deallocator",
     "Device",
     "DevicePluginRuntime",
     "DeviceSet",
@@ -89,13 +106,18 @@ __all__ = [
     "InvalidDeviceError",
     "Mount",
     "PluginConfig",
+    "PluginLifecycle",
     "PlugvisorError",
     "PostAllocator",
     "PreferredAllocator",
     "Registration",
     "RegistrationRejectedError",
+    "ReleaseHandler",
+    "ReleaseWatch",
     "RequestError",
+    "Snapshot",
     "SocketInUseError",
+    "UeventSubscriber",
     "configure_logging",
     "resolve_hooks",
     "run_plugin",

@@ -6,9 +6,11 @@ built (:func:`resolve_hooks`), and derives the kubelet-facing
 ``DevicePluginOptions`` from that result, so what a plugin advertises can never
 drift from what it does (Intel's device-plugin framework works the same way).
 
-Hooks take and return domain values (:class:`~plugvisor.deviceplugin.devices.DeviceSet`,
+Hooks take and return domain values (:class:`~plugvisor.deviceplugin.snapshot.Snapshot`,
 :class:`ContainerAllocation`), never protobuf messages: the wire format is the
-server's business.
+server's business. Every hook receives the snapshot its answer is about (narrowed
+to the devices concerned), so a source keeps no state between ``scan()`` and
+its hooks.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
-from plugvisor.deviceplugin.devices import DeviceSet, DeviceSpec, Mount
+from plugvisor.deviceplugin.devices import DeviceSpec, Mount
+from plugvisor.deviceplugin.snapshot import Snapshot
 
 
 @runtime_checkable
@@ -27,23 +30,19 @@ class DeviceSource(Protocol):
     """**Protocol:** discovers a resource's devices, one full snapshot per call.
 
     ``scan`` is one-shot and side-effect free: it reads the host and returns what
-    it found, health included. It does not loop, sleep or notify; the framework
-    owns the loop, its triggers and its clock. It runs in a worker thread, so
-    blocking file reads are fine. Raising means "this scan failed": the framework
-    logs it and keeps the previous snapshot.
+    it found, health included, as a :class:`Snapshot`. It does not loop, sleep or
+    notify; the framework owns the loop, its triggers and its clock. It runs in a
+    worker thread, so blocking file reads are fine. Raising means "this scan
+    failed": the framework logs it and keeps the previous snapshot.
 
-    ``watch_paths`` names the directories whose changes should trigger a rescan
-    (inotify: an entry created, deleted or renamed in; in-place writes are left to
-    the periodic rescan). A path that does not exist yet is watched through its
-    nearest existing parent; the list is read again after every scan, so it may change.
+    The snapshot's ``watch`` names the directories whose changes should trigger a
+    rescan (inotify: an entry created, deleted or renamed in; in-place writes are
+    left to the periodic rescan). A path that does not exist yet is watched
+    through its nearest existing parent; each scan's list replaces the previous one.
     """
 
-    def scan(self) -> DeviceSet:
-        """Return every device of the resource as it is now."""
-        ...
-
-    def watch_paths(self) -> Sequence[Path]:
-        """Return the directories whose changes should trigger a rescan."""
+    def scan(self) -> Snapshot[Any]:
+        """Return every device of the resource as it is now, what to watch, and the hooks' data."""
         ...
 
 
@@ -70,9 +69,9 @@ class PreferredAllocator(Protocol):
     """
 
     def preferred_allocation(
-        self, available: Sequence[str], must_include: Sequence[str], size: int, devices: DeviceSet
+        self, available: Sequence[str], must_include: Sequence[str], size: int, snapshot: Snapshot[Any]
     ) -> Sequence[str]:
-        """Return the preferred ``size`` device IDs."""
+        """Return the preferred ``size`` device IDs (``snapshot``: what the request was checked against)."""
         ...
 
 
@@ -84,8 +83,8 @@ class ContainerPreStarter(Protocol):
     fail the container start (the kubelet reports the message).
     """
 
-    def pre_start_container(self, devices: DeviceSet) -> None:
-        """Make ``devices`` ready for a container that is about to start."""
+    def pre_start_container(self, snapshot: Snapshot[Any]) -> None:
+        """Make ``snapshot.devices`` ready for a container that is about to start."""
         ...
 
 
@@ -93,8 +92,8 @@ class ContainerPreStarter(Protocol):
 class PostAllocator(Protocol):
     """**Protocol:** edits the default allocation of one container (extra env, renumbering...)."""
 
-    def post_allocate(self, allocation: ContainerAllocation, devices: DeviceSet) -> ContainerAllocation:
-        """Return the allocation the container should really get."""
+    def post_allocate(self, allocation: ContainerAllocation, snapshot: Snapshot[Any]) -> ContainerAllocation:
+        """Return the allocation the container should really get (``snapshot.devices``: its devices)."""
         ...
 
 
@@ -120,8 +119,8 @@ class ContainerPostStopper(Protocol):
     ``DeviceManagerDeallocate`` gate. Runs in a worker thread.
     """
 
-    def post_stop_container(self, devices: DeviceSet) -> None:
-        """Undo what the container's start did to ``devices``."""
+    def post_stop_container(self, snapshot: Snapshot[Any]) -> None:
+        """Undo what the container's start did to ``snapshot.devices``."""
         ...
 
 
@@ -129,13 +128,66 @@ class ContainerPostStopper(Protocol):
 class Deallocator(Protocol):
     """**Protocol:** scrubs devices that are no longer allocated to any container.
 
-    The same proposal as :class:`ContainerPostStopper`; on real kubelets, detect
-    release through the PodResources API instead (the fpga kind does both).
-    Devices that have vanished since are left out of ``devices``.
+    The same proposal as :class:`ContainerPostStopper`; on real kubelets use
+    :class:`ReleaseHandler`, which the framework calls for both signs of a release.
+    Devices that have vanished since are left out of ``snapshot.devices``.
     """
 
-    def deallocate(self, devices: DeviceSet) -> None:
-        """Make ``devices`` clean for their next user (de-program, scrub)."""
+    def deallocate(self, snapshot: Snapshot[Any]) -> None:
+        """Make ``snapshot.devices`` clean for their next user (de-program, scrub)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseWatch:
+    """How the framework watches the kubelet's PodResources API for released devices.
+
+    ``socket`` defaults to the PodResources socket beside the kubelet's
+    device-plugins directory; ``interval`` is the seconds between two ``List`` calls.
+    """
+
+    interval: float = 5.0
+    socket: Path | None = None
+
+
+@runtime_checkable
+class ReleaseHandler(Protocol):
+    """**Protocol:** acts on devices that no container holds any more (scrub, reset, de-program).
+
+    Real kubelets never tell a plugin that a device was released; the framework
+    finds out by polling the PodResources API (as :meth:`release_watch` asks) and,
+    where a kubelet makes the proposed ``Deallocate`` call, from that too.
+    :meth:`released` runs once per use of a device, in a worker thread, however
+    many of those signs arrive: a device handed out again (Allocate or
+    PreStartContainer) becomes eligible again. A device released while the plugin
+    was not running is not seen.
+    """
+
+    def release_watch(self) -> ReleaseWatch | None:
+        """How to watch PodResources; None turns the watch off (Deallocate calls still count)."""
+        ...
+
+    def released(self, snapshot: Snapshot[Any]) -> None:
+        """Clean ``snapshot.devices`` for their next user; raising logs the failure and allows a retry."""
+        ...
+
+
+@runtime_checkable
+class PluginLifecycle(Protocol):
+    """**Protocol:** a source with something to set up before its first scan and to tear down after the last.
+
+    ``start`` runs once, before discovery starts; ``close`` runs once when the
+    plugin stops, after the server has stopped, also when the plugin fails. A
+    failing ``start`` ends the plugin, and ``close`` is then not called. Both run
+    in a worker thread.
+    """
+
+    def start(self) -> None:
+        """Acquire what the source needs (open a device, start a helper)."""
+        ...
+
+    def close(self) -> None:
+        """Release it."""
         ...
 
 
@@ -148,6 +200,8 @@ class Hooks:
     post_allocate: PostAllocator | None = None
     post_stop: ContainerPostStopper | None = None
     deallocate: Deallocator | None = None
+    release: ReleaseHandler | None = None
+    lifecycle: PluginLifecycle | None = None
 
 
 def resolve_hooks(plugin: object) -> Hooks:
@@ -163,4 +217,6 @@ def resolve_hooks(plugin: object) -> Hooks:
         post_allocate=plugin if isinstance(plugin, PostAllocator) else None,
         post_stop=plugin if isinstance(plugin, ContainerPostStopper) else None,
         deallocate=plugin if isinstance(plugin, Deallocator) else None,
+        release=plugin if isinstance(plugin, ReleaseHandler) else None,
+        lifecycle=plugin if isinstance(plugin, PluginLifecycle) else None,
     )

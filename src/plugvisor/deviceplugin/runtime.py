@@ -18,7 +18,7 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import structlog
 
@@ -28,12 +28,13 @@ from plugvisor.common.names import extended_resource_name_problem
 from plugvisor.common.notify import StatusReporter
 from plugvisor.deviceplugin import metrics
 from plugvisor.deviceplugin.cell import SnapshotCell
-from plugvisor.deviceplugin.devices import DeviceSet
 from plugvisor.deviceplugin.endpoint import PluginEndpoint
 from plugvisor.deviceplugin.errors import ConfigurationError, RegistrationRejectedError, SocketInUseError
 from plugvisor.deviceplugin.hooks import DeviceSource, Hooks, resolve_hooks
 from plugvisor.deviceplugin.registration import EndpointLostError, KubeletDirState, Registrar
+from plugvisor.deviceplugin.release import PodResourcesWatch, Releases, default_pod_resources_socket
 from plugvisor.deviceplugin.server import PluginServer
+from plugvisor.deviceplugin.snapshot import Snapshot
 from plugvisor.deviceplugin.watch import DeviceWatcher
 
 KubeletRestartPolicy = Literal["reregister", "exit"]
@@ -84,10 +85,15 @@ class Registration:
 
 
 class DevicePluginRuntime:
-    """Runs one resource's plugin until told to stop.
+    """Runs one resource's plugin until told to stop, and owns everything that runs for it.
 
-    ``registrations`` is a cell that tests, benchmarks and the supervisor's
-    readiness can await: it holds the latest successful :class:`Registration`.
+    ``snapshot`` is a cell holding the latest published scan; ``registrations`` a
+    cell that tests, benchmarks and the supervisor's readiness can await: it holds
+    the latest successful :class:`Registration`. Besides discovery, the server
+    and registration, the runtime runs the source's lifecycle (``start`` before
+    discovery, ``close`` after everything stopped) and, for a
+    :class:`~plugvisor.deviceplugin.hooks.ReleaseHandler`, the PodResources
+    release watch (``release_watch``, None until it runs).
     """
 
     def __init__(
@@ -100,11 +106,15 @@ class DevicePluginRuntime:
     ) -> None:
         self.config = config
         self.status = status if status is not None else StatusReporter()
-        self.devices: SnapshotCell[DeviceSet] = SnapshotCell(DeviceSet())
+        self.snapshot: SnapshotCell[Snapshot[Any]] = SnapshotCell(Snapshot())
         self.hooks = hooks if hooks is not None else resolve_hooks(source)
-        self.server = PluginServer(config.resource, self.devices, self.hooks)
+        self.releases: Releases | None = None
+        self.release_watch: PodResourcesWatch | None = None
+        if self.hooks.release is not None:
+            self.releases = Releases(self.hooks.release, self.snapshot, resource=config.resource)
+        self.server = PluginServer(config.resource, self.snapshot, self.hooks, releases=self.releases)
         self.watcher = DeviceWatcher(
-            source, self.devices, rescan_interval=config.rescan_interval, resource=config.resource
+            source, self.snapshot, rescan_interval=config.rescan_interval, resource=config.resource
         )
         self.registrations: SnapshotCell[Registration | None] = SnapshotCell(None)
         self.endpoint: PluginEndpoint | None = None
@@ -112,6 +122,19 @@ class DevicePluginRuntime:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Discover, serve, register; re-register after each kubelet restart; return when ``stop`` is set."""
+        lifecycle_hook = self.hooks.lifecycle
+        if lifecycle_hook is not None:
+            await asyncio.to_thread(lifecycle_hook.start)
+        try:
+            await self._run(stop)
+        finally:
+            if lifecycle_hook is not None:
+                try:
+                    await asyncio.to_thread(lifecycle_hook.close)
+                except Exception:  # closing must not hide why the plugin stopped
+                    self._log.exception("close_failed")
+
+    async def _run(self, stop: asyncio.Event) -> None:
         dir_watch = KubeletDirState(self.config.paths.kubelet_dir)
         dir_watch.open()
         registrar = Registrar(
@@ -123,6 +146,9 @@ class DevicePluginRuntime:
         ]
         if self.status.enabled:
             tasks.append(asyncio.create_task(self._report_devices(), name="status"))
+        release_watch = self._release_watch()
+        if release_watch is not None:
+            tasks.append(asyncio.create_task(release_watch.run(), name="release-watch"))
         lifecycle = asyncio.create_task(self._serve_and_register(registrar), name="serve-and-register")
         stopper = asyncio.create_task(stop.wait(), name="stop")
         try:
@@ -140,7 +166,7 @@ class DevicePluginRuntime:
                     await task
             # End the ListAndWatch streams first, so they finish as a normal end of stream
             # (what the kubelet expects of a plugin going away), then stop the server.
-            self.devices.close()
+            self.snapshot.close()
             if self.endpoint is not None:
                 await self.endpoint.stop(grace=0.5)
             dir_watch.close()
@@ -175,7 +201,7 @@ class DevicePluginRuntime:
             self.registrations.publish(
                 Registration(number, endpoint.name, round(time.monotonic() - detected, 6), reason)
             )
-            devices = self.devices.value
+            devices = self.snapshot.value.devices
             self.status.send(
                 REGISTERED=number,
                 ENDPOINT=endpoint.name,
@@ -190,8 +216,27 @@ class DevicePluginRuntime:
     async def _report_devices(self) -> None:
         seen = -1
         while True:
-            seen, devices = await self.devices.wait_newer(seen)
+            seen, snapshot = await self.snapshot.wait_newer(seen)
+            devices = snapshot.devices
             self.status.send(DEVICES=f"{len(devices.healthy_ids)}/{len(devices)}")
+
+    def _release_watch(self) -> PodResourcesWatch | None:
+        """The PodResources watch the source asks for, if it handles releases and wants one."""
+        handler, releases = self.hooks.release, self.releases
+        if handler is None or releases is None:
+            return None
+        wanted = handler.release_watch()
+        if wanted is None:
+            return None
+        socket = wanted.socket or default_pod_resources_socket(self.config.paths.kubelet_dir)
+        self.release_watch = PodResourcesWatch(
+            socket=socket,
+            resource=self.config.resource,
+            interval=wanted.interval,
+            on_release=releases.release,
+            on_held=releases.held,
+        )
+        return self.release_watch
 
 
 ExitCode = int

@@ -1,9 +1,10 @@
 """The DevicePlugin gRPC servicer for one resource.
 
-A thin layer: it reads the latest :class:`DeviceSet` from a
-:class:`~plugvisor.deviceplugin.cell.SnapshotCell`, delegates decisions to
-:mod:`plugvisor.deviceplugin.allocation` and the plugin's hooks, and converts
-between protobuf messages and domain values. Domain errors become gRPC status
+A thin layer: it reads the latest :class:`~plugvisor.deviceplugin.snapshot.Snapshot`
+from a :class:`~plugvisor.deviceplugin.cell.SnapshotCell`, checks each request
+against it, hands the hooks that same snapshot (narrowed to the devices
+concerned), delegates decisions to :mod:`plugvisor.deviceplugin.allocation`, and
+converts between protobuf messages and domain values. Domain errors become gRPC status
 codes here and nowhere else.
 """
 
@@ -25,6 +26,8 @@ from plugvisor.deviceplugin.cell import CellClosedError, SnapshotCell
 from plugvisor.deviceplugin.devices import DeviceSet
 from plugvisor.deviceplugin.errors import RequestError
 from plugvisor.deviceplugin.hooks import ContainerAllocation, Hooks
+from plugvisor.deviceplugin.release import Releases
+from plugvisor.deviceplugin.snapshot import Snapshot
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
@@ -71,10 +74,18 @@ class PluginServer(api_pb2_grpc.DevicePluginServicer):
     stream.
     """
 
-    def __init__(self, resource: str, devices: SnapshotCell[DeviceSet], hooks: Hooks) -> None:
+    def __init__(
+        self,
+        resource: str,
+        snapshots: SnapshotCell[Snapshot[Any]],
+        hooks: Hooks,
+        *,
+        releases: Releases | None = None,
+    ) -> None:
         self.resource = resource
-        self._devices = devices
+        self._snapshots = snapshots
         self._hooks = hooks
+        self._releases = releases
         self._options = api_pb2.DevicePluginOptions(
             pre_start_required=hooks.pre_start is not None,
             get_preferred_allocation_available=hooks.preferred is not None,
@@ -117,19 +128,23 @@ class PluginServer(api_pb2_grpc.DevicePluginServicer):
         self, request: api_pb2.Empty, context: Context
     ) -> AsyncIterator[api_pb2.ListAndWatchResponse]:
         """Stream the full device list now and after every change, until the server stops."""
-        cell = self._devices
+        cell = self._snapshots
         version = cell.version
+        sent = cell.value.devices
         self.open_streams += 1
         self._streams.inc()
-        self._log.info("list_and_watch_opened", devices=len(cell.value), streams=self.open_streams)
+        self._log.info("list_and_watch_opened", devices=len(sent), streams=self.open_streams)
         try:
-            yield self._list_message(version, cell.value)
+            yield self._list_message(version, sent)
             while True:
                 try:
-                    version, devices = await cell.wait_newer(version)
+                    version, snapshot = await cell.wait_newer(version)
                 except CellClosedError:
                     return
-                yield self._list_message(version, devices)
+                if snapshot.devices == sent:  # only the watch paths or the hooks' data changed
+                    continue
+                sent = snapshot.devices
+                yield self._list_message(version, sent)
         finally:
             self.open_streams -= 1
             self._streams.dec()
@@ -147,7 +162,9 @@ class PluginServer(api_pb2_grpc.DevicePluginServicer):
     async def Allocate(self, request: api_pb2.AllocateRequest, context: Context) -> api_pb2.AllocateResponse:
         """Hand out the requested devices, one response per container request, in order."""
         started = time.perf_counter()
-        devices = self._devices.value
+        version = self._snapshots.version
+        snapshot = self._snapshots.value
+        devices = snapshot.devices
         containers = [list(c.devices_ids) for c in request.container_requests]
         try:
             allocation.check_allocate(containers, devices, resource=self.resource)
@@ -156,7 +173,6 @@ class PluginServer(api_pb2_grpc.DevicePluginServicer):
             await self._abort(context, "Allocate", err.code, err.message)
         response = api_pb2.AllocateResponse()
         post = self._hooks.post_allocate
-        version = self._devices.version
         for ids in containers:
             if post is None:
                 key = (version, tuple(ids))
@@ -166,8 +182,8 @@ class PluginServer(api_pb2_grpc.DevicePluginServicer):
                     self._remember(key, cached)
                 response.container_responses.append(cached)
                 continue
-            chosen = devices.subset(ids)
-            alloc = allocation.build_allocation(chosen)
+            chosen = snapshot.only(ids)
+            alloc = allocation.build_allocation(chosen.devices)
             try:
                 alloc = post.post_allocate(alloc, chosen)
             except Exception as exc:  # a hook bug must fail the call, not the server
@@ -179,6 +195,8 @@ class PluginServer(api_pb2_grpc.DevicePluginServicer):
                     f"post-allocate hook failed for {ids}: {exc}",
                 )
             response.container_responses.append(allocation_message(alloc))
+        if self._releases is not None:
+            self._releases.used(i for ids in containers for i in ids)
         self._allocated.inc(sum(len(ids) for ids in containers))
         self._allocate_seconds.observe(time.perf_counter() - started)
         self._log.debug("allocated", devices=containers)
@@ -189,7 +207,8 @@ class PluginServer(api_pb2_grpc.DevicePluginServicer):
     ) -> api_pb2.PreferredAllocationResponse:
         """Choose devices per container request: the plugin's hook if it has one, else the default."""
         started = time.perf_counter()
-        devices = self._devices.value
+        snapshot = self._snapshots.value
+        devices = snapshot.devices
         response = api_pb2.PreferredAllocationResponse()
         if not request.container_requests:
             await self._abort(
@@ -209,18 +228,18 @@ class PluginServer(api_pb2_grpc.DevicePluginServicer):
             except RequestError as err:
                 self._log.warning("preferred_allocation_rejected", code=err.code.name, reason=err.message)
                 await self._abort(context, "GetPreferredAllocation", err.code, err.message)
-            chosen = self._prefer(available, must, size, devices)
+            chosen = self._prefer(available, must, size, snapshot)
             response.container_responses.append(
                 api_pb2.ContainerPreferredAllocationResponse(deviceIDs=chosen)
             )
         self._preferred_seconds.observe(time.perf_counter() - started)
         return response
 
-    def _prefer(self, available: list[str], must: list[str], size: int, devices: DeviceSet) -> list[str]:
+    def _prefer(self, available: list[str], must: list[str], size: int, snapshot: Snapshot[Any]) -> list[str]:
         hook = self._hooks.preferred
         if hook is not None:
             try:
-                answer = list(hook.preferred_allocation(available, must, size, devices))
+                answer = list(hook.preferred_allocation(available, must, size, snapshot))
             except Exception:  # fall back: the preference is advisory, the kubelet must still get an answer
                 self._log.exception("preferred_allocation_hook_failed")
             else:
@@ -240,7 +259,10 @@ class PluginServer(api_pb2_grpc.DevicePluginServicer):
         and an empty reply, so they are served with those two messages rather than by
         changing the faithful v1beta1 proto.
         """
-        hooks = {"PostStopContainer": self._hooks.post_stop, "Deallocate": self._hooks.deallocate}
+        hooks = {
+            "PostStopContainer": self._hooks.post_stop,
+            "Deallocate": self._hooks.deallocate or self._hooks.release,
+        }
         handlers = {
             method: grpc.unary_unary_rpc_method_handler(
                 self._proposed(method),
@@ -261,19 +283,18 @@ class PluginServer(api_pb2_grpc.DevicePluginServicer):
             request: api_pb2.PreStartContainerRequest, context: Context
         ) -> api_pb2.PreStartContainerResponse:
             ids = list(request.devices_ids)
-            known = self._devices.value.subset(ids, strict=False)
-            gone = [i for i in ids if i not in known]
+            known = self._snapshots.value.only(ids)
+            gone = [i for i in ids if i not in known.devices]
             if gone:
                 self._log.info("proposed_call_for_vanished_devices", method=method, devices=gone)
-            if method == "PostStopContainer" and self._hooks.post_stop is not None:
-                action: Callable[[DeviceSet], None] = self._hooks.post_stop.post_stop_container
-            elif method == "Deallocate" and self._hooks.deallocate is not None:
-                action = self._hooks.deallocate.deallocate
-            else:  # pragma: no cover - only registered for hooks that exist
-                await self._abort(context, method, grpc.StatusCode.UNIMPLEMENTED, f"{method} is not offered")
-                return api_pb2.PreStartContainerResponse()
             try:
-                await asyncio.to_thread(action, known)
+                if method == "PostStopContainer" and self._hooks.post_stop is not None:
+                    await asyncio.to_thread(self._hooks.post_stop.post_stop_container, known)
+                elif method == "Deallocate":
+                    if self._hooks.deallocate is not None:
+                        await asyncio.to_thread(self._hooks.deallocate.deallocate, known)
+                    if self._releases is not None:
+                        await self._releases.release(ids)
             except Exception as exc:  # the hook's failure is reported to the caller by name
                 self._log.exception("proposed_call_failed", method=method, devices=ids)
                 await self._abort(
@@ -289,11 +310,13 @@ class PluginServer(api_pb2_grpc.DevicePluginServicer):
     ) -> api_pb2.PreStartContainerResponse:
         """Run the plugin's pre-start hook within the kubelet's 30 s budget."""
         ids = list(request.devices_ids)
-        devices = self._devices.value
+        snapshot = self._snapshots.value
         try:
-            allocation.check_pre_start(ids, devices, resource=self.resource)
+            allocation.check_pre_start(ids, snapshot.devices, resource=self.resource)
         except RequestError as err:
             await self._abort(context, "PreStartContainer", err.code, err.message)
+        if self._releases is not None:
+            self._releases.used(ids)
         hook = self._hooks.pre_start
         if hook is None:
             return api_pb2.PreStartContainerResponse()
@@ -303,7 +326,7 @@ class PluginServer(api_pb2_grpc.DevicePluginServicer):
             budget = min(budget, remaining)
         started = time.monotonic()
         try:
-            await asyncio.wait_for(asyncio.to_thread(hook.pre_start_container, devices.subset(ids)), budget)
+            await asyncio.wait_for(asyncio.to_thread(hook.pre_start_container, snapshot.only(ids)), budget)
         except TimeoutError:
             await self._abort(
                 context,

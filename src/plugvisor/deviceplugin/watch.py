@@ -15,16 +15,16 @@ import contextlib
 import os
 import socket
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import structlog
 from asyncinotify import Inotify, Mask, Watch
 
 from plugvisor.deviceplugin.cell import SnapshotCell
-from plugvisor.deviceplugin.devices import DeviceSet
 from plugvisor.deviceplugin.hooks import DeviceSource, UeventSubscriber
+from plugvisor.deviceplugin.snapshot import Snapshot
 from plugvisor.deviceplugin.uevents import UeventListener
 
 CHANGE_MASK: Final = (
@@ -95,16 +95,17 @@ class WatchSet:
 
 
 class DeviceWatcher:
-    """Runs a source's one-shot scan on every trigger and publishes changes to a cell.
+    """Runs a source's one-shot scan on every trigger and publishes each new snapshot to a cell.
 
     A failing scan is logged with its cause and the previous snapshot is kept:
     a transient read error must not make every device vanish from the kubelet.
+    The directories watched are those of the latest snapshot (none before the first scan).
     """
 
     def __init__(
         self,
         source: DeviceSource,
-        cell: SnapshotCell[DeviceSet],
+        cell: SnapshotCell[Snapshot[Any]],
         *,
         rescan_interval: float = 30.0,
         resource: str = "",
@@ -135,7 +136,11 @@ class DeviceWatcher:
         """Scan now and publish the result; returns whether the device set changed."""
         started = time.monotonic()
         try:
-            devices = await asyncio.to_thread(self._source.scan)
+            snapshot = await asyncio.to_thread(self._source.scan)
+            if not isinstance(snapshot, Snapshot):
+                raise TypeError(  # noqa: TRY301 - reported like any failed scan
+                    f"scan() must return a plugvisor.deviceplugin.Snapshot, got {type(snapshot).__name__}"
+                )
         except Exception as exc:  # a scan bug or a bad tree must not kill discovery
             self.failed_scans += 1
             self._log.error("scan_failed", error=f"{type(exc).__name__}: {exc}")
@@ -143,7 +148,9 @@ class DeviceWatcher:
         finally:
             self.scans += 1
             self.first_scan_done.set()
-        changed = self._cell.publish(devices)
+        devices = snapshot.devices
+        changed = devices != self._cell.value.devices
+        self._cell.publish(snapshot)
         if changed:
             self._log.info(
                 "devices_changed",
@@ -167,25 +174,17 @@ class DeviceWatcher:
                 loop.remove_reader(uevents.fileno())
                 uevents.close()
 
-    def _watch_paths(self) -> Sequence[Path]:
-        """The source's paths to watch; when it cannot say (a bad tree), the periodic rescan still runs."""
-        try:
-            return self._source.watch_paths()
-        except Exception as exc:
-            self._log.error("watch_paths_failed", error=f"{type(exc).__name__}: {exc}")
-            return ()
-
     async def _loop(self, inotify: Inotify) -> None:
         watches = WatchSet(inotify)
         while True:
             # Arm the watches before scanning: a change during the scan then triggers another one.
-            watches.sync(self._watch_paths())
+            watches.sync(self._cell.value.watch)
             drain(inotify)
             self._kick.clear()
             self.idle.clear()
             last_scan = time.monotonic()
             await self.scan_once()
-            watches.sync(self._watch_paths())
+            watches.sync(self._cell.value.watch)
             if not await self._wait_for_change(inotify):
                 continue  # the periodic rescan
             # Coalesce the rest of a burst: let already-sent events arrive, then take them all.

@@ -21,12 +21,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path, PurePosixPath
-from typing import Annotated, Any, Final, Literal
+from typing import Annotated, Any, Final
 
 import pydantic
 
 from plugvisor.common.hostpaths import HostPaths
-from plugvisor.deviceplugin.devices import MAX_DEVICE_ID_LENGTH, Device, DeviceSet, DeviceSpec, Mount
+from plugvisor.deviceplugin.devices import MAX_DEVICE_ID_LENGTH, Device, DeviceSpec, Mount
+from plugvisor.deviceplugin.snapshot import Snapshot
+from plugvisor.plugins.kinds import PluginKind
 
 _ID_UNSAFE: Final = re.compile(r"[^A-Za-z0-9_.-]+")
 _GLOB_MAGIC: Final = re.compile(r"[*?\[]")
@@ -127,6 +129,7 @@ class GenericSource:
 
     options: GenericOptions
     paths: HostPaths
+    resource: str = ""
 
     def _matches(self, spec: PathSpec) -> list[Path]:
         pattern = glob.escape(str(self.paths.root).rstrip("/")) + spec.path
@@ -136,7 +139,7 @@ class GenericSource:
     def _host_absolute(self, local: Path) -> str:
         return "/" + str(local.relative_to(self.paths.root))
 
-    def scan(self) -> DeviceSet:
+    def scan(self) -> Snapshot[None]:
         """Glob every group's paths and build one device per match tuple and replica."""
         devices: list[Device] = []
         used: set[str] = set()
@@ -154,7 +157,7 @@ class GenericSource:
                         device_id = _short_id(f"g{group_index}-{raw}")
                     used.add(device_id)
                     devices.append(self._device(device_id, group.paths, chosen))
-        return DeviceSet(devices)
+        return Snapshot(devices, watch=self._watch_dirs())
 
     def _device(self, device_id: str, specs: Sequence[PathSpec], chosen: Sequence[Path]) -> Device:
         nodes: list[DeviceSpec] = []
@@ -168,7 +171,7 @@ class GenericSource:
                 mounts.append(Mount(container_path, host_path, spec.read_only))
         return Device(device_id, specs=nodes, mounts=mounts)
 
-    def watch_paths(self) -> Sequence[Path]:
+    def _watch_dirs(self) -> list[Path]:
         """The directories where a matching path could appear or vanish.
 
         inotify is not recursive, so for ``/dev/bus/usb/*/*`` this is the static
@@ -186,17 +189,4 @@ class GenericSource:
         return sorted(dirs, key=str)
 
 
-class GenericKind:
-    """The ``generic`` kind object registered under the ``plugvisor.plugins`` entry point."""
-
-    name: Literal["generic"] = "generic"
-    options_model: type[pydantic.BaseModel] = GenericOptions
-
-    def build(self, options: Any, paths: HostPaths, *, resource: str) -> GenericSource:
-        """Create the source; ``options`` is a validated :class:`GenericOptions`."""
-        if not isinstance(options, GenericOptions):
-            options = GenericOptions.model_validate(options)
-        return GenericSource(options, paths)
-
-
-KIND: Final = GenericKind()
+KIND: Final = PluginKind("generic", GenericOptions, GenericSource)

@@ -12,6 +12,7 @@ from plugvisor.deviceplugin.devices import Device, DeviceSet, DeviceSpec
 from plugvisor.deviceplugin.endpoint import PluginEndpoint
 from plugvisor.deviceplugin.hooks import Hooks, resolve_hooks
 from plugvisor.deviceplugin.server import PluginServer
+from plugvisor.deviceplugin.snapshot import Snapshot
 
 RESOURCE = "example.com/widget"
 
@@ -25,7 +26,7 @@ def widgets(n: int, **kwargs) -> DeviceSet:
 
 @dataclass
 class Served:
-    cell: SnapshotCell[DeviceSet]
+    cell: SnapshotCell[Snapshot]
     server: PluginServer
     endpoint: PluginEndpoint
     channel: grpc.aio.Channel
@@ -39,7 +40,7 @@ async def serve(short_dir) -> AsyncIterator:
     async def start(
         devices: DeviceSet | None = None, *, plugin: object = None, hooks: Hooks | None = None
     ) -> Served:
-        cell = SnapshotCell(devices if devices is not None else widgets(4))
+        cell = SnapshotCell(Snapshot(devices if devices is not None else widgets(4)))
         server = PluginServer(
             RESOURCE, cell, hooks if hooks is not None else resolve_hooks(plugin or object())
         )
@@ -84,4 +85,4 @@ def fuzz_server(short_dir):
 
 
 async def _make_cell(devices):
-    return SnapshotCell(devices)
+    return SnapshotCell(Snapshot(devices))

@@ -18,9 +18,9 @@ FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCh
 
 
 class SameNode:
-    def preferred_allocation(self, available, must_include, size, devices):
+    def preferred_allocation(self, available, must_include, size, snapshot):
         ordered = list(must_include) + sorted(
-            set(available) - set(must_include), key=lambda i: devices[i].numa_nodes
+            set(available) - set(must_include), key=lambda i: snapshot.devices[i].numa_nodes
         )
         return ordered[:size]
 

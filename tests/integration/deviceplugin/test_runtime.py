@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from plugvisor.common.hostpaths import HostPaths
-from plugvisor.deviceplugin.devices import Device, DeviceSet, DeviceSpec, Health
+from plugvisor.deviceplugin.devices import Device, DeviceSpec, Health
 from plugvisor.deviceplugin.runtime import DevicePluginRuntime, PluginConfig
+from plugvisor.deviceplugin.snapshot import Snapshot
 from plugvisor.emulators.kubelet import EmulatedKubelet, PluginMethod
 
 RESOURCE = "example.com/widget"
@@ -27,7 +28,7 @@ class FileBackedWidgets:
         self.pre_started: list[list[str]] = []
         self.preferred_calls = 0
 
-    def scan(self) -> DeviceSet:
+    def scan(self) -> Snapshot:
         devices = []
         for i in range(self.count):
             name = f"w{i}"
@@ -42,12 +43,9 @@ class FileBackedWidgets:
                     specs=[DeviceSpec(f"/dev/{name}", f"/dev/{name}")],
                 )
             )
-        return DeviceSet(devices)
+        return Snapshot(devices, watch=[self.state_dir])
 
-    def watch_paths(self) -> list[Path]:
-        return [self.state_dir]
-
-    def preferred_allocation(self, available, must_include, size, devices):
+    def preferred_allocation(self, available, must_include, size, snapshot):
         self.preferred_calls += 1
         return (
             sorted(available, reverse=True)[:size]
@@ -57,8 +55,8 @@ class FileBackedWidgets:
             ]
         )
 
-    def pre_start_container(self, devices):
-        self.pre_started.append(list(devices))
+    def pre_start_container(self, snapshot):
+        self.pre_started.append(list(snapshot.devices))
 
 
 @contextlib.asynccontextmanager
@@ -275,11 +273,11 @@ class Releasing(FileBackedWidgets):
         self.post_stopped: list[list[str]] = []
         self.deallocated: list[list[str]] = []
 
-    def post_stop_container(self, devices):
-        self.post_stopped.append(sorted(devices))
+    def post_stop_container(self, snapshot):
+        self.post_stopped.append(sorted(snapshot.devices))
 
-    def deallocate(self, devices):
-        self.deallocated.append(sorted(devices))
+    def deallocate(self, snapshot):
+        self.deallocated.append(sorted(snapshot.devices))
 
 
 POD = {
@@ -334,3 +332,41 @@ class TestProposedReleaseCalls:
                 await kubelet.wait_for(lambda k: PluginMethod.POST_STOP_CONTAINER in k.calls_for(RESOURCE))
             failed = [e for e in kubelet.events if "failed" in str(e.kind)]
         assert not failed, failed  # UNIMPLEMENTED means "not offered", not an error
+
+
+class WithLifecycle(FileBackedWidgets):
+    """Widgets with a lifecycle, recording what ran when."""
+
+    def __init__(self, state_dir: Path, events: list[str], *, fail_start: bool = False) -> None:
+        super().__init__(state_dir)
+        self.events = events
+        self.fail_start = fail_start
+
+    def start(self) -> None:
+        self.events.append("start")
+        if self.fail_start:
+            raise RuntimeError("device busy")
+
+    def scan(self) -> Snapshot:
+        if not self.events or self.events[-1] != "scan":
+            self.events.append("scan")
+        return super().scan()
+
+    def close(self) -> None:
+        self.events.append("close")
+
+
+class TestLifecycle:
+    async def test_start_runs_before_the_first_scan_and_close_after_the_stop(self, kubelet, state_dir):
+        events: list[str] = []
+        async with running(runtime_for(kubelet, WithLifecycle(state_dir, events))):
+            await kubelet.wait_for(lambda k: counts(k) == (4, 4))
+            assert events == ["start", "scan"]
+        assert events == ["start", "scan", "close"]
+
+    async def test_a_failing_start_ends_the_plugin_and_still_closes(self, kubelet, state_dir):
+        events: list[str] = []
+        runtime = runtime_for(kubelet, WithLifecycle(state_dir, events, fail_start=True))
+        with pytest.raises(RuntimeError, match="device busy"):
+            await asyncio.wait_for(runtime.run(asyncio.Event()), 10)
+        assert events == ["start"], "nothing was started, so nothing is closed"

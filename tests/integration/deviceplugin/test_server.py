@@ -15,6 +15,7 @@ from plugvisor.deviceplugin.endpoint import PluginEndpoint
 from plugvisor.deviceplugin.errors import SocketInUseError
 from plugvisor.deviceplugin.hooks import ContainerAllocation, Hooks
 from plugvisor.deviceplugin.server import PluginServer
+from plugvisor.deviceplugin.snapshot import Snapshot
 
 from .conftest import RESOURCE, ids, widgets
 
@@ -38,23 +39,23 @@ def preferred_request(available, must=(), size=1):
 class Topology:
     """A preferred allocator that keeps a container on one NUMA node."""
 
-    def preferred_allocation(self, available, must_include, size, devices):
-        by_node = sorted(available, key=lambda i: (devices[i].numa_nodes, i))
+    def preferred_allocation(self, available, must_include, size, snapshot):
+        by_node = sorted(available, key=lambda i: (snapshot.devices[i].numa_nodes, i))
         return list(must_include) + [i for i in by_node if i not in must_include][: size - len(must_include)]
 
 
 class Broken:
-    def preferred_allocation(self, available, must_include, size, devices):
+    def preferred_allocation(self, available, must_include, size, snapshot):
         return ["not-a-device"]
 
-    def post_allocate(self, allocation, devices):
+    def post_allocate(self, allocation, snapshot):
         raise RuntimeError("hook bug")
 
 
 class Renumber:
-    def post_allocate(self, allocation, devices):
+    def post_allocate(self, allocation, snapshot):
         return ContainerAllocation(
-            specs=allocation.specs, envs={**allocation.envs, "WIDGET_COUNT": str(len(devices))}
+            specs=allocation.specs, envs={**allocation.envs, "WIDGET_COUNT": str(len(snapshot.devices))}
         )
 
 
@@ -62,9 +63,9 @@ class Resetter:
     def __init__(self):
         self.calls = []
 
-    def pre_start_container(self, devices):
-        self.calls.append(list(devices))
-        if "w3" in devices:
+    def pre_start_container(self, snapshot):
+        self.calls.append(list(snapshot.devices))
+        if "w3" in snapshot.devices:
             raise OSError("reset failed: port busy")
 
 
@@ -82,7 +83,7 @@ class TestListAndWatch:
         served = await serve()
         stream = served.stub.ListAndWatch(api_pb2.Empty())
         assert ids(await stream.read()) == ["w0", "w1", "w2", "w3"]
-        served.cell.publish(DeviceSet([Device("w0"), Device("w1", health=Health.UNHEALTHY)]))
+        served.cell.publish(Snapshot([Device("w0"), Device("w1", health=Health.UNHEALTHY)]))
         message = await stream.read()
         assert [(d.ID, d.health) for d in message.devices] == [("w0", "Healthy"), ("w1", "Unhealthy")]
         stream.cancel()
@@ -98,7 +99,7 @@ class TestListAndWatch:
         streams = [served.stub.ListAndWatch(api_pb2.Empty()) for _ in range(3)]
         for s in streams:
             await s.read()
-        served.cell.publish(widgets(2))
+        served.cell.publish(Snapshot(widgets(2)))
         assert [ids(await s.read()) for s in streams] == [["w0", "w1"]] * 3
         for s in streams:
             s.cancel()
@@ -108,10 +109,20 @@ class TestListAndWatch:
         stream = served.stub.ListAndWatch(api_pb2.Empty())
         await stream.read()
         for n in range(1, 8):
-            served.cell.publish(widgets(n))
+            served.cell.publish(Snapshot(widgets(n)))
         last = []
         while last != ["w0", "w1", "w2", "w3", "w4", "w5", "w6"]:
             last = list(ids(await asyncio.wait_for(stream.read(), 5)))
+        stream.cancel()
+
+    async def test_a_new_snapshot_with_the_same_devices_sends_nothing(self, serve):
+        """Only the watch paths or the hooks' data changed: the kubelet's view did not."""
+        served = await serve()
+        stream = served.stub.ListAndWatch(api_pb2.Empty())
+        await stream.read()
+        served.cell.publish(Snapshot(widgets(4), watch=["/elsewhere"], data="rescanned"))
+        served.cell.publish(Snapshot(widgets(3)))
+        assert ids(await asyncio.wait_for(stream.read(), 5)) == ["w0", "w1", "w2"]
         stream.cancel()
 
     async def test_an_empty_list_is_sent_as_zero_devices(self, serve):
@@ -160,7 +171,7 @@ class TestAllocate:
         served = await serve()
         first = await served.stub.Allocate(allocate_request(["w1"]))
         assert dict(first.container_responses[0].envs) == {"WIDGETS": "w1"}
-        served.cell.publish(DeviceSet([Device("w1", envs={"WIDGETS": "renamed"})]))
+        served.cell.publish(Snapshot([Device("w1", envs={"WIDGETS": "renamed"})]))
         again = await served.stub.Allocate(allocate_request(["w1"]))
         assert dict(again.container_responses[0].envs) == {"WIDGETS": "renamed"}
         assert list(again.container_responses[0].devices) == []
@@ -263,7 +274,7 @@ class TestEndpoint:
         assert (await served.stub.GetDevicePluginOptions(api_pb2.Empty())) is not None
 
     async def test_a_stale_socket_file_is_replaced(self, short_dir):
-        server = PluginServer(RESOURCE, SnapshotCell(widgets(1)), Hooks())
+        server = PluginServer(RESOURCE, SnapshotCell(Snapshot(widgets(1))), Hooks())
         endpoint = PluginEndpoint(server, short_dir, RESOURCE)
         stale = socket.socket(socket.AF_UNIX)
         stale.bind(str(endpoint.path))

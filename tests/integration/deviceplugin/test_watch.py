@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from plugvisor.deviceplugin.cell import SnapshotCell
-from plugvisor.deviceplugin.devices import Device, DeviceSet
+from plugvisor.deviceplugin.devices import Device
+from plugvisor.deviceplugin.snapshot import Snapshot
 from plugvisor.deviceplugin.watch import DeviceWatcher
 
 
@@ -17,17 +18,14 @@ class DirSource:
     def __init__(self, root: Path) -> None:
         self.root = root
 
-    def scan(self) -> DeviceSet:
+    def scan(self) -> Snapshot:
         devs = self.root / "devs"
         names = sorted(p.name for p in devs.iterdir()) if devs.is_dir() else []
-        return DeviceSet(Device(n) for n in names)
-
-    def watch_paths(self) -> list[Path]:
-        return [self.root / "devs"]
+        return Snapshot([Device(n) for n in names], watch=[self.root / "devs"])
 
 
 async def start(root: Path):
-    cell = SnapshotCell(DeviceSet())
+    cell = SnapshotCell(Snapshot())
     watcher = DeviceWatcher(DirSource(root), cell, rescan_interval=3600)
     task = asyncio.create_task(watcher.run())
     await watcher.first_scan_done.wait()
@@ -37,7 +35,7 @@ async def start(root: Path):
 async def until(cell, predicate, timeout=10):
     seen = -1
     async with asyncio.timeout(timeout):
-        while not predicate(cell.value):
+        while not predicate(cell.value.devices):
             seen, _ = await cell.wait_newer(max(seen, cell.version))
 
 
@@ -93,14 +91,14 @@ async def test_a_failing_scan_keeps_the_last_good_list(short_dir):
     (short_dir / "devs").mkdir()
     (short_dir / "devs" / "a").touch()
     source = DirSource(short_dir)
-    cell = SnapshotCell(DeviceSet())
+    cell = SnapshotCell(Snapshot())
     watcher = DeviceWatcher(source, cell, rescan_interval=3600)
     await watcher.scan_once()
-    assert list(cell.value) == ["a"]
+    assert list(cell.value.devices) == ["a"]
     (short_dir / "devs" / "bad name").touch()  # an invalid device ID makes the scan raise
     assert await watcher.scan_once() is False
     assert watcher.failed_scans == 1
-    assert list(cell.value) == ["a"]
+    assert list(cell.value.devices) == ["a"]
 
 
 class CountFile:
@@ -109,11 +107,8 @@ class CountFile:
     def __init__(self, path: Path) -> None:
         self.path = path
 
-    def scan(self) -> DeviceSet:
-        return DeviceSet(Device(f"d{i}") for i in range(int(self.path.read_text())))
-
-    def watch_paths(self) -> list[Path]:
-        return []
+    def scan(self) -> Snapshot:
+        return Snapshot([Device(f"d{i}") for i in range(int(self.path.read_text()))])
 
     def uevent_subsystems(self) -> list[str]:
         return ["pci"]
@@ -125,7 +120,7 @@ async def test_a_matching_kernel_uevent_triggers_a_rescan(short_dir):
     count = short_dir / "count"
     count.write_text("1")
     kernel, ours = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
-    cell = SnapshotCell(DeviceSet())
+    cell = SnapshotCell(Snapshot())
     watcher = DeviceWatcher(CountFile(count), cell, rescan_interval=3600, uevent_socket=ours)
     listener = watcher.uevents
     assert listener is not None
@@ -145,7 +140,7 @@ async def test_a_matching_kernel_uevent_triggers_a_rescan(short_dir):
 async def test_a_source_that_names_subsystems_gets_a_kernel_listener(short_dir):
     count = short_dir / "count"
     count.write_text("0")
-    watcher = DeviceWatcher(CountFile(count), SnapshotCell(DeviceSet()), rescan_interval=3600)
+    watcher = DeviceWatcher(CountFile(count), SnapshotCell(Snapshot()), rescan_interval=3600)
     assert watcher.uevents is not None
     assert watcher.uevents.subsystems == {"pci"}
     if not watcher.uevents.open():

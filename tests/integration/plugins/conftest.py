@@ -64,7 +64,7 @@ async def _running(kubelet: EmulatedKubelet, node: lab.Lab, kind, options: dict,
     stop = asyncio.Event()
     task = asyncio.create_task(runtime.run(stop))
     try:
-        yield source
+        yield runtime
     finally:
         stop.set()
         await asyncio.wait_for(task, 10)
@@ -72,7 +72,7 @@ async def _running(kubelet: EmulatedKubelet, node: lab.Lab, kind, options: dict,
 
 @pytest.fixture
 def running():
-    """``async with running(kubelet, lab, KIND, options, resource) as source:`` runs the kind in process."""
+    """``async with running(kubelet, lab, KIND, options, resource) as runtime:`` runs the kind in process."""
     return _running
 
 

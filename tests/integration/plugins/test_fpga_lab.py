@@ -178,20 +178,18 @@ class TestReleaseCleanup:
         options = {
             "releaseCleanup": {"command": [sys.executable, "-c", script, "{device}"], "interval": 0.05}
         }
-        async with running(kubelet, node, KIND, options, AF) as source:
-            try:
-                watcher = source.release_watcher
-                await kubelet.wait_for(lambda k: allocatable(k, AF) == 1)
-                await kubelet.add_pod(pod("p", AF))
-                await eventually(lambda: watcher.held == {"dfl-port.0"})
-                assert not marker.exists(), "nothing is cleaned while the pod holds the port"
-                kubelet.delete_pod("p")
-                await eventually(lambda: marker.exists() and watcher.held == frozenset())
-                polls = watcher.polls
-                await eventually(lambda: watcher.polls >= polls + 3)
-                assert marker.read_text() == "dfl-port.0\n"
-            finally:
-                source.close()
+        async with running(kubelet, node, KIND, options, AF) as runtime:
+            await kubelet.wait_for(lambda k: allocatable(k, AF) == 1)
+            watcher = runtime.release_watch
+            assert watcher is not None, "releaseCleanup makes the framework watch PodResources"
+            await kubelet.add_pod(pod("p", AF))
+            await eventually(lambda: watcher.held == {"dfl-port.0"})
+            assert not marker.exists(), "nothing is cleaned while the pod holds the port"
+            kubelet.delete_pod("p")
+            await eventually(lambda: marker.exists() and watcher.held == frozenset())
+            polls = watcher.polls
+            await eventually(lambda: watcher.polls >= polls + 3)
+            assert marker.read_text() == "dfl-port.0\n"
 
     async def test_an_unreachable_pod_resources_socket_cleans_nothing(self, make_lab, kubelet, running, base):
         node = make_lab("small")
@@ -203,15 +201,14 @@ class TestReleaseCleanup:
                 "interval": 0.05,
             }
         }
-        async with running(kubelet, node, KIND, options, AF) as source:
-            try:
-                await kubelet.wait_for(lambda k: allocatable(k, AF) == 1)
-                await kubelet.add_pod(pod("p", AF))
-                kubelet.delete_pod("p")
-                await eventually(lambda: source.release_watcher.failures >= 3)
-                assert source.release_watcher.polls == 0
-            finally:
-                source.close()
+        async with running(kubelet, node, KIND, options, AF) as runtime:
+            await kubelet.wait_for(lambda k: allocatable(k, AF) == 1)
+            watcher = runtime.release_watch
+            assert watcher is not None
+            await kubelet.add_pod(pod("p", AF))
+            kubelet.delete_pod("p")
+            await eventually(lambda: watcher.failures >= 3)
+            assert watcher.polls == 0
         assert not marker.exists()
 
 
@@ -265,7 +262,8 @@ async def test_plugin_fpga_runs_as_a_real_process_with_release_cleanup(make_lab,
 async def test_the_proposed_deallocate_call_cleans_once_even_when_the_watch_also_sees_the_release(short_dir):
     """Deallocate (emulated kubelet gate) and the PodResources watch may both notice one release."""
     from plugvisor.common.hostpaths import HostPaths
-    from plugvisor.deviceplugin.devices import DeviceSet
+    from plugvisor.deviceplugin.cell import SnapshotCell
+    from plugvisor.deviceplugin.release import Releases
 
     lab_root = Path(tempfile.mkdtemp(prefix="pvf-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     try:
@@ -275,14 +273,13 @@ async def test_the_proposed_deallocate_call_cleans_once_even_when_the_watch_also
         source = KIND.build(
             options, HostPaths(root=lab_root / "node", kubelet_dir=short_dir / "dp"), resource="x.io/f"
         )
-        devices = source.scan()
-        one = DeviceSet([next(iter(devices.values()))])
-        source.deallocate(one)
-        source.release_cleanup(next(iter(one)))  # the watch noticing the same release
+        releases = Releases(source, SnapshotCell(source.scan()), resource="x.io/f")
+        one = [next(iter(source.scan().devices))]
+        await releases.release(one)  # the Deallocate call
+        await releases.release(one)  # the watch noticing the same release
         assert log.read_text().split() == list(one)
-        source.pre_start_container(one)  # a new container starts: the next release cleans again
-        source.deallocate(one)
+        releases.used(one)  # a new container starts: the next release cleans again
+        await releases.release(one)
         assert log.read_text().split() == [*one, *one]
-        source.close()
     finally:
         shutil.rmtree(lab_root, ignore_errors=True)

@@ -11,7 +11,7 @@ import pytest
 
 from plugvisor.common.hostpaths import HostPaths
 from plugvisor.common.names import extended_resource_name_problem
-from plugvisor.deviceplugin.devices import DeviceSet
+from plugvisor.deviceplugin.snapshot import Snapshot
 from plugvisor.emulators import lab
 from plugvisor.plugins.fpga import (
     KIND,
@@ -51,7 +51,7 @@ def source(root, **options):
 
 
 def scan(root, **options):
-    return source(root, **options).scan()
+    return source(root, **options).scan().devices
 
 
 def rewrite(path, text):
@@ -150,9 +150,9 @@ class TestBrokenTrees:
 
     def test_a_port_is_matched_by_its_last_valid_afu_while_it_reads_all_f(self, root):
         src = source(root, match={"afuIds": [AFU]})
-        assert src.scan()["dfl-port.0"].healthy
+        assert src.scan().devices["dfl-port.0"].healthy
         rewrite(root / PORT / "afu_id", "f" * 32 + "\n")
-        assert not src.scan()["dfl-port.0"].healthy
+        assert not src.scan().devices["dfl-port.0"].healthy
         assert "dfl-port.0" not in scan(root, match={"afuIds": [AFU]}), "never seen valid: not a member"
 
     def test_a_garbage_class_skips_that_function_only(self, root):
@@ -186,9 +186,10 @@ class TestPreStart:
 
     def test_an_unknown_device_fails_the_start(self, root):
         src = source(root)
-        src.scan()
+        ours = src.scan()
+        theirs = source(root, mode="xilinx").scan().devices
         with pytest.raises(RuntimeError, match=r"not a device of x\.io/fpga"):
-            src.pre_start_container(DeviceSet(source(root, mode="xilinx").scan().values()))
+            src.pre_start_container(Snapshot(theirs, data=ours.data))
 
     def test_a_command_that_outlives_the_budget_is_killed_and_named(self, root):
         src = source(

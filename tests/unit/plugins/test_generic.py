@@ -21,15 +21,17 @@ def source(fs, options, *, files=(), spec_root=None):
 
 class TestScan:
     def test_count_hands_one_node_out_many_times(self, fs):
-        devices = source(fs, {"paths": ["/dev/fuse"], "count": 3}, files=["/dev/fuse"]).scan()
+        devices = source(fs, {"paths": ["/dev/fuse"], "count": 3}, files=["/dev/fuse"]).scan().devices
         assert list(devices) == ["fuse-0", "fuse-1", "fuse-2"]
         spec = devices["fuse-1"].specs[0]
         assert (spec.container_path, spec.host_path, spec.permissions) == ("/dev/fuse", "/lab/dev/fuse", "rw")
 
     def test_a_glob_gives_one_device_per_match(self, fs):
-        devices = source(
-            fs, {"paths": ["/dev/ttyUSB*"]}, files=["/dev/ttyUSB1", "/dev/ttyUSB0", "/dev/tty0"]
-        ).scan()
+        devices = (
+            source(fs, {"paths": ["/dev/ttyUSB*"]}, files=["/dev/ttyUSB1", "/dev/ttyUSB0", "/dev/tty0"])
+            .scan()
+            .devices
+        )
         assert list(devices) == ["ttyUSB0", "ttyUSB1"]
 
     def test_paths_of_a_group_pair_up_by_match_order(self, fs):
@@ -51,7 +53,7 @@ class TestScan:
             "/dev/snd/controlC1",
             "/etc/asound.conf",
         ]
-        devices = source(fs, options, files=files).scan()
+        devices = source(fs, options, files=files).scan().devices
         assert list(devices) == ["pcmC0D0c_controlC0_asound.conf", "pcmC1D0c_controlC1_asound.conf"]
         second = devices["pcmC1D0c_controlC1_asound.conf"]
         assert [s.host_path for s in second.specs] == ["/lab/dev/snd/pcmC1D0c", "/lab/dev/snd/controlC1"]
@@ -60,31 +62,33 @@ class TestScan:
 
     def test_a_group_is_as_long_as_its_scarcest_reusable_path(self, fs):
         options = {"groups": [{"paths": ["/dev/a*", "/dev/b"]}]}
-        devices = source(fs, options, files=["/dev/a0", "/dev/a1", "/dev/b"]).scan()
+        devices = source(fs, options, files=["/dev/a0", "/dev/a1", "/dev/b"]).scan().devices
         assert len(devices) == 1
 
     def test_missing_paths_give_no_devices(self, fs):
         fs.create_dir(ROOT / "dev")
-        assert len(source(fs, {"paths": ["/dev/fuse"]}).scan()) == 0
+        assert len(source(fs, {"paths": ["/dev/fuse"]}).scan().devices) == 0
 
     def test_mount_path_renames_the_node_in_the_container(self, fs):
         options = {"paths": [{"path": "/dev/ttyACM0", "mountPath": "/dev/modem"}]}
-        devices = source(fs, options, files=["/dev/ttyACM0"]).scan()
+        devices = source(fs, options, files=["/dev/ttyACM0"]).scan().devices
         assert devices["ttyACM0"].specs[0].container_path == "/dev/modem"
 
     def test_spec_root_renames_host_paths_for_a_mounted_host(self, fs):
-        devices = source(fs, {"paths": ["/dev/fuse"]}, files=["/dev/fuse"], spec_root=Path("/")).scan()
+        devices = (
+            source(fs, {"paths": ["/dev/fuse"]}, files=["/dev/fuse"], spec_root=Path("/")).scan().devices
+        )
         assert devices["fuse"].specs[0].host_path == "/dev/fuse"
 
     def test_groups_matching_the_same_path_get_distinct_ids(self, fs):
         options = {"groups": [{"paths": ["/dev/fuse"]}, {"paths": ["/dev/fuse"]}]}
-        devices = source(fs, options, files=["/dev/fuse"]).scan()
+        devices = source(fs, options, files=["/dev/fuse"]).scan().devices
         assert list(devices) == ["fuse", "g1-fuse"]
 
     def test_overlong_ids_are_shortened_but_stay_unique(self, fs):
         long_a = "/dev/" + "a" * 70
         long_b = "/dev/" + "a" * 69 + "b"
-        devices = source(fs, {"paths": ["/dev/a*"]}, files=[long_a, long_b]).scan()
+        devices = source(fs, {"paths": ["/dev/a*"]}, files=[long_a, long_b]).scan().devices
         assert len(devices) == 2
         assert all(len(i) <= 63 for i in devices)
 
@@ -92,7 +96,7 @@ class TestScan:
         src = source(
             fs, {"paths": ["/dev/bus/usb/*/*"]}, files=["/dev/bus/usb/001/002", "/dev/bus/usb/002/001"]
         )
-        assert [str(p) for p in src.watch_paths()] == [
+        assert [str(p) for p in src.scan().watch] == [
             "/lab/dev/bus/usb",
             "/lab/dev/bus/usb/001",
             "/lab/dev/bus/usb/002",
@@ -102,7 +106,7 @@ class TestScan:
         root = Path("/lab[1]")
         fs.create_file(root / "dev/fuse")
         src = GenericSource(GenericOptions(paths=["/dev/fuse"]), HostPaths(root=root))
-        assert list(src.scan()) == ["fuse"]
+        assert list(src.scan().devices) == ["fuse"]
 
 
 class TestOptions:
@@ -138,7 +142,7 @@ class TestOptions:
             {"paths": ["/dev/fuse"], "count": 2}, HostPaths(root=ROOT), resource="example.com/fuse"
         )
         fs.create_file(ROOT / "dev/fuse")
-        assert len(built.scan()) == 2
+        assert len(built.scan().devices) == 2
 
 
 class TestKindRegistry:

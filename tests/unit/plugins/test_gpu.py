@@ -11,6 +11,7 @@ import structlog
 
 from plugvisor.common.hostpaths import HostPaths
 from plugvisor.common.validation import describe
+from plugvisor.deviceplugin.devices import Device
 from plugvisor.emulators import lab
 from plugvisor.plugins.gpu import KIND, GpuOptions
 from plugvisor.plugins.gpu.discovery import parse_information
@@ -33,7 +34,11 @@ def root(pristine):
 
 
 def scan(root, **options):
-    return KIND.build(GpuOptions.model_validate(options), HostPaths(root=root), resource="x.io/gpu").scan()
+    return (
+        KIND.build(GpuOptions.model_validate(options), HostPaths(root=root), resource="x.io/gpu")
+        .scan()
+        .devices
+    )
 
 
 def bus(root, bdf):
@@ -103,7 +108,7 @@ class TestUnreadableMeansUnhealthy:
         )
         with structlog.testing.capture_logs() as logs:
             source.scan()
-            devices = source.scan()
+            devices = source.scan().devices
         return devices, [e for e in logs if e["event"] in ("device_unhealthy", "device_skipped")]
 
     @pytest.mark.parametrize("how", ["garbage", "directory", "fifo", "huge", "link-out"])
@@ -151,8 +156,7 @@ class TestHostRootConfinement:
         source = KIND.build(
             GpuOptions.model_validate({"cdi": True}), HostPaths(root=root), resource="x.io/gpu"
         )
-        source.scan()
-        written = source.write_cdi_spec()
+        written = source.write_cdi_spec(source.scan().data)
         assert written == root / "run/cdi/x.io-gpu.json" and written.is_file()
 
     def test_a_host_root_whose_dev_links_to_our_own_dev_reads_no_node_of_ours(self, root):
@@ -197,3 +201,17 @@ def test_information_parser_reads_the_drivers_spacing():
         "Device Minor": "3",
         "GPU Excluded": "No",
     }
+
+
+def test_preferred_allocation_answers_from_the_snapshot_it_is_given(root):
+    """The hook reads placements from the snapshot the request was checked against, not a later scan."""
+    from plugvisor.deviceplugin.snapshot import Snapshot
+    from plugvisor.plugins import topology
+    from plugvisor.plugins.gpu import GpuScan
+
+    source = KIND.build(GpuOptions(), HostPaths(root=root), resource="x.io/gpu")
+    source.scan()  # a scan of the real tree, which the hook must not consult
+    # Two switches: g0+g1 under sw0, g2+g3 under sw1.
+    placements = {f"g{i}": topology.Placement(0, ("hb0", f"sw{i // 2}", f"f{i}"), f"g{i}") for i in range(4)}
+    snapshot = Snapshot([Device(f"g{i}") for i in range(4)], data=GpuScan(placements, {}, ()))
+    assert sorted(source.preferred_allocation(["g0", "g1", "g2", "g3"], ["g2"], 2, snapshot)) == ["g2", "g3"]

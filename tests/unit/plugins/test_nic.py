@@ -67,7 +67,7 @@ class TestBrokenTrees:
         source = KIND.build(options, HostPaths(root=root), resource="x.io/nic")
         with structlog.testing.capture_logs() as logs:
             source.scan()
-            devices = source.scan()
+            devices = source.scan().devices
         return devices, [e for e in logs if e["event"] in ("device_unhealthy", "device_skipped")]
 
     def test_a_pf_whose_operstate_is_garbage_makes_its_vfs_unhealthy(self, root):

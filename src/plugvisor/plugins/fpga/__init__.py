@@ -9,7 +9,7 @@ for writing the configuration. Health (all-``f`` IDs, port errors, lost shell,
 fallen off the bus, AER, missing nodes) is recomputed on every scan, so a healed
 device is Healthy again. PreStartContainer re-initialises the port (an in-tree
 event/error clear plus an optional command); ``releaseCleanup`` runs a command
-for each device no container holds any more, watching the kubelet's PodResources.
+for each device no container holds any more (the framework's release watch).
 """
 
 from __future__ import annotations
@@ -19,19 +19,20 @@ from typing import Final
 from plugvisor.plugins.fpga.naming import intel_af_resource, intel_region_resource, xilinx_resource
 from plugvisor.plugins.fpga.options import FpgaOptions, Mode
 from plugvisor.plugins.fpga.source import (
-    FpgaKind,
+    FpgaScan,
     FpgaSource,
     Suggestion,
     intel_resource_name,
     suggest_resources,
 )
+from plugvisor.plugins.kinds import PluginKind
 
-KIND: Final = FpgaKind()
+KIND: Final = PluginKind("fpga", FpgaOptions, FpgaSource)
 
 __all__ = [
     "KIND",
-    "FpgaKind",
     "FpgaOptions",
+    "FpgaScan",
     "FpgaSource",
     "Mode",
     "Suggestion",

@@ -4,23 +4,22 @@ from __future__ import annotations
 
 import os
 import subprocess
-import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Any, Final
 
-import pydantic
 import structlog
 
 from plugvisor.common.hostpaths import HostPaths
-from plugvisor.deviceplugin.devices import Device, DeviceSet, DeviceSpec, Health
+from plugvisor.deviceplugin.devices import Device, DeviceSpec, Health
+from plugvisor.deviceplugin.hooks import ReleaseWatch
+from plugvisor.deviceplugin.snapshot import Snapshot
 from plugvisor.plugins import sysfs
 from plugvisor.plugins.fpga import naming
 from plugvisor.plugins.fpga.discovery import FpgaDevice, FpgaScanner
 from plugvisor.plugins.fpga.options import FpgaOptions, Mode, PreStartAction
-from plugvisor.plugins.fpga.release import ReleaseWatcher, default_socket
 
 EVENT_ATTRIBUTES: Final = ("ap1_event", "ap2_event")
 """DFL port attributes that clear their event when ``1`` is written."""
@@ -88,8 +87,17 @@ def suggest_resources(root: Path | str = "/") -> list[Suggestion]:
     return [Suggestion(entries[k], tuple(served[k])) for k in sorted(entries)]
 
 
+FpgaScan = Mapping[str, FpgaDevice]
+"""What the hooks need from one scan: each listed device as sysfs described it (by device ID)."""
+
+
 class FpgaSource:
-    """Device source for FPGA ports and cards (the ``fpga`` kind), with a PreStartContainer hook."""
+    """Device source for FPGA ports and cards (the ``fpga`` kind): PreStartContainer and release hooks.
+
+    Stateless between scans and hooks: each hook reads the devices of the
+    snapshot it is handed. The framework runs the release watch and calls
+    :meth:`released` once per use of a device.
+    """
 
     def __init__(self, options: FpgaOptions, paths: HostPaths, *, resource: str) -> None:
         self.options = options
@@ -98,32 +106,11 @@ class FpgaSource:
         self.scanner = FpgaScanner(options, paths)
         self._log = structlog.get_logger("plugvisor.plugins.fpga").bind(resource=resource)
         self._problems = sysfs.ProblemLog(self._log)
-        self._watch: tuple[Path, ...] = ()
-        self._known: Mapping[str, FpgaDevice] = {}
-        self._lock = threading.Lock()
-        self.release_watcher: ReleaseWatcher | None = None
-        self._cleaned: set[str] = set()
-        self._cleaned_lock = threading.Lock()
-        cleanup = options.release_cleanup
-        if cleanup is not None:
-            socket = (
-                Path(cleanup.pod_resources_socket)
-                if cleanup.pod_resources_socket is not None
-                else default_socket(paths.kubelet_dir)
-            )
-            self.release_watcher = ReleaseWatcher(
-                socket=socket, resource=resource, interval=cleanup.interval, on_release=self.release_cleanup
-            )
 
     # -- discovery -----------------------------------------------------------------
 
-    def scan(self) -> DeviceSet:
-        """Read every selected port or card; one device each, health included.
-
-        The first scan also starts the release watcher when ``releaseCleanup`` is set.
-        """
-        if self.release_watcher is not None:
-            self.release_watcher.start()
+    def scan(self) -> Snapshot[FpgaScan]:
+        """Read every selected port or card; one device each, health included."""
         functions, broken = self.scanner.candidates()
         for bdf, why in broken:
             self._problems.report(bdf, str(why), skipped=True)
@@ -156,10 +143,7 @@ class FpgaSource:
                 )
             )
         self._problems.forget_absent([*(d.id for d in found), *(bdf for bdf, _ in broken)])
-        with self._lock:
-            self._known = {d.id: d for d in found}
-            self._watch = tuple(sorted(watch, key=str))
-        return DeviceSet(devices)
+        return Snapshot(devices, watch=sorted(watch, key=str), data={d.id: d for d in found})
 
     def _spec(self, local: Path) -> DeviceSpec:
         return DeviceSpec("/" + str(local.relative_to(self.paths.root)), self.paths.for_kubelet(local))
@@ -168,19 +152,9 @@ class FpgaSource:
         """Rescan on real nodes when the kernel announces PCI, FPGA region or DFL changes."""
         return ("pci", "fpga_region", "dfl")
 
-    def watch_paths(self) -> Sequence[Path]:
-        """The bus directory, each card's function, region and port directories, devfs."""
-        with self._lock:
-            return self._watch or (self.paths.sysfs / sysfs.PCI_DEVICES,)
-
-    def device(self, device_id: str) -> FpgaDevice | None:
-        """The device of that ID as the latest scan read it."""
-        with self._lock:
-            return self._known.get(device_id)
-
     # -- PreStartContainer -----------------------------------------------------------
 
-    def pre_start_container(self, devices: DeviceSet) -> None:
+    def pre_start_container(self, snapshot: Snapshot[FpgaScan]) -> None:
         """Re-initialise each port before a container starts: the in-tree action, then the command.
 
         Everything shares one deadline (``preStartTimeout``, at most 25 s of the
@@ -188,25 +162,30 @@ class FpgaSource:
         naming the device.
         """
         deadline = time.monotonic() + self.options.pre_start_timeout
-        failures: list[str] = []
-        with self._cleaned_lock:
-            self._cleaned.difference_update(devices)  # in use again: the next release cleans it
-        for device_id in devices:
-            device = self.device(device_id)
-            if device is None:
-                failures.append(f"{device_id}: not a device of {self.resource}")
-                continue
+
+        def prepare(device: FpgaDevice) -> str | None:
             if device.flavor == "dfl" and self.options.pre_start_action is PreStartAction.CLEAR_EVENTS:
                 problem = clear_port_events(device.sysfs_path)
                 if problem is not None:
-                    failures.append(f"{device_id}: {problem}")
-                    continue
-            if self.options.pre_start_command is not None:
-                problem = self._run(self.options.pre_start_command, device, deadline - time.monotonic())
+                    return problem
+            command = self.options.pre_start_command
+            if command is not None:
+                problem = self._run(command, device, deadline - time.monotonic())
                 if problem is not None:
-                    failures.append(f"{device_id}: pre-start command {problem}")
-                    continue
-            self._log.info("device_prepared", device=device_id)
+                    return f"pre-start command {problem}"
+            self._log.info("device_prepared", device=device.id)
+            return None
+
+        self._on_each(snapshot, prepare)
+
+    def _on_each(self, snapshot: Snapshot[FpgaScan], act: Callable[[FpgaDevice], str | None]) -> None:
+        """Run ``act`` on each device of ``snapshot``; raise naming every device it failed for, and why."""
+        failures: list[str] = []
+        for device_id in snapshot.devices:
+            device = snapshot.data.get(device_id)
+            problem = f"not a device of {self.resource}" if device is None else act(device)
+            if problem is not None:
+                failures.append(f"{device_id}: {problem}")
         if failures:
             raise RuntimeError("; ".join(failures))
 
@@ -236,41 +215,30 @@ class FpgaSource:
 
     # -- release cleanup -------------------------------------------------------------
 
-    def release_cleanup(self, device_id: str) -> None:
-        """Run the ``releaseCleanup`` command for a device no container holds any more.
+    def release_watch(self) -> ReleaseWatch | None:
+        """With ``releaseCleanup``, have the framework watch PodResources for released devices."""
+        cleanup = self.options.release_cleanup
+        if cleanup is None:
+            return None
+        socket = None if cleanup.pod_resources_socket is None else Path(cleanup.pod_resources_socket)
+        return ReleaseWatch(interval=cleanup.interval, socket=socket)
 
-        Release can be noticed twice (the PodResources watch and, where a kubelet
-        makes it, the proposed Deallocate call); a device is cleaned once per use,
-        and its next container start (PreStart) makes it eligible again.
+    def released(self, snapshot: Snapshot[FpgaScan]) -> None:
+        """Run the ``releaseCleanup`` command for each device no container holds any more.
+
+        The framework calls this once per use of a device, whether the release
+        was seen in PodResources or announced by the proposed Deallocate call.
         """
         cleanup = self.options.release_cleanup
-        device = self.device(device_id)
-        if cleanup is None or device is None:
-            self._log.warning("release_cleanup_skipped", device=device_id, reason="device not listed now")
+        if cleanup is None:
+            self._log.info("release_without_cleanup", devices=list(snapshot.devices))
             return
-        with self._cleaned_lock:
-            if device_id in self._cleaned:
-                return
-            self._cleaned.add(device_id)
-        problem = self._run(cleanup.command, device, cleanup.timeout)
-        if problem is not None:
-            with self._cleaned_lock:
-                self._cleaned.discard(device_id)
-            raise RuntimeError(f"cleanup command {problem}")
-        self._log.info("release_cleanup_done", device=device_id)
 
-    def deallocate(self, devices: DeviceSet) -> None:
-        """The proposed Deallocate call (emulated kubelet, behind a gate): clean the devices at once."""
-        if self.options.release_cleanup is None:
-            self._log.info("deallocate_without_cleanup", devices=list(devices))
-            return
-        for device_id in devices:
-            self.release_cleanup(device_id)
+        def clean(device: FpgaDevice) -> str | None:
+            problem = self._run(cleanup.command, device, cleanup.timeout)
+            return None if problem is None else f"cleanup command {problem}"
 
-    def close(self) -> None:
-        """Stop the release watcher, if one runs."""
-        if self.release_watcher is not None:
-            self.release_watcher.stop()
+        self._on_each(snapshot, clean)
 
 
 def _fill(arg: str, values: Mapping[str, str]) -> str:
@@ -303,16 +271,3 @@ def clear_port_events(port: Path) -> str | None:
         except OSError as error:
             return f"cannot write {path.name}: {error.strerror or error}"
     return None
-
-
-class FpgaKind:
-    """The ``fpga`` kind object registered under the ``plugvisor.plugins`` entry point."""
-
-    name: Literal["fpga"] = "fpga"
-    options_model: type[pydantic.BaseModel] = FpgaOptions
-
-    def build(self, options: Any, paths: HostPaths, *, resource: str) -> FpgaSource:
-        """Create the source; ``options`` is a validated :class:`FpgaOptions`."""
-        if not isinstance(options, FpgaOptions):
-            options = FpgaOptions.model_validate(options)
-        return FpgaSource(options, paths, resource=resource)

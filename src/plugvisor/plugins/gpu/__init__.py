@@ -14,8 +14,9 @@ from __future__ import annotations
 from typing import Final
 
 from plugvisor.plugins.gpu.options import GpuOptions
-from plugvisor.plugins.gpu.source import GpuKind, GpuSource
+from plugvisor.plugins.gpu.source import GpuScan, GpuSource
+from plugvisor.plugins.kinds import PluginKind
 
-KIND: Final = GpuKind()
+KIND: Final = PluginKind("gpu", GpuOptions, GpuSource)
 
-__all__ = ["KIND", "GpuKind", "GpuOptions", "GpuSource"]
+__all__ = ["KIND", "GpuOptions", "GpuScan", "GpuSource"]

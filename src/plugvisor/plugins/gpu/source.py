@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Final
 
-import pydantic
 import structlog
 
 from plugvisor.common.hostpaths import HostPaths
-from plugvisor.deviceplugin.devices import Device, DeviceSet, DeviceSpec, Health
+from plugvisor.deviceplugin.devices import Device, DeviceSpec, Health
 from plugvisor.deviceplugin.hooks import ContainerAllocation
+from plugvisor.deviceplugin.snapshot import Snapshot
 from plugvisor.plugins import sysfs, topology
 from plugvisor.plugins.gpu import cdi
 from plugvisor.plugins.gpu.discovery import Gpu, GpuScanner
@@ -23,14 +21,54 @@ REPLICA_SEPARATOR: Final = "::"
 """Between a GPU's ID and its replica number (NVIDIA's annotated IDs: ``GPU-...::3``)."""
 
 
-@dataclass(frozen=True, slots=True)
-class _CdiSnapshot:
-    devices: Mapping[str, tuple[cdi.Node, ...]]
-    shared: tuple[cdi.Node, ...]
+class GpuScan:
+    """What the hooks need from one scan: each device's PCI placement, and the CDI nodes of each GPU.
+
+    Immutable and compared by value (a rescan that finds the same GPUs wakes
+    nobody). The topology index is built on first use and kept with the scan it
+    describes, so every request against one snapshot shares it.
+    """
+
+    __slots__ = ("_index", "cdi_devices", "cdi_shared", "placements")
+
+    def __init__(
+        self,
+        placements: Mapping[str, topology.Placement],
+        cdi_devices: Mapping[str, tuple[cdi.Node, ...]],
+        cdi_shared: tuple[cdi.Node, ...],
+    ) -> None:
+        self.placements = placements
+        self.cdi_devices = cdi_devices
+        self.cdi_shared = cdi_shared
+        self._index: topology.TopologyIndex | None = None
+
+    @property
+    def index(self) -> topology.TopologyIndex:
+        """The PCI tree of this scan's devices (two threads may build it at once; both get equal trees)."""
+        if self._index is None:
+            self._index = topology.TopologyIndex(self.placements)
+        return self._index
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, GpuScan):
+            return NotImplemented
+        return (self.placements, self.cdi_devices, self.cdi_shared) == (
+            other.placements,
+            other.cdi_devices,
+            other.cdi_shared,
+        )
+
+    def __hash__(self) -> int:
+        return hash(tuple(self.placements))
 
 
 class GpuSource:
-    """Device source for GPUs (the ``gpu`` kind), with preferred-allocation and post-allocate hooks."""
+    """Device source for GPUs (the ``gpu`` kind), with preferred-allocation and post-allocate hooks.
+
+    Stateless between scans and hooks: what a hook needs travels in the
+    snapshot's :class:`GpuScan`. The only thing kept across scans is which
+    problems were already logged.
+    """
 
     def __init__(self, options: GpuOptions, paths: HostPaths, *, resource: str) -> None:
         self.options = options
@@ -39,15 +77,10 @@ class GpuSource:
         self.scanner = GpuScanner(options, paths)
         self._log = structlog.get_logger("plugvisor.plugins.gpu").bind(resource=resource)
         self._problems = sysfs.ProblemLog(self._log)
-        self._placements: Mapping[str, topology.Placement] = {}
-        self._index: tuple[Mapping[str, topology.Placement], topology.TopologyIndex] | None = None
-        self._watch: tuple[Path, ...] = ()
-        self._cdi = _CdiSnapshot({}, ())
-        self._lock = threading.Lock()
 
     # -- discovery -----------------------------------------------------------------
 
-    def scan(self) -> DeviceSet:
+    def scan(self) -> Snapshot[GpuScan]:
         """Read every matching GPU and return one device per GPU and replica, health included."""
         addresses, broken = self.scanner.matching_addresses()
         for bdf, why in broken:
@@ -102,11 +135,7 @@ class GpuSource:
         for gpu in gpus:
             watch.add(gpu.function.path)
             watch.add(gpu.function.path / "drm")
-        with self._lock:
-            self._placements = placements
-            self._cdi = _CdiSnapshot(cdi_devices, shared)
-            self._watch = tuple(sorted(watch, key=str))
-        return DeviceSet(devices)
+        return Snapshot(devices, watch=sorted(watch, key=str), data=GpuScan(placements, cdi_devices, shared))
 
     def _physical_id(self, gpu: Gpu) -> str:
         strategy = self.options.device_id_strategy
@@ -123,58 +152,34 @@ class GpuSource:
         """Rescan on real nodes when the kernel announces PCI or DRM device changes."""
         return ("pci", "drm")
 
-    def watch_paths(self) -> Sequence[Path]:
-        """The bus directory (hot-plug), each GPU's directory (driver, AER), devfs and NVIDIA's procfs."""
-        with self._lock:
-            return self._watch or (self.paths.sysfs / sysfs.PCI_DEVICES,)
-
     # -- hooks ---------------------------------------------------------------------
 
     def preferred_allocation(
-        self, available: Sequence[str], must_include: Sequence[str], size: int, devices: DeviceSet
+        self, available: Sequence[str], must_include: Sequence[str], size: int, snapshot: Snapshot[GpuScan]
     ) -> Sequence[str]:
         """The topology-best set: closest in the PCI tree; replicas spread or packed by policy."""
-        with self._lock:
-            placements = self._placements
-            cached = self._index
-        if cached is None or cached[0] is not placements:
-            cached = (placements, topology.TopologyIndex(placements))
-            with self._lock:
-                self._index = cached
-        index = cached[1]
+        placements = snapshot.data.placements
+        index = snapshot.data.index
         if any(device_id not in placements for device_id in available):
             return [*must_include, *[i for i in available if i not in set(must_include)]][:size]
         policy = self.options.allocation_policy if self.options.replicas > 1 else topology.Policy.PACK
         return topology.preferred(available, must_include, size, index, policy=policy)
 
-    def post_allocate(self, allocation: ContainerAllocation, devices: DeviceSet) -> ContainerAllocation:
-        """With ``cdi: true``, make sure the spec on disk describes the current GPUs before containers start.
+    def post_allocate(
+        self, allocation: ContainerAllocation, snapshot: Snapshot[GpuScan]
+    ) -> ContainerAllocation:
+        """With ``cdi: true``, make sure the spec on disk describes the snapshot's GPUs before containers run.
 
         Written here (as Intel does) rather than in ``scan``, which stays free of side effects.
         """
         if self.options.cdi:
-            self.write_cdi_spec()
+            self.write_cdi_spec(snapshot.data)
         return allocation
 
-    def write_cdi_spec(self) -> Path:
-        """Write the CDI spec for the GPUs of the latest scan (only if its bytes changed); return its path."""
-        with self._lock:
-            snapshot = self._cdi
+    def write_cdi_spec(self, scan: GpuScan) -> Path:
+        """Write the CDI spec for the GPUs of ``scan`` (only if its bytes changed); return its path."""
         directory = self.paths.host(self.options.cdi_dir)
-        content = cdi.render(self.resource, snapshot.devices, snapshot.shared)
+        content = cdi.render(self.resource, scan.cdi_devices, scan.cdi_shared)
         if cdi.write_if_changed(directory, self.resource, content):
             self._log.info("cdi_spec_written", path=str(directory / cdi.spec_file_name(self.resource)))
         return directory / cdi.spec_file_name(self.resource)
-
-
-class GpuKind:
-    """The ``gpu`` kind object registered under the ``plugvisor.plugins`` entry point."""
-
-    name: Literal["gpu"] = "gpu"
-    options_model: type[pydantic.BaseModel] = GpuOptions
-
-    def build(self, options: Any, paths: HostPaths, *, resource: str) -> GpuSource:
-        """Create the source; ``options`` is a validated :class:`GpuOptions`."""
-        if not isinstance(options, GpuOptions):
-            options = GpuOptions.model_validate(options)
-        return GpuSource(options, paths, resource=resource)

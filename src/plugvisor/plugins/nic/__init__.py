@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Final
 
+from plugvisor.plugins.kinds import PluginKind
 from plugvisor.plugins.nic.options import NicOptions
-from plugvisor.plugins.nic.source import NicKind, NicSource, env_name
+from plugvisor.plugins.nic.source import NicSource, env_name
 
-KIND: Final = NicKind()
+KIND: Final = PluginKind("nic", NicOptions, NicSource)
 
-__all__ = ["KIND", "NicKind", "NicOptions", "NicSource", "env_name"]
+__all__ = ["KIND", "NicOptions", "NicSource", "env_name"]

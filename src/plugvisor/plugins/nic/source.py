@@ -21,18 +21,17 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Any, Final
 
-import pydantic
 import structlog
 
 from plugvisor.common.hostpaths import HostPaths
-from plugvisor.deviceplugin.devices import Device, DeviceSet, DeviceSpec, Health
+from plugvisor.deviceplugin.devices import Device, DeviceSpec, Health
 from plugvisor.deviceplugin.hooks import ContainerAllocation
+from plugvisor.deviceplugin.snapshot import Snapshot
 from plugvisor.plugins import sysfs
 from plugvisor.plugins.nic.options import NicOptions
 
@@ -74,8 +73,6 @@ class NicSource:
         self._aer = [k.value for k in options.aer_unhealthy]
         self._log = structlog.get_logger("plugvisor.plugins.nic").bind(resource=resource)
         self._problems = sysfs.ProblemLog(self._log)
-        self._watch: tuple[Path, ...] = ()
-        self._lock = threading.Lock()
 
     # -- discovery -----------------------------------------------------------------
 
@@ -127,7 +124,7 @@ class NicSource:
         vfs.sort()
         return vfs
 
-    def scan(self) -> DeviceSet:
+    def scan(self) -> Snapshot[None]:
         """Read every PF's VFs that the selectors match; one device per VF, health included."""
         addresses = sysfs.pci_addresses(self.paths.sysfs)
         if isinstance(addresses, sysfs.Unreadable):
@@ -147,9 +144,7 @@ class NicSource:
                 if device is not None:
                     devices.append(device)
         self._problems.forget_absent(seen)
-        with self._lock:
-            self._watch = tuple(sorted(watch, key=str))
-        return DeviceSet(devices)
+        return Snapshot(devices, watch=sorted(watch, key=str))
 
     def _device(self, pf: PhysicalFunction, bdf: str, watch: set[Path]) -> Device | None:
         vf = sysfs.read_function(self.paths.sysfs, bdf)
@@ -216,17 +211,12 @@ class NicSource:
         """Rescan on real nodes when the kernel announces PCI or network device changes."""
         return ("pci", "net")
 
-    def watch_paths(self) -> Sequence[Path]:
-        """The bus directory (VFs come and go), each PF (``sriov_numvfs``, links) and its netdev, each VF."""
-        with self._lock:
-            return self._watch or (self.paths.sysfs / sysfs.PCI_DEVICES,)
-
     # -- hooks ---------------------------------------------------------------------
 
-    def post_allocate(self, allocation: ContainerAllocation, devices: DeviceSet) -> ContainerAllocation:
+    def post_allocate(self, allocation: ContainerAllocation, snapshot: Snapshot[Any]) -> ContainerAllocation:
         """Add ``<ENV>_INFO``: the network device-info JSON the SR-IOV plugin hands to CNI plugins."""
         info: dict[str, dict[str, Any]] = {}
-        for bdf, device in devices.items():
+        for bdf, device in snapshot.devices.items():
             entry: dict[str, Any] = {"generic": {"deviceID": bdf}}
             vfio = [s.container_path for s in device.specs if s.container_path != "/dev/vfio/vfio"]
             if vfio:
@@ -241,16 +231,3 @@ class NicSource:
             annotations=allocation.annotations,
             cdi_devices=allocation.cdi_devices,
         )
-
-
-class NicKind:
-    """The ``nic`` kind object registered under the ``plugvisor.plugins`` entry point."""
-
-    name: Literal["nic"] = "nic"
-    options_model: type[pydantic.BaseModel] = NicOptions
-
-    def build(self, options: Any, paths: HostPaths, *, resource: str) -> NicSource:
-        """Create the source; ``options`` is a validated :class:`NicOptions`."""
-        if not isinstance(options, NicOptions):
-            options = NicOptions.model_validate(options)
-        return NicSource(options, paths, resource=resource)

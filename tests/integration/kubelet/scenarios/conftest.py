@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 
 from plugvisor.common.hostpaths import HostPaths
-from plugvisor.deviceplugin.devices import Device, DeviceSet, Health, Mount
+from plugvisor.deviceplugin.devices import Device, Health, Mount
 from plugvisor.deviceplugin.runtime import DevicePluginRuntime, PluginConfig
+from plugvisor.deviceplugin.snapshot import Snapshot
 from plugvisor.emulators.kubelet import EmulatedKubelet
 from plugvisor.emulators.kubelet.gates import FeatureGates
 
@@ -36,7 +37,7 @@ class SampleDevices:
         self.state_dir = state_dir
         self.count = count
 
-    def scan(self) -> DeviceSet:
+    def scan(self) -> Snapshot:
         devices = []
         for index in range(1, self.count + 1):
             name = f"Dev-{index}"
@@ -49,10 +50,7 @@ class SampleDevices:
                     cdi_devices=[f"{RESOURCE}=CDI-{name}"],
                 )
             )
-        return DeviceSet(devices)
-
-    def watch_paths(self) -> list[Path]:
-        return [self.state_dir]
+        return Snapshot(devices, watch=[self.state_dir])
 
 
 @dataclass
