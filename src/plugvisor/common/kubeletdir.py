@@ -40,6 +40,8 @@ class DirChange(enum.Enum):
     """A file was deleted or moved away (a starting kubelet removes every socket)."""
     DIR_REMOVED = "dir-removed"
     """The directory itself was deleted; nothing more will be reported."""
+    EVENTS_LOST = "events-lost"
+    """The kernel's event queue overflowed: anything may have happened; look at the files."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +54,8 @@ class DirEvent:
 
 def classify(mask: Mask, name: str) -> DirEvent | None:
     """Turn one inotify event into what it means for the kubelet contract (None: nothing)."""
+    if mask & Mask.Q_OVERFLOW:
+        return DirEvent(DirChange.EVENTS_LOST, "")
     if mask & (Mask.CREATE | Mask.MOVED_TO):
         return DirEvent(DirChange.KUBELET_SOCKET_CREATED, name) if name == KUBELET_SOCKET_NAME else None
     if mask & (Mask.DELETE | Mask.MOVED_FROM):
@@ -95,6 +99,8 @@ class KubeletDirWatch:
             return
         if event.change is DirChange.DIR_REMOVED:
             self._log.error("kubelet_dir_deleted", dir=str(self.kubelet_dir))
+        elif event.change is DirChange.EVENTS_LOST:
+            self._log.warning("kubelet_dir_events_lost", dir=str(self.kubelet_dir))
         self._on_event(event)
 
     async def run(self) -> None:

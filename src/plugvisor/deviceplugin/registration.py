@@ -11,6 +11,15 @@ A ``kubelet.sock`` creation only counts as a restart when the socket is a
 different file from the one we registered through (compared by inode and
 change time): the event that announces the very kubelet we just registered
 with must not trigger a second, spurious registration.
+
+A kubelet that crash-loops restarts within milliseconds of accepting a
+registration, so events that announce the *next* restart can be applied while
+the Register call is still returning. Two rules keep such a restart from being
+missed: every event counted after a Register call *began* is judged against that
+call (not against whatever the state is once it has returned), and the files
+themselves are checked right after the watch is armed and then every
+``safety_interval`` seconds, so that even a lost inotify event (a queue
+overflow) costs at most one interval.
 """
 
 from __future__ import annotations
@@ -54,6 +63,7 @@ class DirState:
 
     kubelet_creations: int = 0
     socket_deletions: int = 0
+    overflows: int = 0
 
 
 class KubeletDirState:
@@ -81,20 +91,25 @@ class KubeletDirState:
     def _apply(self, event: DirEvent) -> None:
         state = self.state.value
         if event.change is DirChange.KUBELET_SOCKET_CREATED:
-            state = DirState(state.kubelet_creations + 1, state.socket_deletions)
+            state = DirState(state.kubelet_creations + 1, state.socket_deletions, state.overflows)
         elif event.change is DirChange.FILE_REMOVED and event.name == self.own_socket:
-            state = DirState(state.kubelet_creations, state.socket_deletions + 1)
+            state = DirState(state.kubelet_creations, state.socket_deletions + 1, state.overflows)
+        elif event.change is DirChange.EVENTS_LOST:
+            # Count it as a possible restart, so that every waiter looks at the files
+            # rather than trusting counters that missed an event.
+            state = DirState(state.kubelet_creations + 1, state.socket_deletions, state.overflows + 1)
         self.state.publish(state)
 
     async def run(self) -> None:
         """Turn directory events into DirState changes, forever."""
         await self._watch.run()
 
-    async def wait_for_kubelet(self) -> None:
-        """Return once kubelet.sock exists (event-driven: no sleep loop)."""
+    async def wait_for_kubelet(self, safety_interval: float = 1.0) -> None:
+        """Return once kubelet.sock exists: event-driven, with a periodic look in case an event was lost."""
         seen = self.state.version
         while not self.kubelet_socket.exists():
-            seen, _ = await self.state.wait_newer(seen)
+            with contextlib.suppress(TimeoutError):
+                seen, _ = await asyncio.wait_for(self.state.wait_newer(seen), safety_interval)
 
 
 async def register(
@@ -143,11 +158,21 @@ class Registrar:
     the fallback for a kubelet that is up but slow to answer.
     """
 
-    def __init__(self, watch: KubeletDirState, *, resource: str, register_timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        watch: KubeletDirState,
+        *,
+        resource: str,
+        register_timeout: float = 30.0,
+        safety_interval: float = 1.0,
+    ) -> None:
         self._watch = watch
         self._resource = resource
         self._timeout = register_timeout
+        self._safety_interval = safety_interval
         self._registered_kubelet: SocketIdentity | None = None
+        self._registered_endpoint: Path | None = None
+        self._baseline = DirState()
         self._log = structlog.get_logger("plugvisor.registration").bind(resource=resource)
         self.registrations = 0
 
@@ -169,6 +194,9 @@ class Registrar:
                 raise EndpointLostError(f"{endpoint} was deleted before it could be registered")
             identity = SocketIdentity.of(self._watch.kubelet_socket)
             seen = self._watch.state.version
+            # Anything the watch counts from here on happened after this call began, so it
+            # may be a restart of the kubelet we are about to register with.
+            before = self._watch.state.value
             try:
                 await self._register_unless_lost(endpoint, options)
             except grpc.aio.AioRpcError as err:
@@ -181,6 +209,8 @@ class Registrar:
                 delay = min(delay * 2, 5.0)
                 continue
             self._registered_kubelet = identity
+            self._registered_endpoint = own_socket
+            self._baseline = before
             self.registrations += 1
             elapsed = time.monotonic() - started
             self._log.info("registered", endpoint=endpoint, seconds=round(elapsed, 4))
@@ -219,15 +249,42 @@ class Registrar:
             call.cancel()
 
     async def wait_for_restart(self) -> str:
-        """Return (with the reason) once the kubelet we registered with is gone or replaced."""
-        baseline = self._watch.state.value
-        seen = self._watch.state.version
+        """Return (with the reason) once the kubelet we registered with is gone or replaced.
+
+        Judged against the state when the last Register call began, so a restart
+        whose events arrived while that call was returning is seen at once; and
+        the files are checked right away and then every ``safety_interval``
+        seconds, so a restart whose events were lost is seen within that bound.
+        """
+        baseline = self._baseline
+        seen = -1
         while True:
-            seen, state = await self._watch.state.wait_newer(seen)
+            state = self._watch.state.value
             if state.socket_deletions > baseline.socket_deletions:
                 return "plugin socket deleted"
             if state.kubelet_creations > baseline.kubelet_creations:
                 if SocketIdentity.of(self._watch.kubelet_socket) != self._registered_kubelet:
                     return "kubelet.sock re-created"
                 # The creation event of the very kubelet we registered with: not a restart.
-                baseline = DirState(state.kubelet_creations, baseline.socket_deletions)
+                baseline = DirState(state.kubelet_creations, baseline.socket_deletions, state.overflows)
+            reason = self._restart_seen_in_files()
+            if reason is not None:
+                if seen >= 0:
+                    self._log.warning("kubelet_restart_missed_by_watch", reason=reason)
+                return reason
+            seen = self._watch.state.version
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._watch.state.wait_newer(seen), self._safety_interval)
+
+    def _restart_seen_in_files(self) -> str | None:
+        """What the directory itself says, independent of any event: two stat calls."""
+        if self._registered_endpoint is not None and not self._registered_endpoint.exists():
+            return "plugin socket deleted"
+        current = SocketIdentity.of(self._watch.kubelet_socket)
+        # A missing kubelet.sock means a kubelet that stopped: it deletes our socket when it
+        # starts again, which is the sign to act on. Only the inode counts here: a change
+        # time moved by a chmod or a label must not look like a new kubelet every interval.
+        registered = self._registered_kubelet
+        if current is not None and (registered is None or current.inode != registered.inode):
+            return "kubelet.sock re-created"
+        return None

@@ -1,5 +1,6 @@
 """Register calls: retries reach a kubelet the moment it listens."""
 
+import asyncio
 import socket
 
 import grpc
@@ -32,3 +33,25 @@ async def test_a_refused_connection_does_not_delay_the_next_attempt(short_dir):
             )
         finally:
             await plugin.stop()
+
+
+async def test_a_restart_whose_events_are_lost_is_still_seen_by_the_safety_net(short_dir):
+    """With the inotify reader never running, the periodic look at the files still notices the wipe."""
+    from plugvisor.deviceplugin.registration import KubeletDirState, Registrar
+
+    kubelet_dir = short_dir / "dp"
+    kubelet_dir.mkdir()
+    watch = KubeletDirState(kubelet_dir)  # opened, but no task reads its events: they are "lost"
+    watch.open()
+    try:
+        async with EmulatedKubelet(kubelet_dir, write_view=False) as kubelet:
+            plugin = StubDevicePlugin(kubelet_dir / "p.sock", "example.com/x")
+            await plugin.start()
+            registrar = Registrar(watch, resource="example.com/x", safety_interval=0.05)
+            await registrar.register("p.sock", api_pb2.DevicePluginOptions())
+            await kubelet.restart()
+            reason = await asyncio.wait_for(registrar.wait_for_restart(), 10)
+            await plugin.stop()
+    finally:
+        watch.close()
+    assert reason == "plugin socket deleted"
