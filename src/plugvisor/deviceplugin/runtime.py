@@ -187,6 +187,9 @@ class DevicePluginRuntime:
                 extra_handlers=(proposed,) if proposed is not None else (),
             )
             await endpoint.start()
+            # Said before registering, so that whoever reaps this process knows which socket
+            # it leaves behind should it be killed before it could register.
+            self.status.send(ENDPOINT=endpoint.name)
             old, self.endpoint = self.endpoint, endpoint
             if old is not None:
                 await old.stop(grace=0)

@@ -129,6 +129,9 @@ class Child:
         self.restarts: collections.Counter[str] = collections.Counter()
         self.last_exit: ExitRecord | None = None
         self.spawn_error: str | None = None
+        self.spawning = False
+        self._cancel_spawn = False
+        self._attempt = 0
         self.registered = False
         self.registered_wall: float | None = None
         self.registrations = 0
@@ -313,7 +316,8 @@ class Child:
         """When :meth:`transition` next has something to do (monotonic), or None."""
         if self.state is states.BACKOFF and self.wanted:
             return self.delay_until
-        if self.state is states.STOPPING and not self.killed:
+        if self.state is states.STOPPING and not self.killed and self.pid is not None:
+            # (With no PID yet, the spawn's answer is what moves things on, not the clock.)
             return self.stop_deadline
         if self.state in (states.STARTING, states.RUNNING) and self.failures and self.started_at is not None:
             return self.started_at + self.policy.reset_after
@@ -356,22 +360,55 @@ class Child:
     # -- internals ------------------------------------------------------------------------
 
     def _spawn(self) -> None:
+        """Ask for a process; the spawner answers now or later (see :meth:`_spawned`)."""
         self.delay_until = None
-        try:
-            pid = self._spawner.spawn(self.spec)
-        except SpawnError as exc:
-            self.spawn_error = str(exc)
-            self._log.error("child_spawn_failed", error=str(exc))
-            self.restarts[CAUSE_SPAWN_ERROR] += 1
-            self._back_off(cap=False)
-            return
-        self.spawn_error = None
-        self.pid = pid
+        self._attempt += 1
+        attempt = self._attempt
+        self.spawning = True
+        self._cancel_spawn = False
+        self.pid = None
         self.started_at = self._clock.monotonic()
         self.started_wall = self._clock.wall()
         self.killed = False
         self.stop_deadline = None
-        self.change_state(states.STARTING)
+        self._spawner.spawn(self.spec, lambda result: self._spawned(attempt, result))
+        if self.spawning and self._attempt == attempt and self.state is not states.STARTING:
+            # No answer yet: STARTING without a PID until the spawner has one.
+            self.change_state(states.STARTING)
+
+    def _spawned(self, attempt: int, result: int | SpawnError) -> None:
+        """The spawner's answer for spawn ``attempt``: a PID or the reason there is none."""
+        if attempt != self._attempt or not self.spawning:
+            # An answer nobody waits for any more: such a process must not live on unseen.
+            if isinstance(result, int):
+                self._log.warning("child_spawn_answer_late", pid=result)
+                self._spawner.kill(result, signal.SIGKILL)
+            return
+        self.spawning = False
+        if isinstance(result, SpawnError):
+            self.spawn_error = str(result)
+            self._log.error("child_spawn_failed", error=str(result))
+            self.restarts[CAUSE_SPAWN_ERROR] += 1
+            self.started_at = None
+            self.started_wall = None
+            if self._cancel_spawn:
+                restart, self.restart_after_stop = self.restart_after_stop, None
+                if restart is not None and self.wanted:
+                    self._spawn()
+                else:
+                    self.change_state(states.STOPPED)
+                return
+            self._back_off(cap=False)
+            return
+        self.spawn_error = None
+        self.pid = result
+        if self._cancel_spawn:
+            # Stopped (or restarted) while the spawn was in flight: stop the new process now.
+            self._spawner.kill(result, signal.SIGTERM)
+        elif self.state is states.STARTING:
+            self._log.info("child_spawned", pid=result)
+        else:
+            self.change_state(states.STARTING)
 
     def _back_off(self, *, cap: bool) -> None:
         self.failures += 1
@@ -381,11 +418,14 @@ class Child:
         self.change_state(states.BACKOFF)
 
     def _terminate(self) -> None:
-        assert self.pid is not None
         self.stop_deadline = self._clock.monotonic() + self.stop_timeout
         self.killed = False
         self.change_state(states.STOPPING)
-        self._spawner.kill(self.pid, signal.SIGTERM)
+        if self.pid is not None:
+            self._spawner.kill(self.pid, signal.SIGTERM)
+        elif self.spawning:
+            # The spawn is still in flight: its process is stopped on arrival (see _spawned).
+            self._cancel_spawn = True
 
     def _forget_process(self) -> None:
         self.pid = None

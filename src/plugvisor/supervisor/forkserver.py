@@ -12,13 +12,20 @@ helper imports it but never creates a gRPC object, and checks that it is still
 single-threaded before answering that it is ready; a child starts gRPC only
 after the fork. The supervisor never imports gRPC at all.
 
+Each plugin is forked through a short-lived intermediate process that exits
+at once, so the plugin is re-parented to the supervisor (a child subreaper):
+the supervisor reaps it, learns its exit status and is the parent whose death
+it follows. The fork server is then nobody's parent but the intermediates', and
+its death (an OOM kill, a SIGKILL) takes no plugin with it: the supervisor
+starts a new one quietly on the next spawn.
+
 Protocol, one JSON object per line. Supervisor -> helper on stdin:
 ``{"op": "spawn", "id": N, "args": [...], "env": {...}}``. Helper -> supervisor
 on stdout: ``{"op": "ready", "pid": P, "threads": 1}`` once, then
-``{"op": "spawned", "id": N, "pid": P}`` (or ``"error"``) per request and
-``{"op": "exit", "pid": P, "returncode": R}`` per reaped child (negative: killed
-by that signal). End of stdin ends the helper. It dies with the supervisor
-(SIGKILL) and its children die with it (SIGTERM).
+``{"op": "spawned", "id": N, "pid": P}`` (or ``"error"``) per request, written
+by the intermediate in one write of less than ``PIPE_BUF`` bytes before it
+exits, so that the answer is in the pipe before the plugin can run at all.
+End of stdin ends the helper. It dies with the supervisor (SIGKILL).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import os
 import select
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
@@ -56,8 +64,25 @@ def _thread_count() -> int:
         return 1
 
 
+def _await_adoption(supervisor: int, timeout: float = 5.0) -> None:
+    """Wait until the intermediate has exited and the supervisor is our parent; exit if it never is.
+
+    The parent-death signal is set only then: set earlier, the intermediate's exit
+    would fire it. A parent other than the supervisor after the bound means the
+    supervisor is gone or is no subreaper; running on would leave a plugin nobody
+    reaps or stops, so the child exits instead.
+    """
+    deadline = time.monotonic() + timeout
+    while os.getppid() != supervisor:
+        if time.monotonic() > deadline:
+            sys.stderr.write(f"plugvisor: not adopted by the supervisor (pid {supervisor}); exiting\n")
+            os._exit(1)
+        time.sleep(0.0002)
+
+
 class _Server:
-    def __init__(self, control_in: int, control_out: int) -> None:
+    def __init__(self, control_in: int, control_out: int, supervisor: int) -> None:
+        self.supervisor = supervisor
         self.control_in = control_in
         self.control_out = control_out
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -93,25 +118,41 @@ class _Server:
                         self.handle(json.loads(line))
 
     def reap(self) -> None:
+        """Collect the intermediates (plugins are the supervisor's children, never ours)."""
         while True:
             try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
+                pid, _ = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 return
             if pid == 0:
                 return
-            self.send(op="exit", pid=pid, returncode=os.waitstatus_to_exitcode(status))
 
     def handle(self, request: dict[str, Any]) -> None:
         ident = request.get("id")
         try:
-            pid = os.fork()
+            intermediate = os.fork()
         except OSError as exc:
             self.send(op="spawned", id=ident, error=f"fork failed: {exc.strerror or exc}")
             return
-        if pid == 0:
-            self.become_child(list(request["args"]), dict(request["env"]))
-        self.send(op="spawned", id=ident, pid=pid)
+        if intermediate == 0:
+            self.become_intermediate(ident, list(request["args"]), dict(request["env"]))
+
+    def become_intermediate(self, ident: Any, args: list[str], env: dict[str, str]) -> None:
+        """Runs in the intermediate: fork the plugin, report its PID, exit (never returns)."""
+        code = 0
+        try:
+            try:
+                pid = os.fork()
+            except OSError as exc:
+                self.send(op="spawned", id=ident, error=f"fork failed: {exc.strerror or exc}")
+            else:
+                if pid == 0:
+                    self.become_child(args, env)
+                self.send(op="spawned", id=ident, pid=pid)
+        except BaseException:
+            code = 1
+        finally:
+            os._exit(code)
 
     def become_child(self, args: list[str], env: dict[str, str]) -> None:
         """Runs in the forked child: never returns."""
@@ -123,7 +164,8 @@ class _Server:
                 signal.signal(sig, signal.SIG_DFL)
             for fd in (self.control_in, self.control_out, self.wake_r, self.wake_w):
                 os.close(fd)
-            prctl.die_with_parent(CHILD_DEATH_SIGNAL, self.pid)
+            _await_adoption(self.supervisor)
+            prctl.die_with_parent(CHILD_DEATH_SIGNAL, self.supervisor)
             # A forked child keeps the helper's command line; its name at least tells them apart in ps.
             resource = args[args.index("--resource") + 1] if "--resource" in args else "plugin"
             prctl.set_name("pv:" + resource.rsplit("/", 1)[-1])
@@ -175,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     os.dup2(devnull, 0)
     os.close(devnull)
     os.dup2(2, 1)
-    server = _Server(control_in, control_out)
+    server = _Server(control_in, control_out, options.parent)
     try:
         _preload(options.preload_kind)
     except Exception as exc:

@@ -1,8 +1,9 @@
-"""The two Linux process controls the supervisor relies on, through libc.
+"""The Linux process controls the supervisor relies on, through libc.
 
 ``PR_SET_PDEATHSIG`` makes the kernel signal a child when its parent dies, so
 children never outlive a supervisor that was SIGKILLed (systemd would otherwise
-find them still holding the sockets). libc is loaded when this module is
+find them still holding the sockets). ``PR_SET_CHILD_SUBREAPER`` makes the
+supervisor the parent of every plugin, even those the fork server forks. libc is loaded when this module is
 imported, never between fork and exec, where loading a library is not safe.
 """
 
@@ -14,6 +15,7 @@ from typing import Final
 
 PR_SET_PDEATHSIG: Final = 1
 PR_SET_NAME: Final = 15
+PR_SET_CHILD_SUBREAPER: Final = 36
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _prctl = _libc.prctl
@@ -29,6 +31,18 @@ def set_parent_death_signal(sig: int) -> None:
     if _prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
         errno = ctypes.get_errno()
         raise OSError(errno, f"prctl(PR_SET_PDEATHSIG): {os.strerror(errno)}")
+
+
+def become_subreaper() -> None:
+    """Adopt orphaned descendants: a process whose parent exits is re-parented to us, not to init.
+
+    The fork server forks each plugin through a short-lived intermediate, so the
+    plugin is re-parented to the supervisor at once: the supervisor, not the fork
+    server, is then the parent that reaps it and whose death it follows.
+    """
+    if _prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(errno)}")
 
 
 def set_name(name: str) -> None:

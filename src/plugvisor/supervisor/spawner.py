@@ -2,16 +2,26 @@
 
 :class:`Spawner` is the seam (supervisord's ``options.fork/kill/waitpid``): the
 state machine only ever calls ``spawn``, ``kill`` and ``reap``, so unit tests run
-it with :class:`FakeSpawner`. Two real implementations:
+it with :class:`FakeSpawner`. ``spawn`` never blocks: it answers through a
+callback, at once or later, so that a slow or dead fork server never stalls the
+supervisor's loop. Two real implementations:
 
 - :class:`ForkServerSpawner` (the default): a helper process, started once by
   fork+exec, imports the plugin command and its kinds (gRPC included, but it
   creates no gRPC object, so forking it is safe) and forks one child per
   request. A child is serving within ~30 ms instead of ~350 ms for a fresh
   interpreter, and the children share the imported code pages (PSS ~24 MB
-  instead of ~39 MB each). See docs/supervisor.md for the measurements.
+  instead of ~39 MB each). See docs/supervisor.md for the measurements. The
+  supervisor is a child subreaper and the helper forks through an intermediate
+  that exits at once, so every plugin is the supervisor's own child: the
+  supervisor reaps it, and the helper can die (and be replaced) without taking
+  any plugin with it.
 - :class:`ExecSpawner`: plain fork+exec of ``python -m plugvisor plugin ...``; the
   fallback when the fork server cannot start, and a configuration choice.
+
+Reaping is :class:`Reaper`'s alone: one ``waitpid(-1)`` loop for every child of
+the supervisor (plugins, the helper, orphans it adopted), so that no exit status
+is ever lost to, or stolen from, another waiter.
 
 Both put each child in its own process group (a stop reaches any helper it
 started; a terminal's Ctrl-C reaches only the supervisor, which stops children
@@ -26,14 +36,13 @@ import asyncio
 import contextlib
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import structlog
 
@@ -59,14 +68,18 @@ class Exit:
 
 
 Wake = Callable[[], None]
+SpawnDone = Callable[[int | SpawnError], None]
+"""Receives the new process's PID, or the reason it could not be created."""
 
 
 class Spawner(Protocol):
     """**Protocol:** what the supervisor needs from process creation.
 
-    ``spawn`` returns the new process's PID or raises :class:`SpawnError`; ``kill``
-    signals a child (its process group) and ignores one that is already gone;
-    ``reap`` returns, without blocking, the exits since the last call. ``open``
+    ``spawn`` starts creating a process for ``spec`` and calls ``done`` with its
+    PID or a :class:`SpawnError`, either before returning or later from the event
+    loop; it never blocks. ``kill`` signals a child (its process group) and
+    ignores one that is already gone; ``reap`` returns, without blocking, the
+    exits since the last call, each only after its ``done`` was called. ``open``
     receives a callback to call whenever ``reap`` has something new.
     """
 
@@ -74,8 +87,8 @@ class Spawner(Protocol):
         """Get ready to spawn; call ``wake`` when exits are waiting."""
         ...
 
-    def spawn(self, spec: ChildSpec) -> int:
-        """Start a process for ``spec``."""
+    def spawn(self, spec: ChildSpec, done: SpawnDone) -> None:
+        """Start a process for ``spec``; report it through ``done``."""
         ...
 
     def kill(self, pid: int, sig: int) -> None:
@@ -100,12 +113,65 @@ def _signal_group(pid: int, sig: int) -> None:
             os.kill(pid, sig)
 
 
+class Reaper:
+    """Every ``waitpid`` of the supervisor: exits of our children, kept until claimed.
+
+    Processes started with ``subprocess.Popen`` are registered with :meth:`track`
+    and get their ``returncode`` set here, so ``Popen`` itself never waits on a
+    PID that may, by then, belong to another child. An exit whose PID nobody has
+    claimed yet (a plugin that died before its spawn answer was read, or an
+    orphan we adopted) is kept for :data:`UNCLAIMED_TTL` seconds.
+    """
+
+    UNCLAIMED_TTL: Final = 60.0
+
+    def __init__(self) -> None:
+        self._popens: dict[int, subprocess.Popen[bytes]] = {}
+        self._unclaimed: dict[int, tuple[int, float]] = {}
+
+    def track(self, proc: subprocess.Popen[bytes]) -> None:
+        """Let the reaper set ``proc.returncode`` when it exits."""
+        self._popens[proc.pid] = proc
+
+    def collect(self) -> list[Exit]:
+        """Reap every child that has ended; returns the exits not claimed by a tracked ``Popen``."""
+        exits = []
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            code = os.waitstatus_to_exitcode(status)
+            proc = self._popens.pop(pid, None)
+            if proc is not None:
+                proc.returncode = code
+                continue
+            exits.append(Exit(pid, code))
+        return exits
+
+    def keep_unclaimed(self, exit_: Exit) -> None:
+        """Hold an exit whose PID is not known (yet)."""
+        now = time.monotonic()
+        self._unclaimed[exit_.pid] = (exit_.returncode, now)
+        for pid, (_, at) in list(self._unclaimed.items()):
+            if now - at > self.UNCLAIMED_TTL:
+                del self._unclaimed[pid]
+
+    def claim(self, pid: int) -> Exit | None:
+        """The exit of ``pid`` if it was reaped before anybody knew the PID."""
+        found = self._unclaimed.pop(pid, None)
+        return None if found is None else Exit(pid, found[0])
+
+
 class ExecSpawner:
     """fork+exec of ``python -m plugvisor plugin ...`` per child; reaped on SIGCHLD."""
 
     def __init__(self, env: Mapping[str, str]) -> None:
         self._env = dict(env)
-        self._procs: dict[int, subprocess.Popen[bytes]] = {}
+        self._children: set[int] = set()
+        self._reaper = Reaper()
         self._wake: Wake | None = None
 
     async def open(self, wake: Wake) -> None:
@@ -113,8 +179,8 @@ class ExecSpawner:
         self._wake = wake
         asyncio.get_running_loop().add_signal_handler(signal.SIGCHLD, wake)
 
-    def spawn(self, spec: ChildSpec) -> int:
-        """fork+exec the child's command line."""
+    def spawn(self, spec: ChildSpec, done: SpawnDone) -> None:
+        """fork+exec the child's command line; answers before returning."""
         parent = os.getpid()
 
         def in_child() -> None:
@@ -130,23 +196,24 @@ class ExecSpawner:
                 close_fds=True,
             )
         except (OSError, subprocess.SubprocessError) as exc:
-            raise SpawnError(f"cannot start {spec.argv()[0]}: {exc}") from exc
-        self._procs[proc.pid] = proc
-        return proc.pid
+            done(SpawnError(f"cannot start {spec.argv()[0]}: {exc}"))
+            return
+        # The reaper, not Popen, waits for it: one waitpid(-1) loop owns every status.
+        self._children.add(proc.pid)
+        done(proc.pid)
 
     def kill(self, pid: int, sig: int) -> None:
         """Signal the child's process group."""
-        if pid in self._procs:
+        if pid in self._children:
             _signal_group(pid, sig)
 
     def reap(self) -> list[Exit]:
-        """Poll every child (waitpid WNOHANG)."""
+        """Every child that has ended (waitpid WNOHANG)."""
         exits = []
-        for pid, proc in list(self._procs.items()):
-            code = proc.poll()
-            if code is not None:
-                del self._procs[pid]
-                exits.append(Exit(pid, code))
+        for exit_ in self._reaper.collect():
+            if exit_.pid in self._children:
+                self._children.discard(exit_.pid)
+                exits.append(exit_)
         return exits
 
     async def close(self) -> None:
@@ -155,8 +222,13 @@ class ExecSpawner:
             asyncio.get_running_loop().remove_signal_handler(signal.SIGCHLD)
 
 
+def _ended(proc: subprocess.Popen[bytes]) -> bool:
+    """Whether the reaper has recorded ``proc``'s exit (it sets ``returncode``)."""
+    return proc.returncode is not None
+
+
 class _LineChannel:
-    """Newline-delimited JSON over a pipe, readable both without blocking and with a bounded wait."""
+    """Newline-delimited JSON over a non-blocking pipe."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
@@ -184,204 +256,340 @@ class _LineChannel:
                     messages.append(json.loads(line))
         return messages
 
-    def wait_readable(self, timeout: float) -> bool:
-        ready, _, _ = select.select([self.fd], [], [], max(0.0, timeout))
-        return bool(ready)
+
+class _Helper:
+    """One fork-server process, its pipes, and its readiness."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdin is not None
+        assert proc.stdout is not None
+        self.proc = proc
+        self.stdin = proc.stdin.fileno()
+        os.set_blocking(self.stdin, False)
+        self.channel = _LineChannel(proc.stdout.fileno())
+        loop = asyncio.get_running_loop()
+        self.ready: asyncio.Future[dict[str, Any]] = loop.create_future()
+        self.started: asyncio.Task[None] | None = None
+        self.born = time.monotonic()
+
+    def close_pipes(self) -> None:
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A spawn request that has no answer yet."""
+
+    spec: ChildSpec
+    done: SpawnDone
+    helper: _Helper
+    timer: asyncio.TimerHandle
+    retried: bool
 
 
 class ForkServerSpawner:
-    """Children forked by a warm helper process (``plugvisor.supervisor.forkserver``).
+    """Children forked by a warm helper process (``plugvisor.supervisor.forkserver``), reaped by us.
 
-    The helper is the children's parent: it reaps them and reports each exit on
-    its pipe. It dies with the supervisor (SIGKILL), and its children with it
-    (SIGTERM). If the helper itself dies, every child it had is reported as
-    killed and a new helper is started on the next spawn.
+    The supervisor becomes a child subreaper; the helper forks each child through
+    an intermediate that exits at once, so each child is re-parented to the
+    supervisor, which reaps it. If the helper dies, nothing happens to any child:
+    the next spawn starts a new helper and waits for its readiness without
+    blocking the loop. A spawn still unanswered when its helper's pipe closes
+    (every intermediate has exited by then, so no answer can still come) is sent
+    once more to a new helper; failures reach ``done``, never the caller.
     """
 
     def __init__(
-        self, env: Mapping[str, str], *, preload_kinds: Sequence[str] = (), start_timeout: float = 60.0
+        self,
+        env: Mapping[str, str],
+        *,
+        preload_kinds: Sequence[str] = (),
+        start_timeout: float = 60.0,
+        spawn_timeout: float = 10.0,
     ):
         self._env = dict(env)
         self._preload = list(preload_kinds)
         self._start_timeout = start_timeout
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._channel: _LineChannel | None = None
+        self._spawn_timeout = spawn_timeout
+        self._helper: _Helper | None = None
         self._children: set[int] = set()
         self._exits: list[Exit] = []
+        self._pending: dict[int, _Pending] = {}
+        self._reaper = Reaper()
         self._wake: Wake | None = None
         self._next_id = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closing = False
+        self._young_deaths = 0
+        self._replacement: asyncio.TimerHandle | None = None
+        self.helpers_started = 0
         self.server_pid: int | None = None
         self.preload_seconds: float | None = None
 
     async def open(self, wake: Wake) -> None:
-        """Start the helper and wait until it has imported everything (raises SpawnError if it cannot)."""
+        """Become a subreaper, start the helper and wait until it is ready (raises SpawnError if not)."""
         self._wake = wake
-        self._start_server()
+        try:
+            prctl.become_subreaper()
+        except OSError as exc:
+            raise SpawnError(f"cannot adopt the fork server's children: {exc}") from exc
+        asyncio.get_running_loop().add_signal_handler(signal.SIGCHLD, self._on_sigchld)
+        helper = self._start_helper()
+        assert helper.started is not None
+        await helper.started
 
-    def _start_server(self) -> None:
+    def _start_helper(self) -> _Helper:
         argv = [sys.executable, "-m", "plugvisor.supervisor.forkserver", "--parent", str(os.getpid())]
         for kind in self._preload:
             argv += ["--preload-kind", kind]
-        started = time.monotonic()
         try:
             proc = subprocess.Popen(
                 argv, env=self._env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True
             )
         except OSError as exc:
             raise SpawnError(f"cannot start the fork server: {exc}") from exc
-        assert proc.stdin is not None
-        assert proc.stdout is not None
-        channel = _LineChannel(proc.stdout.fileno())
-        ready = self._await(channel, "ready", started + self._start_timeout)
-        if ready is None or ready.get("error"):
-            proc.kill()
-            proc.wait()
-            reason = "it exited or timed out" if ready is None else ready["error"]
-            raise SpawnError(f"the fork server did not start: {reason}")
-        self._proc, self._channel = proc, channel
-        self.server_pid = proc.pid
+        self._reaper.track(proc)
+        helper = _Helper(proc)
+        self._helper = helper
+        self.helpers_started += 1
+        loop = asyncio.get_running_loop()
+        loop.add_reader(helper.channel.fd, self._on_readable, helper)
+        helper.started = loop.create_task(self._await_ready(helper), name="forkserver-start")
+        return helper
+
+    async def _await_ready(self, helper: _Helper) -> None:
+        started = time.monotonic()
+        try:
+            ready = await asyncio.wait_for(asyncio.shield(helper.ready), self._start_timeout)
+        except (TimeoutError, SpawnError) as exc:
+            self._helper_lost(helper, quiet=True)
+            reason = "it did not answer in time" if isinstance(exc, TimeoutError) else str(exc)
+            raise SpawnError(f"the fork server did not start: {reason}") from None
+        if ready.get("error"):
+            self._helper_lost(helper, quiet=True)
+            raise SpawnError(f"the fork server did not start: {ready['error']}")
+        self.server_pid = helper.proc.pid
         self.preload_seconds = round(time.monotonic() - started, 3)
-        with contextlib.suppress(RuntimeError):
-            asyncio.get_running_loop().add_reader(channel.fd, self._on_readable)
-        _log.info("forkserver_ready", pid=proc.pid, seconds=self.preload_seconds)
+        _log.info(
+            "forkserver_ready", pid=helper.proc.pid, seconds=self.preload_seconds, n=self.helpers_started
+        )
 
-    def _await(
-        self, channel: _LineChannel, op: str, deadline: float, ident: int | None = None
-    ) -> dict[str, Any] | None:
-        """Read messages until ``op`` (with ``id``) arrives; exits read meanwhile are queued."""
-        while True:
-            found: dict[str, Any] | None = None
-            # Every message of a read is handled: exits that came in the same read as the
-            # reply must not be lost.
-            for message in channel.read_available():
-                if message.get("op") == "exit":
-                    self._record_exit(int(message["pid"]), int(message["returncode"]))
-                elif message.get("op") == op and (ident is None or message.get("id") == ident):
-                    found = message
-            if found is not None:
-                return found
-            if channel.closed:
-                return None
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return None
-            channel.wait_readable(remaining)
+    def _on_readable(self, helper: _Helper) -> None:
+        for message in helper.channel.read_available():
+            op = message.get("op")
+            if op == "ready" and not helper.ready.done():
+                helper.ready.set_result(message)
+            elif op == "spawned":
+                self._answered(message)
+        if helper.channel.closed:
+            self._helper_lost(helper)
 
-    def _record_exit(self, pid: int, returncode: int) -> None:
-        if pid in self._children:
-            self._children.discard(pid)
-            self._exits.append(Exit(pid, returncode))
-            # The message may have been read while waiting for a spawn reply, so the pipe
-            # will not become readable for it again: wake the loop explicitly.
-            if self._wake is not None:
-                self._wake()
-
-    def _on_readable(self) -> None:
-        channel = self._channel
-        if channel is None:
+    def _answered(self, message: dict[str, Any]) -> None:
+        ident = message.get("id")
+        pending = self._pending.pop(ident, None) if isinstance(ident, int) else None
+        if pending is None:
             return
-        for message in channel.read_available():
-            if message.get("op") == "exit":
-                self._record_exit(int(message["pid"]), int(message["returncode"]))
-        if channel.closed:
-            self._server_lost()
+        pending.timer.cancel()
+        pid = message.get("pid")
+        if message.get("error") or not isinstance(pid, int):
+            pending.done(SpawnError(str(message.get("error") or "the fork server gave no PID")))
+            return
+        self._children.add(pid)
+        pending.done(pid)
+        early = self._reaper.claim(pid)
+        if early is not None:
+            # It died before its answer was read: the exit was reaped and kept for now.
+            self._children.discard(pid)
+            self._exits.append(early)
+            self._poke()
+
+    def _helper_lost(self, helper: _Helper, *, quiet: bool = False) -> None:
+        """The helper's pipe closed (or it failed to start): forget it; spawns in flight go to a new one."""
+        if self._helper is helper:
+            self._helper = None
+            self.server_pid = None
+        with contextlib.suppress(RuntimeError, ValueError, OSError):
+            asyncio.get_running_loop().remove_reader(helper.channel.fd)
+        if helper.proc.returncode is None:
+            with contextlib.suppress(OSError):
+                helper.proc.kill()
+        helper.close_pipes()
+        if not helper.ready.done():
+            helper.ready.set_exception(SpawnError("the fork server exited"))
+            helper.ready.exception()  # retrieved: whoever awaits it gets it through the shield
+        if not quiet:
+            _log.warning(
+                "forkserver_lost",
+                pid=helper.proc.pid,
+                children=len(self._children),
+                note="children keep running; a new fork server starts with the next spawn",
+            )
+        retry = [(i, p) for i, p in self._pending.items() if p.helper is helper]
+        for ident, pending in retry:
+            del self._pending[ident]
+            pending.timer.cancel()
+            if pending.retried:
+                pending.done(SpawnError("the fork server exited before answering, twice"))
+            else:
+                self._request(pending.spec, pending.done, retried=True)
+        if not quiet and not self._closing and self._helper is None:
+            self._schedule_replacement(helper)
+
+    def _schedule_replacement(self, lost: _Helper) -> None:
+        """Start the next helper ahead of need, so that the next crash is restarted as fast as ever.
+
+        A helper that dies young (a broken preload, an OOM loop) is replaced after a
+        growing delay instead of in a tight loop.
+        """
+        if time.monotonic() - lost.born < 10.0:
+            self._young_deaths += 1
+        else:
+            self._young_deaths = 0
+        delay = 0.0 if self._young_deaths == 0 else min(30.0, 0.5 * 2 ** (self._young_deaths - 1))
+        if self._replacement is not None:
+            self._replacement.cancel()
+        self._replacement = asyncio.get_running_loop().call_later(delay, self._replace)
+
+    def _replace(self) -> None:
+        self._replacement = None
+        if self._closing or self._helper is not None:
+            return
+        try:
+            helper = self._start_helper()
+        except SpawnError as exc:
+            _log.error("forkserver_unavailable", error=str(exc))
+            return
+        assert helper.started is not None
+        # Failures are logged (and the helper dropped) by _await_ready; nothing awaits this one.
+        helper.started.add_done_callback(lambda task: task.cancelled() or task.exception())
+
+    def spawn(self, spec: ChildSpec, done: SpawnDone) -> None:
+        """Ask the helper (started now if there is none) to fork a child running ``plugvisor <args>``."""
+        self._request(spec, done, retried=False)
+
+    def _request(self, spec: ChildSpec, done: SpawnDone, *, retried: bool) -> None:
+        helper = self._helper
+        if helper is None:
+            try:
+                helper = self._start_helper()
+            except SpawnError as exc:
+                done(exc)
+                return
+        self._next_id += 1
+        ident = self._next_id
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(self._spawn_timeout, self._timed_out, ident)
+        self._pending[ident] = _Pending(spec, done, helper, timer, retried)
+        if helper.ready.done() and self.server_pid == helper.proc.pid:
+            self._send(helper, ident, spec)
+            return
+        task = loop.create_task(self._send_when_ready(helper, ident, spec))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _send_when_ready(self, helper: _Helper, ident: int, spec: ChildSpec) -> None:
+        assert helper.started is not None
+        try:
+            await asyncio.shield(helper.started)
+        except SpawnError as exc:
+            pending = self._pending.pop(ident, None)
+            if pending is not None:
+                pending.timer.cancel()
+                pending.done(exc)
+            return
+        if ident in self._pending:
+            self._send(helper, ident, spec)
+
+    def _send(self, helper: _Helper, ident: int, spec: ChildSpec) -> None:
+        request = {"op": "spawn", "id": ident, "args": list(spec.args), "env": self._env}
+        data = json.dumps(request).encode() + b"\n"
+        try:
+            # A request is a few KiB and the helper reads as fast as it forks; a full pipe
+            # means a hung helper, which the spawn timeout reports.
+            if os.write(helper.stdin, data) != len(data):
+                raise BlockingIOError("short write to the fork server")
+        except OSError as exc:
+            _log.warning("forkserver_unwritable", error=str(exc))
+            self._helper_lost(helper)
+
+    def _timed_out(self, ident: int) -> None:
+        pending = self._pending.pop(ident, None)
+        if pending is not None:
+            pending.done(SpawnError(f"the fork server did not answer within {self._spawn_timeout:g} s"))
+
+    def _on_sigchld(self) -> None:
+        self._collect()
+        self._poke()
+
+    def _poke(self) -> None:
         if self._wake is not None:
             self._wake()
 
-    def _server_lost(self) -> None:
-        proc, channel = self._proc, self._channel
-        self._proc = self._channel = None
-        if channel is not None:
-            with contextlib.suppress(RuntimeError, ValueError):
-                asyncio.get_running_loop().remove_reader(channel.fd)
-        if proc is not None:
-            with contextlib.suppress(OSError):
-                proc.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=1)
-            _log.error(
-                "forkserver_lost", pid=proc.pid, returncode=proc.returncode, children=len(self._children)
-            )
-        # Its children got their parent-death signal; report them as killed so they are restarted.
-        for pid in sorted(self._children):
-            self._exits.append(Exit(pid, -signal.SIGKILL))
-        self._children.clear()
-
-    def spawn(self, spec: ChildSpec) -> int:
-        """Ask the helper to fork a child running ``plugvisor <args>``."""
-        if self._proc is None or self._channel is None:
-            self._start_server()
-        assert self._proc is not None
-        assert self._proc.stdin is not None
-        assert self._channel is not None
-        self._next_id += 1
-        request = {"op": "spawn", "id": self._next_id, "args": list(spec.args), "env": self._env}
-        try:
-            self._proc.stdin.write(json.dumps(request).encode() + b"\n")
-            self._proc.stdin.flush()
-        except OSError as exc:
-            self._server_lost()
-            raise SpawnError(f"the fork server is gone: {exc}") from exc
-        reply = self._await(self._channel, "spawned", time.monotonic() + 10.0, self._next_id)
-        if self._channel.closed:
-            self._server_lost()
-        if reply is None:
-            raise SpawnError("the fork server did not answer within 10 s")
-        if reply.get("error"):
-            raise SpawnError(str(reply["error"]))
-        pid = int(reply["pid"])
-        self._children.add(pid)
-        return pid
+    def _collect(self) -> None:
+        for exit_ in self._reaper.collect():
+            if exit_.pid in self._children:
+                self._children.discard(exit_.pid)
+                self._exits.append(exit_)
+            else:
+                self._reaper.keep_unclaimed(exit_)
 
     def kill(self, pid: int, sig: int) -> None:
-        """Signal the child's process group (the supervisor may signal its grandchildren: same user)."""
+        """Signal the child's process group (it is our own child)."""
         if pid in self._children:
             _signal_group(pid, sig)
 
     def reap(self) -> list[Exit]:
-        """The exits the helper reported."""
-        if self._channel is not None:
-            self._on_readable_quiet()
+        """The exits of our children since the last call."""
+        self._collect()
         exits, self._exits = self._exits, []
         return exits
 
-    def _on_readable_quiet(self) -> None:
-        assert self._channel is not None
-        for message in self._channel.read_available():
-            if message.get("op") == "exit":
-                self._record_exit(int(message["pid"]), int(message["returncode"]))
-        if self._channel.closed:
-            self._server_lost()
-
     async def close(self) -> None:
         """Close the helper's input: it exits (children must already be stopped)."""
-        proc, channel = self._proc, self._channel
-        self._proc = self._channel = None
-        if proc is None:
+        self._closing = True
+        if self._replacement is not None:
+            self._replacement.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        with contextlib.suppress(RuntimeError, ValueError):
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGCHLD)
+        for pending in self._pending.values():
+            pending.timer.cancel()
+            pending.done(SpawnError("the agent is stopping"))
+        self._pending.clear()
+        helper, self._helper = self._helper, None
+        if helper is None:
             return
-        if channel is not None:
-            with contextlib.suppress(RuntimeError, ValueError):
-                asyncio.get_running_loop().remove_reader(channel.fd)
-        with contextlib.suppress(OSError):
-            assert proc.stdin is not None
-            proc.stdin.close()
+        if helper.started is not None and not helper.started.done():
+            helper.started.cancel()
+        with contextlib.suppress(RuntimeError, ValueError, OSError):
+            asyncio.get_running_loop().remove_reader(helper.channel.fd)
+        if helper.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                helper.proc.stdin.close()
         deadline = time.monotonic() + 2.0
-        # Polled: waiting in a thread would make the process threaded, and the exec spawner's
-        # preexec_fn must never run in a threaded process.
-        while proc.poll() is None and time.monotonic() < deadline:  # noqa: ASYNC110
+        while not _ended(helper.proc):
+            self._reaper.collect()
+            if _ended(helper.proc):
+                break
+            if time.monotonic() > deadline:
+                with contextlib.suppress(OSError):
+                    helper.proc.kill()
+                deadline = time.monotonic() + 2.0
             await asyncio.sleep(0.01)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+        helper.close_pipes()
 
 
 @dataclass
 class FakeSpawner:
     """A spawner for tests: records every call; exits are injected with :meth:`exit`.
 
-    ``fail_next`` makes the next spawns raise :class:`SpawnError` with those messages.
+    ``fail_next`` makes the next spawns fail with those messages. Spawns answer
+    before returning, unless ``deferred``: then they wait in ``waiting`` until
+    :meth:`answer` (a fork server that is slow or being replaced).
     """
 
     next_pid: int = 100
@@ -389,6 +597,8 @@ class FakeSpawner:
     signals: list[tuple[int, int]] = field(default_factory=list)
     alive: set[int] = field(default_factory=set)
     fail_next: list[str] = field(default_factory=list)
+    deferred: bool = False
+    waiting: list[tuple[ChildSpec, SpawnDone]] = field(default_factory=list)
     _exits: list[Exit] = field(default_factory=list)
     _wake: Wake | None = None
 
@@ -396,14 +606,30 @@ class FakeSpawner:
         """Remember the wake callback."""
         self._wake = wake
 
-    def spawn(self, spec: ChildSpec) -> int:
-        """Hand out the next PID."""
+    def spawn(self, spec: ChildSpec, done: SpawnDone) -> None:
+        """Hand out the next PID (now, or at :meth:`answer` when ``deferred``)."""
+        if self.deferred:
+            self.waiting.append((spec, done))
+            return
+        self._answer(spec, done)
+
+    def answer(self, error: str | None = None) -> int | None:
+        """Answer the oldest waiting spawn: its PID, or ``error``; returns the PID."""
+        spec, done = self.waiting.pop(0)
+        if error is not None:
+            done(SpawnError(error))
+            return None
+        return self._answer(spec, done)
+
+    def _answer(self, spec: ChildSpec, done: SpawnDone) -> int | None:
         if self.fail_next:
-            raise SpawnError(self.fail_next.pop(0))
+            done(SpawnError(self.fail_next.pop(0)))
+            return None
         pid = self.next_pid
         self.next_pid += 1
         self.spawned.append((pid, spec))
         self.alive.add(pid)
+        done(pid)
         return pid
 
     def kill(self, pid: int, sig: int) -> None:

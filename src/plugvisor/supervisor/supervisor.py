@@ -83,9 +83,13 @@ class Supervisor:
         rand: Callable[[], float] = random.random,
         on_child_exit: Callable[[int], None] | None = None,
         socket_exists: Callable[[str], bool] | None = None,
+        remove_socket: Callable[[str], bool] | None = None,
     ) -> None:
         self.config = config
         self._socket_exists = socket_exists or (lambda name: (self.config.kubelet_dir / name).exists())
+        self._remove_socket = remove_socket or (
+            lambda name: remove_dead_socket(self.config.kubelet_dir / name)
+        )
         self.spawner = spawner
         self.clock = clock
         self._rand = rand
@@ -198,8 +202,13 @@ class Supervisor:
             self._on_child_exit(pid)
         child = self._by_pid(pid)
         if child is not None:
+            endpoint = child.endpoint
             child.on_exit(returncode)
             self.dirty = True
+            # A process that died without stopping its server (SIGKILL, OOM) leaves its socket
+            # in the kubelet's directory; the name is unique to that process, so it goes now.
+            if endpoint is not None and self._remove_socket(endpoint):
+                _log.info("dead_socket_removed", resource=child.resource, socket=endpoint)
 
     def handle_report(self, pid: int, fields: Mapping[str, str]) -> None:
         """A status datagram from process ``pid``."""
@@ -302,6 +311,17 @@ def _socket_is_live(path: Path) -> bool:
     return True
 
 
+def remove_dead_socket(path: Path) -> bool:
+    """Delete the unix socket at ``path`` unless a live process serves it; returns whether it did."""
+    try:
+        if not stat.S_ISSOCK(path.lstat().st_mode) or _socket_is_live(path):
+            return False
+        path.unlink()
+    except OSError:
+        return False
+    return True
+
+
 def remove_stale_sockets(kubelet_dir: Path) -> list[str]:
     """Delete ``plugvisor-*.sock`` files in the kubelet dir that no live process serves.
 
@@ -310,15 +330,10 @@ def remove_stale_sockets(kubelet_dir: Path) -> list[str]:
     Sockets that answer belong to a live plugin (another agent's) and are kept.
     """
     removed = []
-    with contextlib.suppress(FileNotFoundError):
+    with contextlib.suppress(OSError):
         for path in sorted(kubelet_dir.glob(f"{SOCKET_PREFIX}*{SOCKET_SUFFIX}")):
-            try:
-                if not stat.S_ISSOCK(path.lstat().st_mode) or _socket_is_live(path):
-                    continue
-                path.unlink()
-            except OSError:
-                continue
-            removed.append(path.name)
+            if remove_dead_socket(path):
+                removed.append(path.name)
     return removed
 
 

@@ -337,3 +337,72 @@ class TestSnapshot:
         assert child["restarts"] == 1
         assert child["last_exit"]["cause"] == "crash"
         assert child["devices"] == {"healthy": 7, "total": 8}
+
+
+class TestSpawnsInFlight:
+    """A spawn answers later when the fork server is slow or being replaced; nothing waits for it."""
+
+    def test_a_child_is_starting_without_a_pid_until_the_answer_comes(self, make_supervisor, spawner):
+        """STARTING at once; the PID arrives with the answer."""
+        spawner.deferred = True
+        supervisor = make_supervisor(GPU)
+        child = supervisor.children[GPU]
+        assert child.state is states.STARTING
+        assert child.pid is None
+        pid = spawner.answer()
+        assert child.pid == pid
+        assert child.state is states.STARTING
+
+    def test_a_stop_during_the_spawn_stops_the_process_as_soon_as_it_exists(self, make_supervisor, spawner):
+        """SIGTERM goes to the new PID on arrival; its exit ends in STOPPED."""
+        spawner.deferred = True
+        supervisor = make_supervisor(GPU)
+        supervisor.stop()
+        child = supervisor.children[GPU]
+        assert child.state is states.STOPPING
+        assert child.next_deadline() is None, "no SIGKILL deadline can run out for a process not yet there"
+        pid = spawner.answer()
+        assert spawner.signals == [(pid, signal.SIGTERM)]
+        spawner.exit(pid, 0)
+        for exit_ in spawner.reap():
+            supervisor.handle_exit(exit_.pid, exit_.returncode)
+        assert child.state is states.STOPPED
+        assert supervisor.stopped
+
+    def test_a_failed_spawn_during_a_stop_ends_in_stopped(self, make_supervisor, spawner):
+        """No process, no stop to wait for."""
+        spawner.deferred = True
+        supervisor = make_supervisor(GPU)
+        supervisor.stop()
+        spawner.answer(error="the agent is stopping")
+        assert supervisor.children[GPU].state is states.STOPPED
+
+    def test_a_restart_during_the_spawn_replaces_the_process_once(self, make_supervisor, spawner):
+        """The first process is stopped on arrival, the second started when it has exited."""
+        spawner.deferred = True
+        supervisor = make_supervisor(GPU)
+        child = supervisor.children[GPU]
+        child.restart("reload")
+        first = spawner.answer()
+        assert spawner.signals == [(first, signal.SIGTERM)]
+        spawner.exit(first, -signal.SIGTERM)
+        for exit_ in spawner.reap():
+            supervisor.handle_exit(exit_.pid, exit_.returncode)
+        second = spawner.answer()
+        assert child.pid == second != first
+        assert child.state is states.STARTING
+        assert child.restarts == {"reload": 1}
+
+    def test_a_failed_spawn_backs_off_like_a_crash(self, make_supervisor, spawner, clock):
+        """spawn-error: counted, backed off, retried when the delay is over."""
+        spawner.deferred = True
+        supervisor = make_supervisor(GPU)
+        spawner.answer(error="fork failed: EAGAIN")
+        child = supervisor.children[GPU]
+        assert child.state is states.BACKOFF
+        assert child.restarts == {"spawn-error": 1}
+        assert child.spawn_error == "fork failed: EAGAIN"
+        clock.advance(1.0)
+        supervisor.tick()
+        assert child.state is states.STARTING
+        assert len(spawner.waiting) == 1

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import grpc
 
-from plugvisor.api import constants
 from plugvisor.api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from plugvisor.common import constants
 from plugvisor.emulators.kubelet.registration import cleanup_plugin_directory
 
 

@@ -1,0 +1,110 @@
+"""The fork server is a helper, not a point of failure: killing it takes no resource down.
+
+Plugins are the supervisor's own children (it is a child subreaper and the fork
+server forks through an intermediate that exits at once), so they outlive the fork
+server, and the supervisor reaps them and knows how each one ended.
+"""
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+from .conftest import EXPECTED, SERIAL, processes_of, registered_all
+
+
+def running_registered(children):
+    return len(children) == 3 and all(c["state"] == "RUNNING" and c["registered"] for c in children.values())
+
+
+def fork_server_of(node) -> int:
+    found = [
+        pid for pid in processes_of(node) if Path(f"/proc/{pid}/comm").read_text().strip() == "pv-forkserver"
+    ]
+    assert len(found) == 1, found
+    return found[0]
+
+
+async def replaced_fork_server(node, old: int) -> int:
+    for _ in range(500):
+        found = [
+            pid
+            for pid in processes_of(node)
+            if pid != old and Path(f"/proc/{pid}/comm").read_text().strip() == "pv-forkserver"
+        ]
+        if found:
+            return found[0]
+        await asyncio.sleep(0.02)
+    raise AssertionError("no new fork server was started")
+
+
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+async def test_killing_the_fork_server_takes_no_resource_down(node, kubelet, agents):
+    """SIGKILL of the fork server, three times: no deregistration, no new PID, no failure counted."""
+    node.write_config()
+    agent = await agents()
+    await agent.wait_state(running_registered)
+    await kubelet.wait_for(registered_all(EXPECTED))
+    before = agent.children()
+    pids = {name: child["pid"] for name, child in before.items()}
+    assert all(parent_of(pid) == agent.pid for pid in pids.values()), (
+        "plugins must be the supervisor's children"
+    )
+    registrations = len(kubelet.registrations)
+    endpoints = {name: kubelet.resource(name).endpoint for name in EXPECTED}
+    server = fork_server_of(node)
+    for _ in range(3):
+        os.kill(server, signal.SIGKILL)
+        for _ in range(25):  # watch for half a second: every resource stays registered throughout
+            assert registered_all(EXPECTED)(kubelet)
+            await asyncio.sleep(0.02)
+        server = await replaced_fork_server(node, server)
+    children = agent.children()
+    assert {name: child["pid"] for name, child in children.items()} == pids
+    assert all(child["restarts"] == 0 and child["failures"] == 0 for child in children.values())
+    assert len(kubelet.registrations) == registrations
+    assert {name: kubelet.resource(name).endpoint for name in EXPECTED} == endpoints
+    assert "forkserver_lost" in agent.log()
+
+
+async def test_after_the_fork_server_died_the_next_crash_is_still_restarted(node, kubelet, agents):
+    """A new fork server is started for the next spawn: a killed child comes back, once."""
+    node.write_config()
+    agent = await agents()
+    await agent.wait_state(running_registered)
+    await kubelet.wait_for(registered_all(EXPECTED))
+    old_server = fork_server_of(node)
+    os.kill(old_server, signal.SIGKILL)
+    before = agent.children()
+    endpoint = kubelet.resource(SERIAL).endpoint
+    os.kill(before[SERIAL]["pid"], signal.SIGKILL)
+    await kubelet.wait_for(
+        lambda k: k.resource(SERIAL).registered and k.resource(SERIAL).endpoint != endpoint, timeout=20
+    )
+    await agent.wait_state(lambda c: running_registered(c) and c[SERIAL]["pid"] != before[SERIAL]["pid"])
+    after = agent.children()
+    assert after[SERIAL]["restarts_by_cause"] == {"killed": 1}
+    assert fork_server_of(node) != old_server
+    assert parent_of(after[SERIAL]["pid"]) == agent.pid
+    assert await agent.stop() == 0
+
+
+async def test_a_killed_childs_socket_is_removed_when_it_is_reaped(node, kubelet, agents):
+    """SIGKILL leaves the socket file behind; the supervisor removes it, and only it."""
+    node.write_config()
+    agent = await agents()
+    await agent.wait_state(running_registered)
+    await kubelet.wait_for(registered_all(EXPECTED))
+    children = agent.children()
+    socket_name = children[SERIAL]["endpoint"]
+    others = {children[name]["endpoint"] for name in children if name != SERIAL}
+    assert {socket_name, *others} == set(node.sockets())
+    os.kill(children[SERIAL]["pid"], signal.SIGKILL)
+    await agent.wait_state(lambda c: running_registered(c) and c[SERIAL]["pid"] != children[SERIAL]["pid"])
+    assert socket_name not in node.sockets()
+    assert others < set(node.sockets()), "the live children's sockets must stay"
+    assert "dead_socket_removed" in agent.log()
+    assert await agent.stop() == 0
