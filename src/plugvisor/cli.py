@@ -7,6 +7,15 @@ expected), 1 anything else.
 
 from __future__ import annotations
 
+import sys
+
+if sys.argv[1:2] == ["run"]:
+    # First of all: the agent must stop cleanly even when told to while it is still
+    # importing (see plugvisor.supervisor.signals, which imports nothing heavy).
+    from plugvisor.supervisor import signals
+
+    signals.install()
+
 import importlib
 from typing import Any, Final
 

@@ -12,9 +12,12 @@ Label cardinality is bounded: resource names and the five RPC names, status code
 
 from __future__ import annotations
 
+import contextlib
+import os
+from pathlib import Path
 from typing import Final
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram, values
 
 RPC_BUCKETS: Final = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1.0, 10.0, 30.0)
 
@@ -45,3 +48,43 @@ PLUGIN_REGISTRATIONS: Final = Counter(
     "Successful Register calls made by this plugin process (1 + one per kubelet restart).",
     ["resource"],
 )
+
+
+MULTIPROCESS_FILE_BYTES: Final = 128 * 1024
+"""Reserved per value file: far more than this process's label sets ever fill (about 16 KiB)."""
+_MULTIPROCESS_PREFIXES: Final = ("counter", "histogram", "gauge_livesum")
+
+
+def reserve_multiprocess_files(pid: int | None = None) -> str | None:
+    """Allocate this process's metric files now, or fall back to process-local metrics.
+
+    prometheus-client writes multiprocess values through ``mmap`` into sparse
+    files; on a full file system the first write to a page that has no block
+    yet kills the process with SIGBUS. Allocating the files' blocks up front
+    (``posix_fallocate``) turns that into an ``ENOSPC`` here, at start, where it
+    is handled: this process then keeps its metrics to itself (the agent's
+    ``/metrics`` lacks them until it restarts) and serves its devices as ever.
+    Returns the reason when it fell back, None otherwise.
+    """
+    directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if not directory:
+        return None
+    pid = os.getpid() if pid is None else pid
+    created: list[Path] = []
+    try:
+        for prefix in _MULTIPROCESS_PREFIXES:
+            path = Path(directory) / f"{prefix}_{pid}.db"
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            created.append(path)
+            try:
+                if os.fstat(fd).st_size < MULTIPROCESS_FILE_BYTES:
+                    os.posix_fallocate(fd, 0, MULTIPROCESS_FILE_BYTES)
+            finally:
+                os.close(fd)
+    except OSError as exc:
+        for path in created:
+            with contextlib.suppress(OSError):
+                path.unlink()
+        values.ValueClass = values.MutexValue
+        return f"{exc.strerror or exc} in {directory}"
+    return None

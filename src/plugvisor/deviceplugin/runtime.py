@@ -259,6 +259,9 @@ def run_plugin(
     restarted and ``on_kubelet_restart="exit"``, 1 for anything else.
     """
     log = structlog.get_logger("plugvisor.plugin").bind(resource=config.resource)
+    fallback = metrics.reserve_multiprocess_files()
+    if fallback is not None:
+        log.warning("metrics_kept_local", reason=fallback, note="serving devices as ever")
 
     async def main() -> None:
         stop = asyncio.Event()

@@ -18,6 +18,9 @@ Restart causes (the ``cause`` label of the restart metric):
   restarts the child itself. Immediate, never counted as a failure.
 - ``reload``: SIGHUP changed this child's configuration. Immediate.
 - ``spawn-error``: the process could not even be created. Backs off.
+- ``unregistered``: the process stayed unregistered for ``registrationTimeout``
+  while the kubelet was up; whatever it waits for, a new process starts clean.
+  Immediate.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ CAUSE_CONFIG: Final = "config"
 CAUSE_KUBELET_RESTART: Final = "kubelet-restart"
 CAUSE_RELOAD: Final = "reload"
 CAUSE_SPAWN_ERROR: Final = "spawn-error"
+CAUSE_UNREGISTERED: Final = "unregistered"
 CAUSES: Final = (
     CAUSE_CRASH,
     CAUSE_KILLED,
@@ -54,6 +58,7 @@ CAUSES: Final = (
     CAUSE_KUBELET_RESTART,
     CAUSE_RELOAD,
     CAUSE_SPAWN_ERROR,
+    CAUSE_UNREGISTERED,
 )
 
 StateListener = Callable[["Child", states.ChildState, states.ChildState], None]
@@ -133,6 +138,7 @@ class Child:
         self._cancel_spawn = False
         self._attempt = 0
         self.registered = False
+        self.unregistered_since: float | None = None
         self.registered_wall: float | None = None
         self.registrations = 0
         self.registrations_total = 0
@@ -243,13 +249,14 @@ class Child:
                 self.devices = (int(healthy), int(total))
         if "ENDPOINT" in fields:
             self.endpoint = fields["ENDPOINT"]
-        if "KUBELET_RESTART" in fields:
-            self.registered = False
+        if "KUBELET_RESTART" in fields and self.registered:
+            self._lose_registration()
         registered = fields.get("REGISTERED")
         if registered is not None and registered.isdigit():
             self.registrations = int(registered)
             self.registrations_total += 1
             self.registered = True
+            self.unregistered_since = None
             self.registered_wall = self._clock.wall()
             if self.state is states.STARTING:
                 self.change_state(states.RUNNING)
@@ -266,7 +273,7 @@ class Child:
             return False
         if kubelet_wall is not None and self.registered_wall >= kubelet_wall:
             return False
-        self.registered = False
+        self._lose_registration()
         if restart:
             self.restart(CAUSE_KUBELET_RESTART)
         return True
@@ -275,10 +282,27 @@ class Child:
         """A socket was deleted from the kubelet dir; if it was this process's own, treat as a restart."""
         if self.state is not states.RUNNING or name != self.endpoint:
             return False
-        self.registered = False
+        self._lose_registration()
         if restart:
             self.restart(CAUSE_KUBELET_RESTART)
         return True
+
+    def _lose_registration(self) -> None:
+        if self.registered:
+            self.unregistered_since = self._clock.monotonic()
+        self.registered = False
+
+    def registration_overdue(self, *, kubelet_up_since: float, timeout: float) -> float | None:
+        """When this process will have been unregistered for too long with the kubelet up (monotonic).
+
+        None when it is registered or has no process to blame (yet).
+        """
+        if self.state not in (states.STARTING, states.RUNNING) or self.registered or self.pid is None:
+            return None
+        since = self.unregistered_since if self.unregistered_since is not None else self.started_at
+        if since is None:
+            return None
+        return max(since, kubelet_up_since) + timeout
 
     # -- time ------------------------------------------------------------------------------
 
@@ -432,6 +456,7 @@ class Child:
         self.started_at = None
         self.started_wall = None
         self.registered = False
+        self.unregistered_since = None
         self.registered_wall = None
         self.registrations = 0
         self.endpoint = None

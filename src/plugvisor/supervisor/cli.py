@@ -18,6 +18,7 @@ import click
 
 from plugvisor.common.exitcodes import EXIT_FAILURE, EXIT_USAGE
 from plugvisor.common.logs import configure_logging, log_options
+from plugvisor.supervisor import signals
 from plugvisor.supervisor import status as status_
 from plugvisor.supervisor.config import DEFAULT_RUNTIME_DIR, RUNTIME_DIR_ENV, ConfigError, load_config
 
@@ -41,6 +42,7 @@ def run_command(*, config_path: Path, log_level: str, log_format: str) -> None:
     rejected and the running set kept). Under systemd (Type=notify) readiness is
     announced once every resource is registered.
     """
+    signals.install()  # before anything slow: a stop from now on is a clean stop
     # Imported when run: `plugvisor status` and `export` need neither the agent nor prometheus-client.
     from plugvisor.supervisor.supervisor import run_agent  # noqa: PLC0415
 

@@ -109,6 +109,8 @@ class SupervisorConfig(_Model):
         default="restart", alias="onKubeletRestart"
     )
     stop_timeout: Annotated[float, pydantic.Field(gt=0, le=300, alias="stopTimeout")] = 5.0
+    registration_timeout: Annotated[float, pydantic.Field(gt=0, le=3600, alias="registrationTimeout")] = 30.0
+    """A child still unregistered this long after the kubelet came up (or it started) is restarted."""
     runtime_dir: Path | None = pydantic.Field(default=None, alias="runtimeDir")
     restart: RestartConfig = RestartConfig()
 

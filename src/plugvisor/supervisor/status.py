@@ -12,6 +12,7 @@ from the start times, so the file need not be rewritten as time passes.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import time
@@ -78,9 +79,15 @@ def write_state(runtime_dir: Path, document: dict[str, Any]) -> None:
     """Replace the state file atomically (readers never see half a file)."""
     target = runtime_dir / STATE_FILE
     temporary = runtime_dir / f".{STATE_FILE}.{os.getpid()}"
-    temporary.write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")
-    temporary.chmod(0o644)
-    temporary.replace(target)
+    try:
+        temporary.write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")
+        temporary.chmod(0o644)
+        temporary.replace(target)
+    except OSError:
+        # A half-written temporary file (a full disk) must not linger and hold the space.
+        with contextlib.suppress(OSError):
+            temporary.unlink()
+        raise
 
 
 def remove_state(runtime_dir: Path) -> None:
@@ -89,14 +96,28 @@ def remove_state(runtime_dir: Path) -> None:
         (runtime_dir / STATE_FILE).unlink()
 
 
-def _alive(pid: int) -> bool:
+def agent_holds_lock(runtime_dir: Path, pid: int) -> bool:
+    """Whether a live agent with ``pid`` owns ``runtime_dir``.
+
+    A PID alone proves nothing: after a reboot or a crash any process may have it.
+    The agent holds an exclusive lock on ``supervisor.pid`` for its whole life and
+    wrote its PID into it; a shared lock we can take means nobody holds that one.
+    (The agent retries its own lock for a moment, so this brief probe never makes
+    a starting agent fail.)
+    """
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with (runtime_dir / PID_FILE).open() as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                locked = True
+            else:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+                locked = False
+            recorded = handle.read(64).strip()
+    except OSError:
         return False
-    except PermissionError:
-        return True
-    return True
+    return locked and recorded == str(pid)
 
 
 def read_state(runtime_dir: Path, *, now: float | None = None) -> dict[str, Any]:
@@ -116,8 +137,8 @@ def read_state(runtime_dir: Path, *, now: float | None = None) -> dict[str, Any]
     if problem is not None:
         raise BadStateError(f"{path} is not a plugvisor agent state file: {problem}")
     pid = document.get("supervisor", {}).get("pid")
-    if not isinstance(pid, int) or not _alive(pid):
-        raise NoAgentError(f"{path} is stale: supervisor PID {pid} is not running")
+    if not isinstance(pid, int) or not agent_holds_lock(runtime_dir, pid):
+        raise NoAgentError(f"{path} is stale: no agent with PID {pid} holds {runtime_dir / PID_FILE}")
     now = time.time() if now is None else now
     supervisor = document["supervisor"]
     if isinstance(supervisor.get("started_at"), int | float):

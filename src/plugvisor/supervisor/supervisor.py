@@ -25,18 +25,20 @@ import shutil
 import signal
 import socket
 import stat
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any, Final
 
 import structlog
 
+from plugvisor.common.constants import KUBELET_SOCKET_NAME
 from plugvisor.common.notify import STATUS_SOCKET_ENV
 from plugvisor.common.sockets import SOCKET_PREFIX, SOCKET_SUFFIX
-from plugvisor.supervisor import states
+from plugvisor.supervisor import signals, states
 from plugvisor.supervisor import status as status_
 from plugvisor.supervisor.backoff import BackoffPolicy
-from plugvisor.supervisor.child import CAUSE_RELOAD, Child
+from plugvisor.supervisor.child import CAUSE_RELOAD, CAUSE_UNREGISTERED, Child
 from plugvisor.supervisor.clock import Clock, SystemClock
 from plugvisor.supervisor.config import (
     ChildSpec,
@@ -99,6 +101,8 @@ class Supervisor:
         self.children: dict[str, Child] = {}
         self.retiring: list[Child] = []
         self.kubelet_restarts = 0
+        self.kubelet_up_since = clock.monotonic()
+        self._lost: set[str] = set()
         self.started_wall = clock.wall()
         self.stopping = False
         self.dirty = True
@@ -224,6 +228,7 @@ class Supervisor:
             # we knew the socket was this child's.
             _log.info("registration_outdated", resource=child.resource, socket=endpoint)
             child.on_socket_deleted(endpoint, restart=self.restart_on_kubelet_restart)
+            self._lost.add(child.resource)
 
     @property
     def restart_on_kubelet_restart(self) -> bool:
@@ -233,12 +238,21 @@ class Supervisor:
     def handle_kubelet_started(self, kubelet_wall: float | None) -> None:
         """``kubelet.sock`` was created: every child registered before it must register again."""
         self.kubelet_restarts += 1
-        affected = [
+        self.kubelet_up_since = self.clock.monotonic()
+        affected = {
             child.resource
             for child in self.children.values()
             if child.on_kubelet_restart(kubelet_wall=kubelet_wall, restart=self.restart_on_kubelet_restart)
-        ]
-        _log.info("kubelet_restart", affected=affected, policy=self.config.supervisor.on_kubelet_restart)
+        }
+        # Children whose socket the starting kubelet deleted lost their registration to this
+        # restart too, although that was noticed (and acted on) a moment before.
+        affected |= self._lost
+        self._lost = set()
+        _log.info(
+            "kubelet_restart",
+            affected=sorted(affected),
+            policy=self.config.supervisor.on_kubelet_restart,
+        )
         self.dirty = True
 
     def handle_socket_deleted(self, name: str) -> None:
@@ -246,6 +260,7 @@ class Supervisor:
         for child in self.children.values():
             if child.on_socket_deleted(name, restart=self.restart_on_kubelet_restart):
                 _log.info("child_socket_deleted", resource=child.resource, socket=name)
+                self._lost.add(child.resource)
                 self.dirty = True
 
     def tick(self) -> float | None:
@@ -254,7 +269,41 @@ class Supervisor:
             child.transition()
         self.retiring = [child for child in self.retiring if child.state is not states.STOPPED]
         deadlines = [d for d in (child.next_deadline() for child in self.all_children()) if d is not None]
+        overdue = self._restart_unregistered()
+        if overdue is not None:
+            deadlines.append(overdue)
         return min(deadlines) if deadlines else None
+
+    def _restart_unregistered(self) -> float | None:
+        """The safety net behind every child's own restart handling; returns the next such deadline.
+
+        A child that stays unregistered for ``registrationTimeout`` while the kubelet
+        is up has missed something (a restart it never saw, a call that hangs):
+        whatever it waits for, a new process starts clean. With no kubelet there is
+        nothing to register with, and nothing to blame the child for.
+        """
+        if self.stopping or not self._socket_exists(KUBELET_SOCKET_NAME):
+            return None
+        now = self.clock.monotonic()
+        timeout = self.config.supervisor.registration_timeout
+        upcoming = []
+        for child in self.children.values():
+            due = child.registration_overdue(kubelet_up_since=self.kubelet_up_since, timeout=timeout)
+            if due is None:
+                continue
+            if now >= due:
+                _log.warning(
+                    "child_unregistered_too_long",
+                    resource=child.resource,
+                    pid=child.pid,
+                    seconds=timeout,
+                    action="restart",
+                )
+                child.restart(CAUSE_UNREGISTERED)
+                self.dirty = True
+            else:
+                upcoming.append(due)
+        return min(upcoming) if upcoming else None
 
     # -- reporting -----------------------------------------------------------------------
 
@@ -347,13 +396,21 @@ class RuntimeDirLock:
     def acquire(self) -> None:
         """Lock, or raise RuntimeError naming the agent that holds the lock."""
         handle = self.path.open("a+")
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "unknown"
-            handle.close()
-            raise RuntimeError(f"another plugvisor agent (pid {holder}) uses {self.path.parent}") from None
+        # `plugvisor status` probes the lock with a shared one for an instant: try for a
+        # moment before concluding that another agent holds it.
+        for attempt in range(50):
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if attempt == 49:
+                    handle.seek(0)
+                    holder = handle.read().strip() or "unknown"
+                    handle.close()
+                    raise RuntimeError(
+                        f"another plugvisor agent (pid {holder}) uses {self.path.parent}"
+                    ) from None
+                time.sleep(0.01)
         handle.seek(0)
         handle.truncate()
         handle.write(f"{os.getpid()}\n")
@@ -393,6 +450,7 @@ class Agent:
         self.notifier = Notifier(self._env)
         self.supervisor: Supervisor | None = None
         self.metrics_address: tuple[str, int] | None = None
+        self._state_error: str | None = None
 
     def _child_env(self, report_socket: Path, multiproc_dir: Path) -> dict[str, str]:
         env = {key: value for key, value in self._env.items() if key not in SYSTEMD_ENV}
@@ -422,6 +480,24 @@ class Agent:
 
     async def run(self) -> int:
         """Run until stopped; returns the exit code (0 after a clean stop)."""
+        loop = asyncio.get_running_loop()
+        for sig, handler in (
+            (signal.SIGTERM, self.request_stop),
+            (signal.SIGINT, self.request_stop),
+            (signal.SIGHUP, self.request_reload),
+        ):
+            loop.add_signal_handler(sig, handler)
+        early = signals.requested()
+        if early is not None:
+            _log.info("stop_requested_while_starting", signal=signal.Signals(early).name)
+            self.request_stop()
+        try:
+            return await self._run_with_runtime_dir()
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                loop.remove_signal_handler(sig)
+
+    async def _run_with_runtime_dir(self) -> int:
         runtime_dir = self.runtime_dir
         runtime_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
         lock = RuntimeDirLock(runtime_dir)
@@ -501,13 +577,6 @@ class Agent:
             if self.notifier.watchdog_interval is not None:
                 watchdog = loop.create_task(self._watchdog(self.notifier.watchdog_interval), name="watchdog")
                 cleanup.callback(watchdog.cancel)
-            for sig, handler in (
-                (signal.SIGTERM, self.request_stop),
-                (signal.SIGINT, self.request_stop),
-                (signal.SIGHUP, self.request_reload),
-            ):
-                loop.add_signal_handler(sig, handler)
-                cleanup.callback(loop.remove_signal_handler, sig)
             _log.info(
                 "supervisor_started",
                 resources=len(self.config.resources),
@@ -515,7 +584,8 @@ class Agent:
                 runtime_dir=str(runtime_dir),
                 config=str(self.config_path),
             )
-            supervisor.start()
+            if not self._stop_requested:
+                supervisor.start()
             await self._loop(supervisor, runtime_dir)
         _log.info("supervisor_stopped")
         return 0
@@ -531,8 +601,14 @@ class Agent:
         ready_sent = False
         clock = supervisor.clock
         stop_bound: float | None = None
+        state_retry = False
         while True:
             self._wake.clear()
+            if state_retry:
+                # A state file that could not be written (a full disk) is tried again on
+                # each round (at least every housekeeping interval) until it can be.
+                state_retry = False
+                supervisor.dirty = True
             if self._stop_requested and not supervisor.stopping:
                 _log.info("stopping", children=len(supervisor.all_children()))
                 self.notifier.stopping()
@@ -547,7 +623,8 @@ class Agent:
             deadline = supervisor.tick()
             if supervisor.dirty:
                 supervisor.dirty = False
-                status_.write_state(runtime_dir, supervisor.snapshot())
+                if not self._write_state(runtime_dir, supervisor):
+                    state_retry = True
                 if supervisor.ready and not ready_sent and not supervisor.stopping:
                     ready_sent = True
                     _log.info("ready", resources=len(supervisor.children))
@@ -563,6 +640,24 @@ class Agent:
                 timeout = min(timeout, max(0.0, deadline - clock.monotonic()))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
+
+    def _write_state(self, runtime_dir: Path, supervisor: Supervisor) -> bool:
+        """Best effort: a status file that cannot be written must never stop the supervising.
+
+        Logged once per distinct error, and once more when writing works again.
+        """
+        try:
+            status_.write_state(runtime_dir, supervisor.snapshot())
+        except OSError as exc:
+            error = f"{exc.strerror or exc} ({runtime_dir / status_.STATE_FILE})"
+            if error != self._state_error:
+                _log.error("state_write_failed", error=error, note="supervising goes on; retrying")
+                self._state_error = error
+            return False
+        if self._state_error is not None:
+            _log.info("state_write_recovered", file=str(runtime_dir / status_.STATE_FILE))
+            self._state_error = None
+        return True
 
     def _reload(self, supervisor: Supervisor, *, announce: bool) -> None:
         """Apply SIGHUP; ``announce``: systemd has seen READY=1, so bracket with RELOADING=1 and READY=1."""

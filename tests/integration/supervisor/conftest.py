@@ -18,7 +18,8 @@ import yaml
 
 from plugvisor.emulators.kubelet import EmulatedKubelet
 
-RUN = "from plugvisor.supervisor.cli import run_command; run_command()"
+RUN = ("-m", "plugvisor", "run")
+"""``plugvisor run``, as the installed command runs it (the module entry, not the click command alone)."""
 
 FUSE = "example.com/fuse"
 SERIAL = "example.com/serial"
@@ -95,7 +96,7 @@ class Agent:
     async def start(self) -> Agent:
         with self.log_path.open("wb") as log:
             self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-c", RUN, "--config", str(self.node.config_path), env=self.env, stderr=log
+                sys.executable, *RUN, "--config", str(self.node.config_path), env=self.env, stderr=log
             )
         return self
 
@@ -129,6 +130,22 @@ class Agent:
                     f"state did not hold within {timeout}s: {self.children()}\n{self.log()[-3000:]}"
                 )
             await asyncio.sleep(0.02)
+
+    async def wait_catching(self, sig: int, timeout: float = 30) -> None:
+        """Wait until the process has a handler for ``sig`` (its SigCgt mask says so)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                status = Path(f"/proc/{self.pid}/status").read_text()
+            except OSError:
+                status = ""
+            masks = [line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")]
+            caught = masks[0] if masks else "0"
+            if int(caught, 16) & (1 << (sig - 1)):
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the agent never caught signal {sig}")
+            await asyncio.sleep(0.001)
 
     def send(self, sig: int) -> None:
         assert self.proc is not None

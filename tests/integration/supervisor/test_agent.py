@@ -1,6 +1,7 @@
 """`plugvisor run` as a real process against the emulated kubelet: start, crashes, kubelet restarts, stops."""
 
 import asyncio
+import os
 import signal
 import socket
 import subprocess
@@ -149,7 +150,10 @@ async def test_children_die_with_a_killed_supervisor_and_the_next_one_cleans_up(
     assert await first.stop(signal.SIGKILL) == -signal.SIGKILL
     assert await wait_gone(node, timeout=3) == [], "children outlived their supervisor"
     second = await agents()
-    await second.wait_state(running_registered)
+    # The first agent's state file is still there (it was SIGKILLed): wait for the second's own.
+    await second.wait_state(
+        lambda c: running_registered(c) and (second.state() or {})["supervisor"]["pid"] == second.pid
+    )
     await kubelet.wait_for(registered_all(EXPECTED))
     assert len(node.sockets()) == 3
     assert await second.stop() == 0
@@ -266,4 +270,100 @@ async def test_the_exec_spawner_restarts_crashed_children_too(node, kubelet, age
     os.kill(first, signal.SIGKILL)
     await agent.wait_state(lambda c: c[FUSE]["registered"] and c[FUSE]["pid"] != first, timeout=20)
     assert "ExecSpawner" in agent.log()
+    assert await agent.stop() == 0
+
+
+@pytest.mark.parametrize(
+    ("anchor", "after"),
+    [("caught", 0.0), ("caught", 0.05), ("locked", 0.0), ("locked", 0.02), ("locked", 0.1), ("locked", 0.3)],
+)
+async def test_sigterm_at_any_moment_of_the_start_is_a_clean_stop(node, kubelet, agents, anchor, after):
+    """Told to stop while importing, loading, or waiting for the fork server: exit 0, nothing left.
+
+    Counted from the moment the process catches SIGTERM at all (a few milliseconds after exec,
+    before any import of substance: before that it has created nothing to leave behind), or
+    from the moment its runtime directory is locked (from then on there is something to clean).
+    """
+    node.write_config()
+    agent = await agents()
+    if anchor == "caught":
+        await agent.wait_catching(signal.SIGTERM)
+    else:
+        pid_file = node.runtime_dir / "supervisor.pid"
+        for _ in range(30_000):
+            if pid_file.exists():
+                break
+            await asyncio.sleep(0.001)
+    await asyncio.sleep(after)
+    assert await agent.stop(signal.SIGTERM) == 0, agent.log()[-2000:]
+    assert await wait_gone(node, timeout=3) == []
+    assert node.sockets() == []
+    leftovers = sorted(p.name for p in node.runtime_dir.iterdir()) if node.runtime_dir.exists() else []
+    assert leftovers == [], leftovers
+
+
+@pytest.fixture
+def full_disk_runtime_dir(node):
+    """The runtime directory on its own small tmpfs, so that the test can fill it (needs root)."""
+    node.runtime_dir.mkdir(parents=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(node.runtime_dir)],
+        capture_output=True,
+        check=False,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs to fill (needs root): {mounted.stderr.decode().strip()}")
+    yield node.runtime_dir
+    subprocess.run(["umount", "-l", str(node.runtime_dir)], check=False)
+
+
+def fill(directory) -> None:
+    """Write until the file system says ENOSPC, in ever smaller pieces."""
+    fd = os.open(directory / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        for size in (65536, 4096, 512, 1):
+            try:
+                while True:
+                    os.write(fd, b"\0" * size)
+            except OSError:
+                continue
+    finally:
+        os.close(fd)
+
+
+async def test_a_full_runtime_directory_does_not_stop_the_supervising(
+    node, kubelet, agents, full_disk_runtime_dir
+):
+    """State and metrics files are best effort: with no space left, killed children still come back."""
+    node.write_config()
+    agent = await agents()
+    await agent.wait_state(running_registered)
+    await kubelet.wait_for(registered_all(EXPECTED))
+    before = agent.children()
+    for victim in (SERIAL, FUSE):
+        fill(full_disk_runtime_dir)  # again: a dead child's metric files free some space
+        endpoint = kubelet.resource(victim).endpoint
+        os.kill(before[victim]["pid"], signal.SIGKILL)
+        try:
+            await kubelet.wait_for(
+                lambda k, v=victim, e=endpoint: k.resource(v).registered and k.resource(v).endpoint != e,
+                timeout=20,
+            )
+        except TimeoutError as exc:
+            raise AssertionError(agent.log()[-6000:]) from exc
+    await kubelet.wait_for(registered_all(EXPECTED))
+    agent.send(signal.SIGHUP)
+    await asyncio.sleep(0.5)
+    assert agent.proc.returncode is None, agent.log()[-3000:]
+    assert "state_write_failed" in agent.log()
+    assert "metrics_kept_local" in agent.log()
+    (full_disk_runtime_dir / "filler").unlink()
+    await agent.wait_state(
+        lambda c: (
+            running_registered(c)
+            and c[SERIAL]["pid"] != before[SERIAL]["pid"]
+            and c[FUSE]["pid"] != before[FUSE]["pid"]
+        )
+    )
+    assert "state_write_recovered" in agent.log()
     assert await agent.stop() == 0

@@ -10,10 +10,20 @@ from click.testing import CliRunner
 from plugvisor.supervisor import status as status_
 from plugvisor.supervisor.cli import export_group, status_command
 from plugvisor.supervisor.metrics import Metrics
+from plugvisor.supervisor.supervisor import RuntimeDirLock
 from plugvisor.supervisor.supervisord import export_supervisord, program_name
 from plugvisor.supervisor.systemd import Notifier
 
 from .conftest import node_config
+
+
+@pytest.fixture
+def agent_lock(tmp_path):
+    """Hold the runtime directory's lock as a live agent does (with this process's PID)."""
+    lock = RuntimeDirLock(tmp_path)
+    lock.acquire()
+    yield
+    lock.release()
 
 
 @pytest.fixture
@@ -25,7 +35,9 @@ def running(make_supervisor):
 
 
 class TestStatusCommand:
-    def test_it_shows_each_child_with_state_pid_uptime_restarts_and_devices(self, running, tmp_path):
+    def test_it_shows_each_child_with_state_pid_uptime_restarts_and_devices(
+        self, running, tmp_path, agent_lock
+    ):
         """The table names every resource with its state, PID, restarts, last exit and devices."""
         document = running.snapshot()
         document["supervisor"]["pid"] = os.getpid()
@@ -49,7 +61,7 @@ class TestStatusCommand:
         assert gpu[-1] == "3/4"
         assert lines[3].split()[1] == "STARTING"
 
-    def test_json_output_is_the_full_state_for_scripts(self, running, tmp_path):
+    def test_json_output_is_the_full_state_for_scripts(self, running, tmp_path, agent_lock):
         """--json prints the document with uptimes computed now."""
         document = running.snapshot()
         document["supervisor"]["pid"] = os.getpid()
@@ -68,6 +80,16 @@ class TestStatusCommand:
         document = running.snapshot()
         document["supervisor"]["pid"] = 2**22 + 1
         status_.write_state(tmp_path, document)
+        result = CliRunner().invoke(status_command, ["--runtime-dir", str(tmp_path)])
+        assert result.exit_code == 1
+        assert "is stale" in result.output
+
+    def test_a_live_process_that_merely_has_the_recorded_pid_is_not_the_agent(self, running, tmp_path):
+        """After a crash or reboot the PID may be anyone's: only the holder of the agent's lock counts."""
+        document = running.snapshot()
+        document["supervisor"]["pid"] = os.getpid()  # alive, but holds no lock
+        status_.write_state(tmp_path, document)
+        (tmp_path / status_.PID_FILE).write_text(f"{os.getpid()}\n")
         result = CliRunner().invoke(status_command, ["--runtime-dir", str(tmp_path)])
         assert result.exit_code == 1
         assert "is stale" in result.output

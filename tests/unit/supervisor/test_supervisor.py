@@ -406,3 +406,72 @@ class TestSpawnsInFlight:
         supervisor.tick()
         assert child.state is states.STARTING
         assert len(spawner.waiting) == 1
+
+
+class TestRegistrationSafetyNet:
+    """Whatever a child missed, it is not left unregistered for long while the kubelet is up."""
+
+    def test_a_child_unregistered_for_the_timeout_is_restarted(self, make_supervisor, spawner, clock):
+        """A kubelet restart the child never noticed: restarted after registrationTimeout."""
+        supervisor = make_supervisor(GPU, registrationTimeout=20)
+        registered(supervisor, GPU)
+        first = supervisor.children[GPU].pid
+        supervisor.handle_report(first, {"KUBELET_RESTART": "plugin socket deleted"})
+        assert supervisor.tick() == clock.monotonic() + 20
+        clock.advance(19)
+        supervisor.tick()
+        assert supervisor.children[GPU].pid == first
+        clock.advance(1.5)
+        supervisor.tick()
+        assert (first, signal.SIGTERM) in spawner.signals
+        crash(supervisor, spawner, GPU, returncode=-signal.SIGTERM)
+        child = supervisor.children[GPU]
+        assert child.pid != first
+        assert child.restarts == {"unregistered": 1}
+        assert child.failures == 0
+
+    def test_a_child_that_never_registers_is_restarted_too(self, make_supervisor, spawner, clock):
+        """The timeout counts from the start when there was never a registration."""
+        supervisor = make_supervisor(GPU, registrationTimeout=20)
+        clock.advance(21)
+        supervisor.tick()
+        assert spawner.signals == [(supervisor.children[GPU].pid, signal.SIGTERM)]
+
+    def test_with_no_kubelet_nobody_is_blamed(self, clock, spawner):
+        """No kubelet.sock: waiting is right, however long."""
+        supervisor = Supervisor(
+            node_config(GPU, registrationTimeout=20),
+            spawner=spawner,
+            clock=clock,
+            rand=lambda: 0.5,
+            socket_exists=lambda name: False,
+        )
+        supervisor.start()
+        clock.advance(600)
+        assert supervisor.tick() is None
+        assert spawner.signals == []
+
+    def test_the_timeout_counts_from_the_kubelets_start(self, make_supervisor, spawner, clock):
+        """A kubelet that came up late gives every child the full timeout from then on."""
+        supervisor = make_supervisor(GPU, registrationTimeout=20)
+        clock.advance(15)
+        supervisor.handle_kubelet_started(None)
+        clock.advance(15)
+        supervisor.tick()
+        assert spawner.signals == []
+
+
+class TestKubeletRestartLog:
+    def test_the_restart_names_the_children_that_lost_their_socket_first(self, make_supervisor, clock):
+        """Sockets are deleted before kubelet.sock appears: those children are the restart's affected."""
+        from structlog.testing import capture_logs
+
+        supervisor = make_supervisor(GPU, NIC)
+        registered(supervisor, GPU)
+        registered(supervisor, NIC, n=2)
+        with capture_logs() as logs:
+            supervisor.handle_socket_deleted("plugvisor-1.sock")
+            supervisor.handle_socket_deleted("plugvisor-2.sock")
+            supervisor.handle_kubelet_started(clock.wall() + 0.001)
+        restart = [entry for entry in logs if entry["event"] == "kubelet_restart"]
+        assert restart[0]["affected"] == sorted([GPU, NIC])
