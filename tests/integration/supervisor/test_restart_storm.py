@@ -21,7 +21,7 @@ from plugvisor.emulators.kubelet.crashloop import CrashLoopingKubelet
 
 from .conftest import Agent, Node
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.soak, pytest.mark.timeout(240)]
 
 RESTARTS = int(os.environ.get("PLUGVISOR_STORM_RESTARTS", "1000"))
 RESOURCE = "example.com/null"
