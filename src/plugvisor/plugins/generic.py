@@ -24,6 +24,7 @@ from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Final
 
 import pydantic
+import structlog
 
 from plugvisor.common.hostpaths import HostPaths
 from plugvisor.deviceplugin.devices import MAX_DEVICE_ID_LENGTH, Device, DeviceSpec, Mount
@@ -131,10 +132,30 @@ class GenericSource:
     paths: HostPaths
     resource: str = ""
 
+    def __post_init__(self) -> None:
+        """Warn, once per source, about each path that matches nothing yet, naming where it looked.
+
+        A typo, or a host root (a lab) without that node, would otherwise register zero devices in
+        silence. It is not an error: hot-plugged devices appear later and are picked up then.
+        """
+        log = structlog.get_logger("plugvisor.plugins.generic").bind(resource=self.resource)
+        for path in self.unmatched_paths():
+            log.warning(
+                "path_matches_nothing",
+                path=path,
+                looked_in=str(self.paths.host(path)),
+                hint="no device until a matching path appears (is hostRoot right?)",
+            )
+
     def _matches(self, spec: PathSpec) -> list[Path]:
         pattern = glob.escape(str(self.paths.root).rstrip("/")) + spec.path
         # Path.glob cannot take an absolute pattern; the root is escaped, the user's glob is not.
         return [Path(p) for p in sorted(glob.glob(pattern))]  # noqa: PTH207
+
+    def unmatched_paths(self) -> list[str]:
+        """The configured paths (or globs) that match nothing under the host root now."""
+        specs = [spec for group in self.options.resolved_groups() for spec in group.paths]
+        return [spec.path for spec in specs if not self._matches(spec)]
 
     def _host_absolute(self, local: Path) -> str:
         return "/" + str(local.relative_to(self.paths.root))

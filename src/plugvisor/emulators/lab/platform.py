@@ -4,15 +4,16 @@ These entries are written once at creation and stay for the lab's life, as they
 would on a real node across device faults: root ports and switch ports, the
 ``sys/bus/pci/drivers/<drv>`` directories (with ``module`` links, and
 ``sys/module/<mod>/drivers/pci:<drv>`` back, which is how ROCm's plugin finds
-``amdgpu``), NUMA nodes under ``sys/devices/system/node``, ``proc/devices`` and
-a ``pci.ids`` naming every device. What a kind needs node-wide (``/dev/nvidiactl``,
-the KFD CPU nodes, ``/dev/vfio/vfio``) comes from its module's ``shared()``.
+``amdgpu``), NUMA nodes under ``sys/devices/system/node``, the profile's plain
+device nodes (``deviceNodes``: ``/dev/fuse`` and the like, as virtual devices),
+``proc/devices`` and a ``pci.ids`` naming every device. What a kind needs node-wide
+(``/dev/nvidiactl``, the KFD CPU nodes, ``/dev/vfio/vfio``) comes from its module's ``shared()``.
 """
 
 from __future__ import annotations
 
 from plugvisor.emulators.lab import catalog, kinds, majors, pci
-from plugvisor.emulators.lab.spec import Dir, File, Spec, driver_dir, text
+from plugvisor.emulators.lab.spec import Dir, File, Spec, add_link, driver_dir, text, virtual_device
 from plugvisor.emulators.lab.state import DeviceState, LabState
 
 MODULES = {
@@ -63,6 +64,16 @@ def _numa(spec: Spec, state: LabState) -> None:
         spec[f"{d}/distance"] = text(distances)
 
 
+def _device_nodes(spec: Spec, state: LabState) -> dict[int, str]:
+    """Render the profile's plain device nodes; return the majors they add to ``proc/devices``."""
+    for node in state.profile.device_nodes:
+        name = node.path.rsplit("/", 1)[-1]
+        where = f"sys/devices/virtual/{node.subsystem}/{name}"
+        virtual_device(spec, where, node.major, node.minor, f"dev/{node.path}")
+        add_link(spec, f"sys/class/{node.subsystem}/{name}", where)
+    return {n.major: n.subsystem for n in state.profile.device_nodes if n.major not in majors.NAMES}
+
+
 def render(state: LabState) -> Spec:
     """Render everything that is not a device."""
     spec: Spec = {"sys/kernel/iommu_groups": Dir(), "sys/bus/pci/devices": Dir(), "sys/dev/char": Dir()}
@@ -86,7 +97,8 @@ def render(state: LabState) -> Spec:
     for driver in sorted(drivers):
         driver_dir(spec, "pci", driver, MODULES.get(driver))
     lines = ["Character devices:", "  1 mem", "  4 /dev/vc/0", "  4 tty", "  5 /dev/tty", "  5 /dev/console"]
-    lines += [f"{major:3d} {majors.NAMES[major]}" for major in sorted(used)]
+    names = {**_device_nodes(spec, state), **{major: majors.NAMES[major] for major in used}}
+    lines += [f"{major:3d} {names[major]}" for major in sorted(names)]
     lines += ["", "Block devices:", "  7 loop", "  8 sd", "259 blkext"]
     spec["proc/devices"] = File(("\n".join(lines) + "\n").encode())
     spec["usr/share/hwdata/pci.ids"] = File(catalog.pci_ids(), 0o644)

@@ -18,7 +18,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from plugvisor.emulators.lab import catalog, errors
+from plugvisor.emulators.lab import catalog, errors, majors
 
 _HEX32 = r"^[0-9a-f]{32}$"
 
@@ -76,6 +76,27 @@ class NicGroup(Placement):
     """``default`` binds VFs to the model's VF netdev driver; ``vfio-pci`` hands them to userspace."""
 
 
+_NODE_PATH = r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*(/[A-Za-z0-9_][A-Za-z0-9_.+-]*)*$"
+_LAB_OWNED_DEV = ("char/", "dri/", "vfio/", "nvidia", "kfd", "dfl-", "xclmgmt")
+"""``dev/`` names the lab's own devices write; a declared node may not take one."""
+
+
+class DeviceNodeSpec(_Strict):
+    """A plain character device node, for the ``generic`` kind: ``/dev/fuse``, ``/dev/ttyUSB0``...
+
+    The lab writes it as the kernel's devtmpfs and sysfs show such a node: ``dev/<path>`` (a real
+    node with ``--mknod``), ``sys/devices/virtual/<subsystem>/<name>`` with ``dev`` and ``uevent``,
+    and the ``sys/dev/char`` and ``dev/char`` links.
+    """
+
+    path: Annotated[str, Field(pattern=_NODE_PATH, max_length=200)]
+    """Relative to ``dev/``: ``fuse``, ``net/tun``."""
+    major: Annotated[int, Field(ge=1, le=4095)]
+    minor: Annotated[int, Field(ge=0, le=(1 << 20) - 1)]
+    subsystem: Annotated[str, Field(pattern=r"^[a-z][a-z0-9_-]*$", max_length=32)] = "misc"
+    """The class the kernel files it under (``misc`` for fuse and tun, ``tty`` for serial ports)."""
+
+
 class Profile(_Strict):
     """A whole lab."""
 
@@ -86,6 +107,8 @@ class Profile(_Strict):
     gpus: list[GpuGroup] = []
     fpgas: list[FpgaGroup] = []
     nics: list[NicGroup] = []
+    device_nodes: list[DeviceNodeSpec] = []
+    """Plain device nodes besides the PCI devices, for the ``generic`` kind."""
 
 
 def _field_name(loc: tuple[int | str, ...]) -> str:
@@ -116,9 +139,56 @@ def _cross_checks(profile: Profile) -> list[tuple[str, str]]:
             if group.numa_nodes == []:
                 problems.append((f"{section}[{i}].numaNodes", "expected at least one NUMA node"))
     problems += _model_checks(profile)
-    total = sum(g.count for _, items in groups for g in items)
+    problems += _node_checks(profile)
+    total = sum(g.count for _, items in groups for g in items) + len(profile.device_nodes)
     if total == 0:
-        problems.append(("", "the profile has no devices; expected at least one of gpus, fpgas or nics"))
+        problems.append(
+            ("", "the profile has no devices; expected at least one of gpus, fpgas, nics or deviceNodes")
+        )
+    return problems
+
+
+def _node_checks(profile: Profile) -> list[tuple[str, str]]:
+    """Return the declared device nodes that would clash with each other or with the lab's own."""
+    problems: list[tuple[str, str]] = []
+    paths: dict[str, int] = {}
+    numbers: dict[tuple[int, int], int] = {}
+    sysfs: dict[tuple[str, str], int] = {}
+    for i, node in enumerate(profile.device_nodes):
+        where = f"deviceNodes[{i}]"
+        entry = (node.subsystem, node.path.rsplit("/", 1)[-1])
+        if entry in sysfs:
+            problems.append(
+                (
+                    f"{where}.path",
+                    f"sys/class/{'/'.join(entry)} is already declared by deviceNodes[{sysfs[entry]}]",
+                )
+            )
+        sysfs.setdefault(entry, i)
+        if node.path in paths:
+            problems.append(
+                (f"{where}.path", f"{node.path!r} is already declared by deviceNodes[{paths[node.path]}]")
+            )
+        paths.setdefault(node.path, i)
+        if node.path.startswith(_LAB_OWNED_DEV):
+            problems.append(
+                (
+                    f"{where}.path",
+                    f"{node.path!r} is where the lab writes its own devices' nodes; choose another",
+                )
+            )
+        number = (node.major, node.minor)
+        if number in numbers:
+            problems.append(
+                (where, f"{node.major}:{node.minor} is already used by deviceNodes[{numbers[number]}]")
+            )
+        numbers.setdefault(number, i)
+        if node.major in majors.NAMES and node.major != majors.MISC:
+            problems.append(
+                (f"{where}.major", f"{node.major} belongs to the lab's {majors.NAMES[node.major]} devices")
+            )
+        if number == (majors.MISC, majors.VFIO_CONTAINER_MINOR):
+            problems.append((where, "10:196 is /dev/vfio/vfio, which the lab writes itself"))
     return problems
 
 

@@ -15,7 +15,7 @@
 
 # The writer works on root-relative POSIX strings (the keys of a Spec) and on directory
 # descriptors, which pathlib cannot express; os.* is the clearer (and faster) tool here.
-# ruff: noqa: PTH101, PTH103, PTH104, PTH105, PTH108, PTH112, PTH114, PTH115, PTH123, PTH208, PTH211
+# ruff: noqa: PTH101, PTH121, PTH103, PTH104, PTH105, PTH108, PTH112, PTH114, PTH115, PTH123, PTH208, PTH211
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import contextlib
 import itertools
 import os
 import posixpath
+import re
 import shutil
 import stat
 from collections.abc import Iterable, Iterator, Mapping
@@ -37,33 +38,82 @@ TOP_LEVEL = ("sys", "dev", "proc")
 """The root's directories that belong to the lab as a whole."""
 
 _SYSFS_HINTS = frozenset({"firmware", "power", "fs", "hypervisor", "block"})
-_DEVFS_HINTS = frozenset({"pts", "shm", "mqueue", "stdin", "stdout", "console", "tty"})
-_DEVFS_NODES = ("null", "zero", "full", "random", "urandom")
+_DEVFS_HINTS = frozenset({"pts", "shm", "mqueue", "hugepages", "stdin", "stdout", "stderr", "fd"})
+"""Directories (or the ``/proc/self/fd`` links) a devfs has and a lab never writes."""
 _PROCFS_HINTS = frozenset({"self", "cpuinfo", "meminfo", "uptime", "mounts"})
+_KERNEL_FILESYSTEMS = {"sysfs": "/sys", "devtmpfs": "/dev", "proc": "/proc", "devpts": "/dev"}
+"""File system types only a kernel fills; a root on one of them is the real thing, bind-mounted or not."""
 _REAL_TREES = ("/sys", "/dev", "/proc")
 _SCRATCH = "/dev/shm/"
 """A tmpfs for scratch files, inside /dev by convention only; labs may live there."""
+_MOUNTINFO = "/proc/self/mountinfo"
+_OCTAL = re.compile(r"\\([0-7]{3})")
+
+
+def _unescape(field: str) -> str:
+    r"""Undo mountinfo's octal escapes (``\040`` is a space, ``\134`` a backslash)."""
+    return _OCTAL.sub(lambda match: chr(int(match[1], 8)), field)
+
+
+def _filesystem_type(path: str) -> str | None:
+    """Return the type of the file system ``path`` is on (its longest mount point), or None if unknown."""
+    best, fstype = "", None
+    try:
+        with open(_MOUNTINFO, encoding="utf-8", errors="replace") as lines:
+            for line in lines:
+                fields = line.split()
+                if "-" not in fields:
+                    continue
+                point = _unescape(fields[4])
+                kind = fields[fields.index("-") + 1]
+                inside = path == point or path.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best):
+                    best, fstype = point, kind
+    except OSError:
+        return None
+    return fstype
+
+
+def _kernel_tree(path: str) -> str | None:
+    """Return the real tree ``path`` *is*: on a kernel file system, or the host's own directory."""
+    kernel = _KERNEL_FILESYSTEMS.get(_filesystem_type(path) or "")
+    if kernel:
+        return kernel
+    for tree in _REAL_TREES:
+        with contextlib.suppress(OSError):
+            if os.path.samefile(path, tree):
+                return tree
+    return None
+
+
+def _is_dir_or_link(path: str) -> bool:
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return False
+    return stat.S_ISDIR(mode) or stat.S_ISLNK(mode)
 
 
 def _looks_like_real(path: str) -> str | None:
-    """Return which real tree ``path`` looks like, or None.
+    """Return which real tree ``path`` is or looks like, or None.
 
-    The lab never writes ``sys/firmware``, ``dev/null`` or ``proc/self``, so
-    finding one means the directory came from a kernel (or a bind mount of one).
+    Precise on purpose: a kernel file system (sysfs, devtmpfs, devpts, procfs), the host's own
+    ``/sys``, ``/dev`` or ``/proc`` reached another way (a bind mount in a container, whose ``/dev``
+    may be a plain tmpfs), or the layout only a kernel writes (``sys/firmware``, ``dev/pts``,
+    ``proc/self``). A character device node is no sign: a lab made with ``--mknod``, or one with a
+    profile's ``deviceNodes``, holds real ones.
     """
     try:
         names = set(os.listdir(path))
     except (FileNotFoundError, NotADirectoryError):
         return None
+    kernel = _kernel_tree(path)
+    if kernel:
+        return kernel
     if "kernel" in names and "devices" in names and names & _SYSFS_HINTS:
         return "/sys"
-    if names & _DEVFS_HINTS:
+    if any(_is_dir_or_link(posixpath.join(path, name)) for name in names & _DEVFS_HINTS):
         return "/dev"
-    for name in _DEVFS_NODES:
-        if name in names:
-            with contextlib.suppress(OSError):
-                if stat.S_ISCHR(os.lstat(posixpath.join(path, name)).st_mode):
-                    return "/dev"
     if names & _PROCFS_HINTS:
         return "/proc"
     return None
