@@ -34,7 +34,9 @@ def kubectl(*args: str, check: bool = True) -> str:
 
 
 def node_resource(kind: str) -> str | None:
-    node = json.loads(kubectl("get", "nodes", "-o", "json"))["items"][0]
+    node = json.loads(kubectl("get", "nodes", "-l", "plugvisor.io/lab-profile=gpu-node", "-o", "json"))[
+        "items"
+    ][0]
     return node["status"].get(kind, {}).get(RESOURCE)
 
 
@@ -54,7 +56,7 @@ def cluster():
         sh("kind", "create", "cluster", "--config", str(REPO / "kind-config.yaml"), "--wait", "120s")
     sh("docker", "build", "-t", "plugvisor:e2e", str(REPO))
     sh("kind", "load", "docker-image", "plugvisor:e2e", "--name", CLUSTER)
-    kubectl("apply", "-f", str(REPO / "deploy/kubernetes/generic-fuse.yaml"))
+    kubectl("apply", "-k", str(REPO / "deploy/kubernetes/overlays/lab"))
     try:
         yield
     finally:
@@ -109,7 +111,7 @@ def test_a_pod_gets_the_device_node(cluster):
 
 def test_the_resource_comes_back_after_a_kubelet_restart(cluster):
     wait_until(lambda: node_resource("allocatable") == "10", 180, f"node allocatable {RESOURCE}=10")
-    sh("docker", "exec", f"{CLUSTER}-control-plane", "systemctl", "restart", "kubelet")
+    sh("docker", "exec", f"{CLUSTER}-worker", "systemctl", "restart", "kubelet")
     time.sleep(2)
     wait_until(
         lambda: node_resource("allocatable") == "10", 90, f"{RESOURCE} allocatable again after the restart"

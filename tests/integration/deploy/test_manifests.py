@@ -1,0 +1,306 @@
+"""The Kubernetes deployment: every overlay renders, validates against the Kubernetes schema, and agrees
+with its own node.yaml, with the lab overlay and with kind-config.yaml."""
+
+from __future__ import annotations
+
+import posixpath
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from plugvisor.deviceplugin.hostpaths import HostPaths
+from plugvisor.emulators.lab import Lab
+from plugvisor.plugins import kinds
+from plugvisor.supervisor.config import NodeConfig, parse_config
+
+from .conftest import KUBERNETES_VERSION, OVERLAYS, REPO, kind_config, objects, render
+
+KUBELET_DEVICE_PLUGINS = "/var/lib/kubelet/device-plugins"
+_GLOB = re.compile(r"[*?\[]")
+
+
+def test_every_kind_has_an_overlay_and_the_readme_names_each() -> None:
+    """One overlay per kind, the CDI variant and the lab; the README says which to apply for what."""
+    assert set(OVERLAYS) == {"gpu", "gpu-cdi", "nic", "fpga", "generic", "lab"}
+    readme = (REPO / "README.md").read_text()
+    for overlay in OVERLAYS:
+        assert f"overlays/{overlay}" in readme, f"README.md does not say when to apply overlays/{overlay}"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_rendered_object_is_a_valid_kubernetes_object(overlay: str) -> None:
+    """Each object `kubectl kustomize` renders passes the Kubernetes schema, unknown fields refused."""
+    docs = render(overlay)
+    assert {doc["kind"] for doc in docs} >= {"DaemonSet", "ConfigMap"}
+    for doc in docs:
+        try:
+            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            name = f"{doc['kind']}/{doc['metadata']['name']}"
+            pytest.fail(
+                f"overlays/{overlay}: {name} is not a valid Kubernetes {KUBERNETES_VERSION} object: {exc}"
+            )
+
+
+# -- one agent DaemonSet and what it mounts ---------------------------------------------------------
+
+
+def _agents(overlay: str) -> list[dict[str, Any]]:
+    return [ds for ds in objects(overlay, "DaemonSet") if ds["metadata"]["name"] != "plugvisor-lab"]
+
+
+def _agent_ids() -> list[tuple[str, str]]:
+    return [(overlay, ds["metadata"]["name"]) for overlay in OVERLAYS for ds in _agents(overlay)]
+
+
+def _daemonset(overlay: str, name: str) -> dict[str, Any]:
+    return next(ds for ds in objects(overlay, "DaemonSet") if ds["metadata"]["name"] == name)
+
+
+def _container(ds: dict[str, Any], name: str = "agent") -> dict[str, Any]:
+    return next(c for c in ds["spec"]["template"]["spec"]["containers"] if c["name"] == name)
+
+
+def _volumes(ds: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {v["name"]: v for v in ds["spec"]["template"]["spec"]["volumes"]}
+
+
+def _node_config(overlay: str, ds: dict[str, Any]) -> tuple[NodeConfig, dict[str, Any]]:
+    """The agent's node.yaml, found through its --config argument, the mount and the ConfigMap."""
+    agent = _container(ds)
+    config_path = next(a.split("=", 1)[1] for a in agent["args"] if a.startswith("--config="))
+    mount = next(m for m in agent["volumeMounts"] if m["mountPath"] == posixpath.dirname(config_path))
+    volume = _volumes(ds)[mount["name"]]
+    configmaps = {cm["metadata"]["name"]: cm for cm in objects(overlay, "ConfigMap")}
+    name = volume["configMap"]["name"]
+    assert name in configmaps, (
+        f"{ds['metadata']['name']} mounts ConfigMap {name}, which the overlay does not render"
+    )
+    text = configmaps[name]["data"][posixpath.basename(config_path)]
+    return parse_config(yaml.safe_load(text), source=f"{overlay}:{name}"), yaml.safe_load(text)
+
+
+def _needed_host_paths(config: NodeConfig) -> dict[str, bool]:
+    """Host paths each configured kind reads (False) or writes (True), from the kinds' documentation."""
+    needs: dict[str, bool] = {}
+    for resource in config.resources:
+        options = resource.options
+        if resource.kind == "gpu":
+            needs |= {"/sys": False, "/dev": False, "/proc/driver": False}
+            if options.get("cdi"):
+                needs[options.get("cdiDir", "/var/run/cdi")] = True
+        elif resource.kind == "nic":
+            needs |= {"/sys": False, "/dev": False}
+        elif resource.kind == "fpga":
+            needs |= {"/sys": True, "/dev": needs.get("/dev", False)}
+            cleanup = options.get("releaseCleanup")
+            if cleanup:
+                socket = cleanup.get("podResourcesSocket", "/var/lib/kubelet/pod-resources/kubelet.sock")
+                needs[posixpath.dirname(socket)] = False
+        elif resource.kind == "generic":
+            groups = options.get("groups") or [{"paths": options["paths"]}]
+            for group in groups:
+                for entry in group["paths"]:
+                    path = entry if isinstance(entry, str) else entry["path"]
+                    static = [p for p in PurePosixPath(path).parent.parts if not _GLOB.search(p)]
+                    needs.setdefault(str(PurePosixPath(*static)), False)
+        else:
+            pytest.fail(f"no mount rule for kind {resource.kind!r}: add one to this test")
+    return needs
+
+
+@pytest.mark.parametrize(("overlay", "name"), _agent_ids())
+def test_mounts_are_exactly_what_the_configured_kinds_read_and_write(overlay: str, name: str) -> None:
+    """Each host path a kind reads is mounted read-only at hostRoot+path, from specRoot+path on the node,
+    each path it writes read-write, and nothing else of the host is mounted under hostRoot."""
+    ds = _daemonset(overlay, name)
+    config, _ = _node_config(overlay, ds)
+    host_root, spec_root = str(config.host_root), str(config.spec_root or config.host_root)
+    volumes = _volumes(ds)
+    under_root = {
+        m["mountPath"]: m
+        for m in _container(ds)["volumeMounts"]
+        if m["mountPath"].startswith(host_root.rstrip("/") + "/") and "hostPath" in volumes[m["name"]]
+    }
+    needed = _needed_host_paths(config)
+    used: set[str] = set()
+    for path, writable in sorted(needed.items()):
+        candidates = [
+            p for p in under_root if path == p[len(host_root) :] or path.startswith(p[len(host_root) :] + "/")
+        ]
+        assert candidates, f"{name}: {path} is read by a {overlay} resource but not mounted under {host_root}"
+        mount = under_root[max(candidates, key=len)]
+        used.add(mount["mountPath"])
+        relative = mount["mountPath"][len(host_root) :]
+        assert volumes[mount["name"]]["hostPath"]["path"] == posixpath.join(
+            spec_root, relative.lstrip("/")
+        ), (
+            f"{name}: {mount['mountPath']} must come from the node's {spec_root}{relative}, "
+            "the path the kubelet is told (specRoot)"
+        )
+        assert bool(mount.get("readOnly")) is not writable, (
+            f"{name}: {mount['mountPath']} must be {'read-write' if writable else 'read-only'}"
+        )
+    assert set(under_root) == used, (
+        f"{name}: host mounts no configured kind needs: {sorted(set(under_root) - used)}"
+    )
+
+
+@pytest.mark.parametrize(("overlay", "name"), _agent_ids())
+def test_kubelet_dir_config_runtime_dir_and_probes_agree(overlay: str, name: str) -> None:
+    """kubeletDir is the kubelet's own directory, runtime dir and /tmp are writable, probes reach /metrics."""
+    ds = _daemonset(overlay, name)
+    config, raw = _node_config(overlay, ds)
+    agent, volumes = _container(ds), _volumes(ds)
+    mounts = {m["mountPath"]: m for m in agent["volumeMounts"]}
+    kubelet = mounts[str(config.kubelet_dir)]
+    assert volumes[kubelet["name"]]["hostPath"]["path"] == KUBELET_DEVICE_PLUGINS
+    assert not kubelet.get("readOnly")
+    env = {e["name"]: e["value"] for e in agent.get("env", [])}
+    runtime_dir = raw.get("supervisor", {}).get("runtimeDir") or env["PLUGVISOR_RUNTIME_DIR"]
+    for writable in (runtime_dir, "/tmp"):
+        assert "emptyDir" in volumes[mounts[writable]["name"]], (
+            f"{name}: {writable} must be a writable emptyDir"
+        )
+    assert config.metrics is not None
+    assert config.metrics.host == "0.0.0.0", "the kubelet probes the pod's address, not its loopback"
+    port = next(p for p in agent["ports"] if p["name"] == "metrics")
+    assert port["containerPort"] == config.metrics.port
+    assert agent["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert agent["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+
+
+@pytest.mark.parametrize(("overlay", "name"), _agent_ids())
+def test_the_agent_runs_with_least_privilege_as_a_node_critical_daemon(overlay: str, name: str) -> None:
+    """No capability, read-only root, no escalation; system-node-critical, tolerant, never two per node."""
+    ds = _daemonset(overlay, name)
+    pod = ds["spec"]["template"]["spec"]
+    security = _container(ds)["securityContext"]
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["allowPrivilegeEscalation"] is False
+    assert not security.get("privileged")
+    assert pod["priorityClassName"] == "system-node-critical"
+    assert {"operator": "Exists"} in pod["tolerations"]
+    assert ds["spec"]["updateStrategy"]["rollingUpdate"]["maxSurge"] == 0
+    assert pod["automountServiceAccountToken"] is False
+    resources = _container(ds)["resources"]
+    assert set(resources["requests"]) == {"cpu", "memory"}
+    assert "memory" in resources["limits"]
+    selector = dict(pod["nodeSelector"])
+    selector.pop("kubernetes.io/os", None)
+    if overlay != "generic":
+        assert selector, (
+            f"{name}: no node selector beyond the OS; the kind would run on nodes without its hardware"
+        )
+    assert all(v for v in pod["nodeSelector"].values())
+
+
+# -- the lab overlay and kind-config.yaml ---------------------------------------------------------------
+
+
+def _workers() -> list[dict[str, Any]]:
+    return [n for n in kind_config()["nodes"] if n["role"] == "worker"]
+
+
+def _schedules(ds: dict[str, Any], labels: dict[str, str]) -> bool:
+    node_labels = {"kubernetes.io/os": "linux", **labels}
+    return all(node_labels.get(k) == v for k, v in ds["spec"]["template"]["spec"]["nodeSelector"].items())
+
+
+def test_kind_config_is_a_control_plane_and_two_lab_workers() -> None:
+    """Two workers with different emulated hardware, each with its lab profile where the lab pod reads it."""
+    config = kind_config()
+    assert [n["role"] for n in config["nodes"]] == ["control-plane", "worker", "worker"]
+    lab = _daemonset("lab", "plugvisor-lab")
+    init = lab["spec"]["template"]["spec"]["initContainers"][0]
+    profile_mount = next(m for m in init["volumeMounts"] if m["name"] == "profile")
+    profile_on_node = _volumes(lab)["profile"]["hostPath"]["path"]
+    profiles = set()
+    for worker in _workers():
+        assert _schedules(lab, worker["labels"]), "the lab DaemonSet must run on every lab worker"
+        (mount,) = [m for m in worker["extraMounts"] if m["containerPath"] == profile_on_node]
+        assert (REPO / mount["hostPath"]).is_file(), (
+            f"kind-config.yaml mounts {mount['hostPath']}, which is missing"
+        )
+        profiles.add(mount["hostPath"])
+    assert len(profiles) == 2
+    assert not _schedules(lab, {}), "the control plane has no lab"
+    command = " ".join(init["command"])
+    lab_mount = next(m for m in init["volumeMounts"] if m["name"] == "lab")["mountPath"]
+    assert f"plugvisor lab create {lab_mount} --profile {profile_mount['mountPath']} --mknod" in command
+    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["MKNOD"]}
+
+
+def test_every_lab_agent_reads_the_lab_the_lab_pod_writes() -> None:
+    """The agents' specRoot is the node directory the lab is created in, so the runtime finds the nodes."""
+    lab_dir = _volumes(_daemonset("lab", "plugvisor-lab"))["lab"]["hostPath"]["path"]
+    for ds in _agents("lab"):
+        config, _ = _node_config("lab", ds)
+        assert str(config.spec_root) == lab_dir, ds["metadata"]["name"]
+
+
+@pytest.fixture(scope="module")
+def worker_labs() -> Iterator[dict[str, str]]:
+    """The lab of each kind worker, written (plainly) from the profile kind-config.yaml gives it."""
+    base = tempfile.mkdtemp(prefix="/tmp/pvdeploy-")
+    roots: dict[str, str] = {}
+    try:
+        for worker in _workers():
+            profile = next(
+                m["hostPath"] for m in worker["extraMounts"] if "lab-profile" in m["containerPath"]
+            )
+            root = f"{base}/{worker['labels']['plugvisor.io/lab-profile']}"
+            Lab.create(root, str(REPO / profile))
+            roots[worker["labels"]["plugvisor.io/lab-profile"]] = root
+        yield roots
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _devices(config: NodeConfig, root: str) -> dict[str, int]:
+    found = {}
+    for resource in config.resources:
+        kind = kinds.get_kind(resource.kind)
+        options = kind.options_model.model_validate(resource.options)
+        source = kind.build(options, HostPaths(root=Path(root)), resource=resource.name)
+        found[resource.name] = len(source.scan())
+    return found
+
+
+def test_each_kind_runs_exactly_on_the_workers_whose_lab_has_its_hardware(
+    worker_labs: dict[str, str],
+) -> None:
+    """Scheduled by the worker's labels => its resources find devices in that worker's lab; not scheduled
+    => they would find none. Every kind runs somewhere."""
+    for ds in _agents("lab"):
+        name = ds["metadata"]["name"]
+        config, _ = _node_config("lab", ds)
+        placed = []
+        for worker in _workers():
+            profile = worker["labels"]["plugvisor.io/lab-profile"]
+            found = _devices(config, worker_labs[profile])
+            if _schedules(ds, worker["labels"]):
+                placed.append(profile)
+                assert all(found.values()), f"{name} runs on the {profile} worker, whose lab gives it {found}"
+            else:
+                assert not any(found.values()), f"{name} skips the {profile} worker, whose lab has {found}"
+        assert placed, f"{name} runs on no worker of kind-config.yaml"
+
+
+def test_lab_agents_differ_from_the_kind_overlays_only_in_where_the_host_is() -> None:
+    """The lab reuses each kind overlay: same resources and kind options, only specRoot differs."""
+    for ds in _agents("lab"):
+        kind = ds["metadata"]["labels"]["plugvisor.io/kind"]
+        _, lab_raw = _node_config("lab", ds)
+        _, real_raw = _node_config(kind, _daemonset(kind, ds["metadata"]["name"]))
+        assert {k: v for k, v in lab_raw.items() if k != "specRoot"} == {
+            k: v for k, v in real_raw.items() if k != "specRoot"
+        }
