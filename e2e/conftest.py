@@ -1,27 +1,74 @@
-"""e2e tests run in a kind cluster; without docker, kind and kubectl they skip, saying which is missing."""
+"""The e2e scenarios' backend: `--backend emulated` (the default, offline, part of the README's test
+command) or `--backend kind` (`tox -e e2e`; skipped with the reason when docker or kind is missing)."""
 
-import shutil
-import subprocess
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
-CLUSTER = "plugvisor-e2e"
+from .backends import Backend, EmulatedBackend, KindBackend, Progress, kind_unavailable
+
+_ACTIVE: list[Backend] = []
 
 
-def _missing() -> str | None:
-    for tool in ("docker", "kind", "kubectl"):
-        if shutil.which(tool) is None:
-            return f"{tool} is not installed"
-    info = subprocess.run(["docker", "info"], capture_output=True, text=True, check=False)
-    if info.returncode != 0:
-        return "docker is installed but no Docker engine answers (docker info failed)"
-    return None
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("plugvisor e2e")
+    group.addoption(
+        "--backend",
+        choices=("emulated", "kind"),
+        default=os.environ.get("PLUGVISOR_E2E_BACKEND", "emulated"),
+        help="where the e2e scenarios run: emulated nodes (offline) or a kind cluster",
+    )
+    group.addoption(
+        "--keep-cluster",
+        action="store_true",
+        default=bool(os.environ.get("PLUGVISOR_E2E_KEEP")),
+        help="kind: leave the cluster running afterwards",
+    )
+    group.addoption(
+        "--reuse-cluster",
+        action="store_true",
+        default=bool(os.environ.get("PLUGVISOR_E2E_REUSE")),
+        help="kind: use the existing plugvisor-e2e cluster instead of creating one",
+    )
 
 
-def pytest_collection_modifyitems(config, items):
-    reason = _missing()
-    if reason is None:
-        return
-    skip = pytest.mark.skip(reason=f"e2e needs a kind cluster: {reason}")
-    for item in items:
-        item.add_marker(skip)
+@pytest.fixture(scope="session")
+def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
+    choice = request.config.getoption("--backend")
+    progress = Progress(choice)
+    chosen: Backend
+    if choice == "kind":
+        reason = kind_unavailable()
+        if reason is not None:
+            pytest.skip(f"the kind backend needs docker, kind and kubectl: {reason}")
+        chosen = KindBackend(
+            progress,
+            keep=request.config.getoption("--keep-cluster"),
+            reuse=request.config.getoption("--reuse-cluster"),
+        )
+    else:
+        chosen = EmulatedBackend(progress)
+    _ACTIVE.append(chosen)
+    try:
+        progress("setting up")
+        chosen.setup()
+        yield chosen
+    finally:
+        chosen.teardown()
+        _ACTIVE.remove(chosen)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> Any:
+    """On a failure, add what a person needs: the agents' logs, the nodes, the events."""
+    report = yield
+    if report.failed and _ACTIVE:
+        try:
+            report.sections.append((f"{_ACTIVE[0].name} backend diagnostics", _ACTIVE[0].diagnose()))
+        except Exception as exc:  # diagnostics must never hide the failure itself
+            report.sections.append(("backend diagnostics", f"could not collect them: {exc!r}"))
+    return report
