@@ -15,7 +15,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from plugvisor.deviceplugin.hostpaths import HostPaths
+from plugvisor.common.hostpaths import HostPaths
 from plugvisor.emulators.lab import Lab
 from plugvisor.plugins import kinds
 from plugvisor.supervisor.config import NodeConfig, parse_config

@@ -7,7 +7,7 @@ from pathlib import Path
 from pyfakefs.fake_filesystem import FakeFilesystem
 from structlog.testing import capture_logs
 
-from plugvisor.deviceplugin.hostpaths import HostPaths
+from plugvisor.common.hostpaths import HostPaths
 from plugvisor.plugins.generic import KIND
 
 
