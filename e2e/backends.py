@@ -113,8 +113,12 @@ class CommandError(subprocess.SubprocessError):
     """A command of the scenario failed; waits retry it, anything else reports it with its output."""
 
 
-def _run(argv: list[str], *, timeout: float = 120, env: dict[str, str] | None = None) -> str:
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, check=False)
+def _run(
+    argv: list[str], *, timeout: float = 120, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> str:
+    result = subprocess.run(
+        argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd, check=False
+    )
     if result.returncode != 0:
         raise CommandError(
             f"{' '.join(argv)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
@@ -370,8 +374,9 @@ class KindBackend:
                 _run(["kind", "delete", "cluster", "--name", CLUSTER], timeout=300)
             self.progress("kind create cluster (a control plane, two workers)")
             _run(
-                ["kind", "create", "cluster", "--config", str(REPO / "kind-config.yaml"), "--wait", "180s"],
+                ["kind", "create", "cluster", "--config", "kind-config.yaml", "--wait", "180s"],
                 timeout=900,
+                cwd=REPO,  # kind resolves the relative extraMounts from where it runs
             )
             self.created = True
         self.progress(f"docker build -t {IMAGE} (the release Dockerfile) and kind load")
