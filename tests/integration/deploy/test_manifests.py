@@ -271,7 +271,7 @@ def _devices(config: NodeConfig, root: str) -> dict[str, int]:
         kind = kinds.get_kind(resource.kind)
         options = kind.options_model.model_validate(resource.options)
         source = kind.build(options, HostPaths(root=Path(root)), resource=resource.name)
-        found[resource.name] = len(source.scan())
+        found[resource.name] = len(source.scan().devices)
     return found
 
 

@@ -25,7 +25,7 @@ def test_a_path_matching_nothing_is_a_warning_naming_the_directory(fs: FakeFiles
         ("warning", "/dev/fuse", "/lab/dev/fuse")
     ]
     assert warnings[0]["resource"] == "example.com/x"
-    assert len(source.scan()) == 1
+    assert len(source.scan().devices) == 1
 
 
 def test_paths_that_all_match_log_nothing(fs: FakeFilesystem) -> None:
