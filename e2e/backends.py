@@ -331,16 +331,17 @@ class EmulatedBackend:
 
 
 def kind_unavailable() -> str | None:
-    """Why the kind backend cannot run here, or None."""
-    for tool in ("docker", "kind", "kubectl"):
-        if shutil.which(tool) is None:
-            return f"{tool} is not installed"
-    info = subprocess.run(["docker", "info"], capture_output=True, text=True, check=False)
-    if info.returncode != 0:
-        return "docker is installed but no Docker engine answers (docker info failed)"
+    """Why the kind backend cannot run here (every reason at once), or None."""
+    missing = [
+        f"{tool} is not installed" for tool in ("docker", "kind", "kubectl") if shutil.which(tool) is None
+    ]
+    if shutil.which("docker") is not None:
+        info = subprocess.run(["docker", "info"], capture_output=True, text=True, check=False)
+        if info.returncode != 0:
+            missing.append("docker is installed but no Docker engine answers (docker info failed)")
     if importlib.util.find_spec("kubernetes") is None:
-        return "the kubernetes Python client is not installed (the e2e extra)"
-    return None
+        missing.append("the kubernetes Python client is not installed (the e2e extra; use tox -e e2e)")
+    return "; ".join(missing) or None
 
 
 class KindBackend:
