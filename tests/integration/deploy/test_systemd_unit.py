@@ -82,7 +82,7 @@ def test_the_unit_writes_only_where_the_example_configuration_needs() -> None:
     """ReadWritePaths covers the kubelet directory of node.yaml; the runtime directory is systemd's."""
     service = _service()
     config = parse_config(yaml.safe_load(NODE_YAML.read_text()), source=str(NODE_YAML))
-    writable = service["ReadWritePaths"].split()
+    writable = [path.removeprefix("-") for path in service["ReadWritePaths"].split()]
     assert writable == [str(config.kubelet_dir)]
     assert service["ProtectSystem"] == "strict"
     assert f"PLUGVISOR_RUNTIME_DIR=/run/{service['RuntimeDirectory']}" == service["Environment"]
