@@ -126,15 +126,20 @@ class Reaper:
     UNCLAIMED_TTL: Final = 60.0
 
     def __init__(self) -> None:
-        self._popens: dict[int, subprocess.Popen[bytes]] = {}
+        self._popens: dict[int, tuple[subprocess.Popen[bytes], bool]] = {}
         self._unclaimed: dict[int, tuple[int, float]] = {}
 
-    def track(self, proc: subprocess.Popen[bytes]) -> None:
-        """Let the reaper set ``proc.returncode`` when it exits."""
-        self._popens[proc.pid] = proc
+    def track(self, proc: subprocess.Popen[bytes], *, report: bool = False) -> None:
+        """Let the reaper set ``proc.returncode`` when it exits (and report the exit if ``report``).
+
+        Keeping the ``Popen`` referenced until then also keeps it out of
+        ``subprocess``'s own list of abandoned children, which it polls, by PID,
+        whenever another ``Popen`` is created.
+        """
+        self._popens[proc.pid] = (proc, report)
 
     def collect(self) -> list[Exit]:
-        """Reap every child that has ended; returns the exits not claimed by a tracked ``Popen``."""
+        """Reap every child that has ended; returns every exit but those of quietly tracked ``Popen``s."""
         exits = []
         while True:
             try:
@@ -144,10 +149,11 @@ class Reaper:
             if pid == 0:
                 break
             code = os.waitstatus_to_exitcode(status)
-            proc = self._popens.pop(pid, None)
-            if proc is not None:
-                proc.returncode = code
-                continue
+            tracked = self._popens.pop(pid, None)
+            if tracked is not None:
+                tracked[0].returncode = code
+                if not tracked[1]:
+                    continue
             exits.append(Exit(pid, code))
         return exits
 
@@ -199,6 +205,7 @@ class ExecSpawner:
             done(SpawnError(f"cannot start {spec.argv()[0]}: {exc}"))
             return
         # The reaper, not Popen, waits for it: one waitpid(-1) loop owns every status.
+        self._reaper.track(proc, report=True)
         self._children.add(proc.pid)
         done(proc.pid)
 
