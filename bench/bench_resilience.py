@@ -137,6 +137,12 @@ def all_registered(kubelet: EmulatedKubelet) -> bool:
     return True
 
 
+def null_registered(kubelet: EmulatedKubelet, replacing: str | None = None) -> bool:
+    """NULL is registered (on another socket than ``replacing``, when given)."""
+    view = kubelet.resource(NULL)
+    return view is not None and view.registered and (replacing is None or view.endpoint != replacing)
+
+
 def child_pids(agent_pid: int) -> dict[str, int]:
     found = {}
     for entry in Path("/proc").iterdir():
@@ -166,6 +172,7 @@ async def fork_server_kills(kills: int) -> None:
                 server = child_pids(agent.pid).get("pv-forkserver")
                 for _ in range(kills):
                     assert server is not None, "no fork server"
+                    ready = log.read_text().count("forkserver_ready")
                     os.kill(server, signal.SIGKILL)
                     deadline = time.perf_counter() + 30
                     while True:
@@ -175,7 +182,13 @@ async def fork_server_kills(kills: int) -> None:
                             break
                         await asyncio.sleep(0.005)
                     server = current
-                    await asyncio.sleep(0.3)  # let the new one finish its preload before the next kill
+                    # Let the new one get ready (and serve a while: one that dies young is
+                    # replaced after a growing delay) before the next kill.
+                    while log.read_text().count("forkserver_ready") == ready:
+                        if time.perf_counter() > deadline:
+                            break
+                        await asyncio.sleep(0.01)
+                    await asyncio.sleep(1.2)
                 changed = {n for n in RESOURCES if kubelet.resource(n).endpoint != endpoints[n]}
                 new_registrations = len(kubelet.registrations) - registrations
             finally:
@@ -201,18 +214,13 @@ async def plugin_kills_under_agent(kills: int) -> None:
             agent = await start_agent(write_config(base, "restart", resources), base / "agent.log")
             times = []
             try:
-                await kubelet.wait_for(
-                    lambda k: k.resource(NULL) is not None and k.resource(NULL).registered, timeout=60
-                )
+                await kubelet.wait_for(null_registered, timeout=60)
                 for _ in range(kills):
                     endpoint = kubelet.resource(NULL).endpoint
                     pid = next(pid for comm, pid in child_pids(agent.pid).items() if comm.startswith("pv:"))
                     began = time.perf_counter()
                     os.kill(pid, signal.SIGKILL)
-                    await kubelet.wait_for(
-                        lambda k, e=endpoint: k.resource(NULL).registered and k.resource(NULL).endpoint != e,
-                        timeout=30,
-                    )
+                    await kubelet.wait_for(lambda k, e=endpoint: null_registered(k, replacing=e), timeout=30)
                     times.append(time.perf_counter() - began)
                     await asyncio.sleep(0.25)  # every kill a first crash (resetAfter 0.2 s)
             finally:
@@ -231,9 +239,7 @@ async def plugin_kills_standalone(kills: int) -> None:
             )
             times = []
             try:
-                await kubelet.wait_for(
-                    lambda k: k.resource(NULL) is not None and k.resource(NULL).registered, timeout=60
-                )
+                await kubelet.wait_for(null_registered, timeout=60)
                 for _ in range(kills):
                     endpoint = kubelet.resource(NULL).endpoint
                     began = time.perf_counter()
@@ -242,10 +248,7 @@ async def plugin_kills_standalone(kills: int) -> None:
                     proc = await asyncio.create_subprocess_exec(
                         *plugin_argv(base / "dp"), stderr=asyncio.subprocess.DEVNULL
                     )
-                    await kubelet.wait_for(
-                        lambda k, e=endpoint: k.resource(NULL).registered and k.resource(NULL).endpoint != e,
-                        timeout=30,
-                    )
+                    await kubelet.wait_for(lambda k, e=endpoint: null_registered(k, replacing=e), timeout=30)
                     times.append(time.perf_counter() - began)
             finally:
                 await stop(proc)

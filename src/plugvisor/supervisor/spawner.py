@@ -277,7 +277,7 @@ class _Helper:
         loop = asyncio.get_running_loop()
         self.ready: asyncio.Future[dict[str, Any]] = loop.create_future()
         self.started: asyncio.Task[None] | None = None
-        self.born = time.monotonic()
+        self.ready_at: float | None = None
 
     def close_pipes(self) -> None:
         for stream in (self.proc.stdin, self.proc.stdout):
@@ -379,7 +379,8 @@ class ForkServerSpawner:
             self._helper_lost(helper, quiet=True)
             raise SpawnError(f"the fork server did not start: {ready['error']}")
         self.server_pid = helper.proc.pid
-        self.preload_seconds = round(time.monotonic() - started, 3)
+        helper.ready_at = time.monotonic()
+        self.preload_seconds = round(helper.ready_at - started, 3)
         _log.info(
             "forkserver_ready", pid=helper.proc.pid, seconds=self.preload_seconds, n=self.helpers_started
         )
@@ -448,10 +449,11 @@ class ForkServerSpawner:
     def _schedule_replacement(self, lost: _Helper) -> None:
         """Start the next helper ahead of need, so that the next crash is restarted as fast as ever.
 
-        A helper that dies young (a broken preload, an OOM loop) is replaced after a
-        growing delay instead of in a tight loop.
+        A helper that dies young (before it was ready, or within a second of it: a
+        broken preload, an OOM loop) is replaced after a growing delay instead of in
+        a tight loop.
         """
-        if time.monotonic() - lost.born < 10.0:
+        if lost.ready_at is None or time.monotonic() - lost.ready_at < 1.0:
             self._young_deaths += 1
         else:
             self._young_deaths = 0

@@ -182,6 +182,20 @@ def registered_all(resources: dict[str, int]) -> Callable[[EmulatedKubelet], boo
 EXPECTED = {FUSE: 4, SERIAL: 2, DISK: 1}
 
 
+def running_registered(children: dict[str, dict[str, Any]]) -> bool:
+    """State predicate: the three default children are RUNNING and registered."""
+    return len(children) == 3 and all(c["state"] == "RUNNING" and c["registered"] for c in children.values())
+
+
+async def start_registered(node: Node, kubelet: EmulatedKubelet, agents: Callable[..., Any]) -> Agent:
+    """The default node's agent, started, with every resource registered (its view and the kubelet's)."""
+    node.write_config()
+    agent: Agent = await agents()
+    await agent.wait_state(running_registered)
+    await kubelet.wait_for(registered_all(EXPECTED))
+    return agent
+
+
 @pytest.fixture
 def node(short_dir: Path) -> Node:
     return Node(short_dir)

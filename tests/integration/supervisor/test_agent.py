@@ -10,11 +10,17 @@ import urllib.request
 
 import pytest
 
-from .conftest import DISK, EXPECTED, FUSE, SERIAL, processes_of, registered_all, wait_gone
-
-
-def running_registered(children):
-    return len(children) == 3 and all(c["state"] == "RUNNING" and c["registered"] for c in children.values())
+from .conftest import (
+    DISK,
+    EXPECTED,
+    FUSE,
+    SERIAL,
+    processes_of,
+    registered_all,
+    running_registered,
+    start_registered,
+    wait_gone,
+)
 
 
 async def test_start_registers_every_resource_and_reports_it(node, kubelet, agents):
@@ -335,10 +341,7 @@ async def test_a_full_runtime_directory_does_not_stop_the_supervising(
     node, kubelet, agents, full_disk_runtime_dir
 ):
     """State and metrics files are best effort: with no space left, killed children still come back."""
-    node.write_config()
-    agent = await agents()
-    await agent.wait_state(running_registered)
-    await kubelet.wait_for(registered_all(EXPECTED))
+    agent = await start_registered(node, kubelet, agents)
     before = agent.children()
     for victim in (SERIAL, FUSE):
         fill(full_disk_runtime_dir)  # again: a dead child's metric files free some space

@@ -10,11 +10,7 @@ import os
 import signal
 from pathlib import Path
 
-from .conftest import EXPECTED, SERIAL, processes_of, registered_all
-
-
-def running_registered(children):
-    return len(children) == 3 and all(c["state"] == "RUNNING" and c["registered"] for c in children.values())
+from .conftest import EXPECTED, SERIAL, processes_of, registered_all, running_registered, start_registered
 
 
 def fork_server_of(node) -> int:
@@ -44,10 +40,7 @@ def parent_of(pid: int) -> int:
 
 async def test_killing_the_fork_server_takes_no_resource_down(node, kubelet, agents):
     """SIGKILL of the fork server, three times: no deregistration, no new PID, no failure counted."""
-    node.write_config()
-    agent = await agents()
-    await agent.wait_state(running_registered)
-    await kubelet.wait_for(registered_all(EXPECTED))
+    agent = await start_registered(node, kubelet, agents)
     before = agent.children()
     pids = {name: child["pid"] for name, child in before.items()}
     assert all(parent_of(pid) == agent.pid for pid in pids.values()), (
@@ -72,10 +65,7 @@ async def test_killing_the_fork_server_takes_no_resource_down(node, kubelet, age
 
 async def test_after_the_fork_server_died_the_next_crash_is_still_restarted(node, kubelet, agents):
     """A new fork server is started for the next spawn: a killed child comes back, once."""
-    node.write_config()
-    agent = await agents()
-    await agent.wait_state(running_registered)
-    await kubelet.wait_for(registered_all(EXPECTED))
+    agent = await start_registered(node, kubelet, agents)
     old_server = fork_server_of(node)
     os.kill(old_server, signal.SIGKILL)
     before = agent.children()
@@ -94,10 +84,7 @@ async def test_after_the_fork_server_died_the_next_crash_is_still_restarted(node
 
 async def test_a_killed_childs_socket_is_removed_when_it_is_reaped(node, kubelet, agents):
     """SIGKILL leaves the socket file behind; the supervisor removes it, and only it."""
-    node.write_config()
-    agent = await agents()
-    await agent.wait_state(running_registered)
-    await kubelet.wait_for(registered_all(EXPECTED))
+    agent = await start_registered(node, kubelet, agents)
     children = agent.children()
     socket_name = children[SERIAL]["endpoint"]
     others = {children[name]["endpoint"] for name in children if name != SERIAL}
