@@ -6,11 +6,7 @@ import signal
 import pytest
 import yaml
 
-from .conftest import EXPECTED, registered_all
-
-
-def running_registered(children):
-    return len(children) == 3 and all(c["state"] == "RUNNING" and c["registered"] for c in children.values())
+from .conftest import EXPECTED, registered_all, start_registered
 
 
 async def wait_for_log(agent, text: str, count: int) -> None:
@@ -30,9 +26,9 @@ async def wait_for_log(agent, text: str, count: int) -> None:
     ],
 )
 async def test_a_reload_the_node_cannot_run_keeps_the_running_configuration(node, kubelet, agents, breakage):
-    node.write_config()
-    agent = await agents()
-    await agent.wait_state(running_registered)
+    # Registered in the kubelet's view too (its first ListAndWatch message comes a moment after
+    # the child reports its registration), so that the check after the reload compares like with like.
+    agent = await start_registered(node, kubelet, agents)
     pids = {name: child["pid"] for name, child in agent.children().items()}
 
     good = node.config_path.read_bytes()
