@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from click.testing import CliRunner
 
 from plugvisor.emulators.lab.cli import lab_group
@@ -82,3 +83,69 @@ def test_watch_stops_on_sigterm(root: str) -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+def _damage(root: str, how: str) -> None:
+    state = f"{root}/.plugvisor-lab/state.json"
+    with open(state) as handle:
+        data = json.load(handle)
+    os.unlink(state)
+    if how == "not-utf8":
+        with open(state, "wb") as handle:
+            handle.write(json.dumps(data).encode()[:100] + b"\xff\xfe" + json.dumps(data).encode()[100:])
+        return
+    if how == "directory":
+        os.mkdir(state)
+        return
+    if how == "fifo":
+        os.mkfifo(state)
+        return
+    if how == "symlink-to-device":
+        os.symlink("/dev/zero", state)
+        return
+    if how == "list":
+        data = [data]
+    elif how == "empty-object":
+        data = {}
+    elif how == "unknown-model":
+        data["devices"]["gpu0"]["model"] = "nvidia-b999"
+    elif how == "unknown-kind":
+        data["devices"]["gpu0"]["kind"] = "tpu"
+    elif how == "numa-out-of-range":
+        data["devices"]["gpu0"]["numa_node"] = 7
+    elif how == "path-climbs-out":
+        data["devices"]["gpu0"]["functions"][0]["path"] = "sys/devices/../../../../etc/0000:01:00.0"
+    elif how == "netdev-climbs-out":
+        data["devices"]["nic0"]["netdev"] = "../../../x"
+    elif how == "dangling-parent":
+        data["devices"]["nic0vf0"]["parent"] = "nic9"
+    with open(state, "w") as handle:
+        json.dump(data, handle)
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        "not-utf8",
+        "directory",
+        "fifo",
+        "symlink-to-device",
+        "list",
+        "empty-object",
+        "unknown-model",
+        "unknown-kind",
+        "numa-out-of-range",
+        "path-climbs-out",
+        "netdev-climbs-out",
+        "dangling-parent",
+    ],
+)
+@pytest.mark.parametrize("command", [["show"], ["fault", "gpu0", "aer-fatal"], ["check"]])
+def test_damaged_state_file_exits_2_naming_it(root: str, how: str, command: list[str]) -> None:
+    """A state.json that is not UTF-8, not a file, or not the lab's shape: exit 2 naming it, no traceback."""
+    assert run("create", root)[0] == 0
+    _damage(root, how)
+    result = CliRunner().invoke(lab_group, [command[0], root, *command[1:]])
+    assert result.exit_code == 2, result.output
+    assert f"{root}/.plugvisor-lab/state.json" in result.output
+    assert isinstance(result.exception, SystemExit)

@@ -23,6 +23,7 @@ from plugvisor.emulators.lab.errors import (
     MknodNotPermittedError,
     NotALabError,
     ProfileError,
+    StateError,
     UnsafeRootError,
     UsageError,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "NotALabError",
     "Profile",
     "ProfileError",
+    "StateError",
     "UnsafeRootError",
     "UsageError",
     "builtin",

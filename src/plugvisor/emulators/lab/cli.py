@@ -35,6 +35,11 @@ def _errors(func: Callable[P, R]) -> Callable[P, R]:
         except errors.LabError as exc:
             click.echo(f"plugvisor lab: {exc}", err=True)
             sys.exit(exc.exit_code)
+        except OSError as exc:
+            # The environment, not the input: a read-only or full file system, permissions.
+            where = f"{exc.filename}: " if exc.filename else ""
+            click.echo(f"plugvisor lab: {where}{exc.strerror or exc}", err=True)
+            sys.exit(1)
 
     wrapper.__name__ = func.__name__
     wrapper.__doc__ = func.__doc__

@@ -58,3 +58,13 @@ class DeviceBusyError(LabError):
 
 class MknodNotPermittedError(LabError):
     """Real character nodes were asked for but this process lacks CAP_MKNOD."""
+
+
+class StateError(LabError):
+    """The lab's ``state.json`` is unreadable, not UTF-8, or not the shape the lab writes.
+
+    Exit 2 like any other bad input: the message names the file and the first problems,
+    and the lab refuses to act on it rather than render a tree from it.
+    """
+
+    exit_code = 2

@@ -24,7 +24,7 @@ from plugvisor.emulators.lab.faults import FaultKind
 from plugvisor.emulators.lab.profiles import Profile
 from plugvisor.emulators.lab.spec import Node
 from plugvisor.emulators.lab.state import DeviceKind, DeviceState, LabState
-from plugvisor.emulators.lab.tree import TOP_LEVEL, FakeTree
+from plugvisor.emulators.lab.tree import TOP_LEVEL, FakeTree, check_dir, ensure_dir
 
 PCI_IDS = "usr/share/hwdata/pci.ids"
 
@@ -134,6 +134,7 @@ class Lab:
             raise errors.LabExistsError(
                 f"{real!r} already holds a lab; pass replace=True (--force) to recreate it"
             )
+        check_dir(real, posixpath.dirname(PCI_IDS))
         if not state.exists(real):
             for top in (*TOP_LEVEL, PCI_IDS):
                 if os.path.lexists(posixpath.join(real, top)):
@@ -152,7 +153,7 @@ class Lab:
                     tree.remove(PCI_IDS)
                 for top in TOP_LEVEL:
                     os.rename(posixpath.join(staged, top), posixpath.join(real, top))
-                os.makedirs(posixpath.join(real, posixpath.dirname(PCI_IDS)), exist_ok=True)
+                ensure_dir(real, posixpath.dirname(PCI_IDS))
                 os.replace(posixpath.join(staged, PCI_IDS), posixpath.join(real, PCI_IDS))
             finally:
                 tree.discard(staged)

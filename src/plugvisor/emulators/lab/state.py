@@ -10,25 +10,29 @@ why the record stores decisions (addresses, numbers, names) and never file conte
 """
 
 # Paths here are root-relative POSIX strings shared with the tree writer (see tree.py).
-# ruff: noqa: PTH103, PTH113, PTH123
+# ruff: noqa: PTH113
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import posixpath
+import re
+import stat
 from collections.abc import Iterator
 from enum import StrEnum
 from typing import Literal
 
+import pydantic
 from pydantic import BaseModel, ConfigDict
 
 from plugvisor.emulators.lab import errors
 from plugvisor.emulators.lab.pci import Bdf
 from plugvisor.emulators.lab.profiles import Profile
 from plugvisor.emulators.lab.spec import File
-from plugvisor.emulators.lab.tree import LAB_DIR, FakeTree
+from plugvisor.emulators.lab.tree import LAB_DIR, FakeTree, ensure_dir
 
 STATE_FILE = f"{LAB_DIR}/state.json"
 LOCK_FILE = f"{LAB_DIR}/lock"
@@ -178,20 +182,121 @@ def exists(root: str) -> bool:
     return os.path.isfile(posixpath.join(root, STATE_FILE))
 
 
+MAX_STATE_BYTES = 256 << 20
+"""Far above the largest real state (``big``, 4,096 VFs, is a few MB); beyond it the file is not ours."""
+
+_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+_BDF = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
+
+
+def _read_state(path: str) -> str:
+    """Read the state file as text: a regular file, not a symlink, bounded, UTF-8."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        why = "it is a symlink" if exc.errno == errno.ELOOP else exc.strerror
+        raise errors.StateError(f"{path}: cannot read the lab's state file ({why})") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise errors.StateError(f"{path}: the lab's state file is not a regular file")
+        if info.st_size > MAX_STATE_BYTES:
+            raise errors.StateError(
+                f"{path}: the lab's state file is {info.st_size} bytes; expected at most {MAX_STATE_BYTES}"
+            )
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+    finally:
+        os.close(fd)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise errors.StateError(
+            f"{path}: the lab's state file is not UTF-8 (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
+            "recreate the lab with `plugvisor lab create --force`"
+        ) from None
+
+
+def _device_problems(st: LabState, name: str, dev: DeviceState) -> list[str]:
+    from plugvisor.emulators.lab import kinds  # noqa: PLC0415 - kinds imports this module
+
+    where = f"devices.{name}"
+    problems: list[str] = []
+    if dev.name != name or not _NAME.match(name):
+        problems.append(f"{where}.name: expected {name!r}, a short name of letters and digits")
+    if not 0 <= dev.numa_node < len(st.numa_nodes):
+        problems.append(f"{where}.numa_node: {dev.numa_node} is not a NUMA node of this lab")
+    if not dev.functions:
+        problems.append(f"{where}.functions: expected at least one PCI function")
+    for fn in dev.functions:
+        if not _BDF.match(fn.bdf) or posixpath.basename(fn.path) != fn.bdf:
+            problems.append(f"{where}.functions: {fn.bdf!r} is not the PCI address its path ends in")
+        for driver in (fn.driver, dev.vf_driver):
+            if driver is not None and not _NAME.match(driver):
+                problems.append(f"{where}: driver name {driver!r} is not a plain name")
+    if dev.netdev is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,15}", dev.netdev):
+        problems.append(f"{where}.netdev: {dev.netdev!r} is not an interface name")
+    if dev.parent is not None and dev.parent not in st.devices:
+        problems.append(f"{where}.parent: no device {dev.parent!r}")
+    try:
+        kinds.get(dev.kind).identity(dev)
+    except (KeyError, errors.LabError):
+        problems.append(f"{where}.model: {dev.model!r} is not a {dev.kind.value} model the lab knows")
+    return problems
+
+
+def _problems(st: LabState) -> list[str]:
+    """What pydantic cannot see: names and paths that would leave the root, dangling references."""
+    problems: list[str] = []
+    for i, node in enumerate(st.numa_nodes):
+        if node.id != i:
+            problems.append(f"numa_nodes[{i}].id: expected {i}, got {node.id}")
+    paths = [(f"bridges[{b.bdf}].path", b.path) for b in st.bridges]
+    for name, dev in st.devices.items():
+        problems += _device_problems(st, name, dev)
+        paths += [(f"devices.{name}.functions[{fn.bdf}].path", fn.path) for fn in dev.functions]
+    for field, path in paths:
+        parts = path.split("/")
+        if parts[:2] != ["sys", "devices"] or any(p in ("", ".", "..") for p in parts):
+            problems.append(f"{field}: {path!r} is not a path below sys/devices")
+    return problems
+
+
 def load(root: str) -> LabState:
-    """Read the state of the lab at ``root``."""
+    """Read the state of the lab at ``root``; a damaged file is a :class:`~.errors.StateError` naming it."""
     path = posixpath.join(root, STATE_FILE)
     try:
-        with open(path, encoding="utf-8") as handle:
-            raw = handle.read()
+        raw = _read_state(path)
     except FileNotFoundError:
         raise errors.NotALabError(
             f"{root!r} holds no lab ({STATE_FILE} is missing); create one first"
         ) from None
     try:
-        return LabState.model_validate_json(raw)
+        st = LabState.model_validate_json(raw)
+    except pydantic.ValidationError as exc:
+        shown = [
+            f"{'.'.join(str(p) for p in err['loc']) or '(top)'}: {err['msg']}" for err in exc.errors()[:3]
+        ]
+        more = f" (and {exc.error_count() - 3} more)" if exc.error_count() > 3 else ""
+        raise errors.StateError(
+            f"{path}: the lab's state file is damaged: {'; '.join(shown)}{more}; "
+            "recreate the lab with `plugvisor lab create --force`"
+        ) from None
     except ValueError as exc:
-        raise errors.LabError(f"{path}: the lab's state file is damaged ({exc}); recreate the lab") from None
+        raise errors.StateError(
+            f"{path}: the lab's state file is damaged ({exc}); recreate the lab"
+        ) from None
+    problems = _problems(st)
+    if problems:
+        raise errors.StateError(
+            f"{path}: the lab's state file is damaged: {'; '.join(problems[:3])}; "
+            "recreate the lab with `plugvisor lab create --force`"
+        )
+    return st
 
 
 def save(tree: FakeTree, state: LabState) -> None:
@@ -202,8 +307,16 @@ def save(tree: FakeTree, state: LabState) -> None:
 @contextlib.contextmanager
 def locked(root: str) -> Iterator[None]:
     """Hold the lab's exclusive lock, so concurrent CLI calls and the watcher serialize."""
-    os.makedirs(posixpath.join(root, LAB_DIR), exist_ok=True)
-    fd = os.open(posixpath.join(root, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+    ensure_dir(root, LAB_DIR)
+    try:
+        fd = os.open(
+            posixpath.join(root, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
+        )
+    except OSError as exc:
+        raise errors.UnsafeRootError(
+            f"{posixpath.join(root, LOCK_FILE)}: cannot open the lab's lock ({exc.strerror}); "
+            "it must be a regular file inside the root, not a symlink"
+        ) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield

@@ -15,11 +15,12 @@
 
 # The writer works on root-relative POSIX strings (the keys of a Spec) and on directory
 # descriptors, which pathlib cannot express; os.* is the clearer (and faster) tool here.
-# ruff: noqa: PTH101, PTH121, PTH103, PTH104, PTH105, PTH108, PTH112, PTH114, PTH115, PTH123, PTH208, PTH211
+# ruff: noqa: PTH100, PTH101, PTH102, PTH103, PTH104, PTH105, PTH108, PTH112, PTH114, PTH115, PTH121, PTH123, PTH208, PTH211
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import os
 import posixpath
@@ -127,7 +128,20 @@ def check_root(root: str | os.PathLike[str]) -> str:
     refusal instead of a wiped sysfs.
     """
     given = os.fspath(root)
-    real = os.path.realpath(given)
+    lexical = os.path.abspath(given)
+    try:
+        real = os.path.realpath(given, strict=False)
+        _looks_like_real(real)
+    except OSError as exc:
+        raise errors.UnsafeRootError(
+            f"lab root {given!r} cannot be resolved ({exc.strerror}); expected a directory the lab can own"
+        ) from None
+    for tree in _REAL_TREES:
+        if not lexical.startswith(_SCRATCH) and (lexical == tree or lexical.startswith(tree + "/")):
+            raise errors.UnsafeRootError(
+                f"lab root {given!r} is inside the real {tree} (whatever it resolves to); "
+                "refusing to write there"
+            )
     if real == "/":
         raise errors.UnsafeRootError(f"lab root {given!r} is the file system root; refusing to write there")
     for tree in _REAL_TREES:
@@ -169,6 +183,67 @@ def _tops(dirs: Iterable[str]) -> list[str]:
     return sorted(d for d in pool if not any(a in pool for a in _ancestors(d)))
 
 
+def _check_rel(rel: str) -> None:
+    """Refuse a spec path that could leave the root (absolute, ``..`` or empty components)."""
+    if not rel or rel.startswith("/") or (".." in rel and ".." in rel.split("/")) or "//" in rel:
+        raise errors.UnsafeRootError(f"lab path {rel!r} is not a plain path below the root; refusing it")
+
+
+def check_dir(root: str, rel: str) -> bool:
+    """Return whether ``root/rel`` exists; raise if any part of it below ``root`` is not a real directory.
+
+    Every lab write goes through directories checked here, component by component
+    with ``lstat``, so a symlink planted anywhere inside the root (absolute,
+    relative or dangling) can never carry a write out of it.
+    """
+    path = root
+    for part in rel.split("/"):
+        if not part:
+            continue
+        if part == "..":
+            raise errors.UnsafeRootError(f"lab path {rel!r} climbs out of the root; refusing it")
+        path = f"{path}/{part}"
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            return False
+        if stat.S_ISLNK(info.st_mode):
+            raise errors.UnsafeRootError(
+                f"{path!r} is a symlink (to {os.readlink(path)!r}); the lab writes only through real "
+                "directories inside its root"
+            )
+        if not stat.S_ISDIR(info.st_mode):
+            raise errors.UnsafeRootError(f"{path!r} is not a directory; the lab expected one there")
+    return True
+
+
+def ensure_dir(root: str, rel: str) -> str:
+    """Create ``root/rel`` one real directory at a time, checking each part before going below it.
+
+    See :func:`check_dir`: no part may be a symlink or a non-directory; the check
+    runs on each component before anything is created under it.
+    """
+    os.makedirs(root, exist_ok=True)
+    path = root
+    for part in rel.split("/"):
+        if not part:
+            continue
+        if part == "..":
+            raise errors.UnsafeRootError(f"lab path {rel!r} climbs out of the root; refusing it")
+        path = f"{path}/{part}"
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o755)
+        info = os.lstat(path)
+        if stat.S_ISLNK(info.st_mode):
+            raise errors.UnsafeRootError(
+                f"{path!r} is a symlink (to {os.readlink(path)!r}); the lab writes only through real "
+                "directories inside its root"
+            )
+        if not stat.S_ISDIR(info.st_mode):
+            raise errors.UnsafeRootError(f"{path!r} is not a directory; the lab expected one there")
+    return path
+
+
 class FakeTree:
     """A safe, atomic writer for one lab root.
 
@@ -189,24 +264,16 @@ class FakeTree:
         return posixpath.join(self.root, rel)
 
     def _tmp(self, hint: str) -> str:
-        os.makedirs(self.staging, exist_ok=True)
+        ensure_dir(self.root, f"{LAB_DIR}/tmp")
         return posixpath.join(self.staging, f"{os.getpid()}-{next(self._counter)}-{posixpath.basename(hint)}")
 
     def _ensure_parent(self, rel: str, checked: set[str]) -> None:
         """Create the parent directories of ``rel``, refusing to follow a symlink out of the root."""
+        _check_rel(rel)
         parent = posixpath.dirname(rel)
         if not parent or parent in checked:
             return
-        existing = parent
-        while existing and not os.path.lexists(self.abspath(existing)):
-            existing = posixpath.dirname(existing)
-        if existing:
-            expected = self.abspath(existing)
-            if os.path.realpath(expected) != expected:
-                raise errors.UnsafeRootError(
-                    f"{expected!r} is or passes through a symlink; the lab writes only real directories"
-                )
-        os.makedirs(self.abspath(parent), exist_ok=True)
+        ensure_dir(self.root, parent)
         checked.add(parent)
         checked.update(_ancestors(parent))
 
@@ -276,6 +343,8 @@ class FakeTree:
 
     def stage(self, spec: Mapping[str, Entry]) -> str:
         """Materialize ``spec`` in a fresh staging directory and return its absolute path."""
+        for rel in spec:
+            _check_rel(rel)
         base = self._tmp("stage")
         self.materialize(spec, base)
         return base
@@ -308,12 +377,18 @@ class FakeTree:
         os.replace(tmp, self.abspath(rel))
 
     def remove(self, rel: str) -> None:
-        """Remove one non-directory entry if it is there."""
+        """Remove one non-directory entry if it is there (never through a symlinked directory)."""
+        _check_rel(rel)
+        if not check_dir(self.root, posixpath.dirname(rel)):
+            return
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.abspath(rel))
 
     def remove_dir(self, rel: str) -> None:
         """Remove a directory in one step for readers: rename it away, then delete it."""
+        _check_rel(rel)
+        if not check_dir(self.root, posixpath.dirname(rel)):
+            return
         full = self.abspath(rel)
         if not os.path.lexists(full):
             return
@@ -324,10 +399,24 @@ class FakeTree:
         os.rename(full, trash)
         shutil.rmtree(trash, ignore_errors=True)
 
-    def read(self, rel: str) -> bytes:
-        """Return the content of a file under the root."""
-        with open(self.abspath(rel), "rb") as handle:
-            return handle.read()
+    def read(self, rel: str, limit: int = 1 << 20) -> bytes:
+        """Return the content (at most ``limit`` bytes) of a regular file under the root, never via a link."""
+        _check_rel(rel)
+        check_dir(self.root, posixpath.dirname(rel))
+        try:
+            fd = os.open(self.abspath(rel), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise errors.UnsafeRootError(
+                    f"{self.abspath(rel)!r} is a symlink; the lab reads only its own files"
+                ) from None
+            raise
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise errors.UnsafeRootError(f"{self.abspath(rel)!r} is not a regular file")
+            return os.read(fd, limit)
+        finally:
+            os.close(fd)
 
     # -- the diff -------------------------------------------------------------------------------
 
@@ -346,6 +435,8 @@ class FakeTree:
 
         leaves = [p for p in removed if p not in removed_dirs and not inside(p, removed_dirs)]
         leaves.sort(key=lambda p: not isinstance(old[p], Link))
+        for rel in new:
+            _check_rel(rel)
         for rel in leaves:
             self.remove(rel)
         for rel in reversed(_tops(removed_dirs)):
@@ -365,7 +456,7 @@ class FakeTree:
                 rest.append(rel)
             elif rel not in top_set:
                 self._ensure_parent(rel, checked)
-                os.makedirs(self.abspath(rel), exist_ok=True)
+                ensure_dir(self.root, rel)
         for top in tops:
             self._ensure_parent(top, checked)
             staged = self.stage(buckets[top])
