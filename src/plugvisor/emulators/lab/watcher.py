@@ -101,8 +101,8 @@ class NumVfsWatcher:
         log.info("sriov_numvfs applied", pf=name, num_vfs=count)
 
     async def _reject(self, rel: str, name: str, current: int, reason: str) -> None:
-        self.rejected += 1
         await asyncio.to_thread(self._tree.put, rel, File(f"{current}\n".encode(), 0o644))
+        self.rejected += 1  # only once the old value is back: a writer waiting on this may write again
         log.warning("sriov_numvfs write refused, value restored", pf=name, num_vfs=current, reason=reason)
 
     async def run(self) -> None:
