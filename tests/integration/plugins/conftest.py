@@ -1,17 +1,14 @@
 """Fixtures for the kinds' integration tests: a lab root, an emulated kubelet, a running plugin runtime."""
 
-import asyncio
-import contextlib
 import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
 
-from plugvisor.common.hostpaths import HostPaths
-from plugvisor.deviceplugin.runtime import DevicePluginRuntime, PluginConfig
 from plugvisor.emulators import lab
 from plugvisor.emulators.kubelet import EmulatedKubelet
+from plugvisor.testing import running_plugin
 
 
 def _tmp(prefix: str, under: str) -> Path:
@@ -55,19 +52,9 @@ async def kubelet(base):
         await k.stop()
 
 
-@contextlib.asynccontextmanager
-async def _running(kubelet: EmulatedKubelet, node: lab.Lab, kind, options: dict, resource: str):
-    """Run ``kind`` in process against the lab and the kubelet until the block ends."""
-    paths = HostPaths(root=Path(node.root), kubelet_dir=kubelet.socket_dir)
-    source = kind.build(kind.options_model.model_validate(options), paths, resource=resource)
-    runtime = DevicePluginRuntime(PluginConfig(resource, paths, rescan_interval=30.0), source)
-    stop = asyncio.Event()
-    task = asyncio.create_task(runtime.run(stop))
-    try:
-        yield runtime
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 10)
+def _running(kubelet: EmulatedKubelet, node: lab.Lab, kind, options: dict, resource: str):
+    """Run ``kind`` in process against the lab and the kubelet until the block ends (the public helper)."""
+    return running_plugin(kubelet, kind, options, resource=resource, root=Path(node.root))
 
 
 @pytest.fixture

@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 MODULES = [
     "plugvisor.supervisor",
     "plugvisor.supervisor.backoff",
@@ -58,3 +60,19 @@ def test_the_states_module_imports_nothing():
 
     source = inspect.getsource(states)
     assert not [line for line in source.splitlines() if line.startswith(("import ", "from "))]
+
+
+@pytest.mark.parametrize(
+    ("kind", "options"),
+    [
+        ("generic", {"paths": ["/dev/fuse"]}),
+        ("gpu", {"replicas": 2, "cdi": True}),
+        ("nic", {"match": {"pfNames": ["ens1f0#0-7"]}}),
+        ("fpga", {"mode": "xilinx", "releaseCleanup": {"command": ["true"]}}),
+    ],
+)
+def test_every_built_in_kind_validates_its_options_without_grpc(kind, options):
+    """The agent loads every configured kind to validate it; a kind's module must not load gRPC."""
+    from plugvisor.testing import kind_loads_without_grpc
+
+    assert kind_loads_without_grpc(kind, options) == []
