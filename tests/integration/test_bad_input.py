@@ -170,3 +170,67 @@ class TestBoundedEchoes:
         result = plugvisor("plugin", "y" * 100_000, "--kubelet-dir", str(short_dir / "dp"))
         assert_usage_error(result, "unknown plugin kind", "(100000 characters)")
         assert len(result.stderr) < 2000
+
+
+class TestAgentStart:
+    def _config(self, short_dir, **extra) -> Path:
+        config = short_dir / "node.yaml"
+        document = {
+            "kubeletDir": str(short_dir / "dp"),
+            "supervisor": {"runtimeDir": str(short_dir / "run")},
+            "resources": [{"name": "example.com/null", "kind": "generic", "paths": ["/dev/null"]}],
+            **extra,
+        }
+        config.write_text(json.dumps(document))
+        return config
+
+    def test_an_uncreatable_runtime_dir(self, short_dir, files):
+        config = self._config(short_dir, supervisor={"runtimeDir": f"{files['file']}/run"})
+        result = plugvisor("run", "--config", str(config))
+        assert_usage_error(result, f"{config}: supervisor.runtimeDir: {files['file']}/run: cannot create it")
+
+    def test_a_metrics_port_in_use(self, short_dir):
+        import socket
+
+        with socket.socket() as busy:
+            busy.bind(("127.0.0.1", 0))
+            busy.listen()
+            port = busy.getsockname()[1]
+            config = self._config(short_dir, metrics={"listen": f"127.0.0.1:{port}"})
+            result = plugvisor("run", "--config", str(config))
+        assert_usage_error(result, f"metrics.listen: cannot listen on 127.0.0.1:{port}: ")
+        assert not (short_dir / "run" / "supervisor.pid").exists()
+
+    def test_export_to_a_file_that_cannot_be_written(self, short_dir, files):
+        result = plugvisor(
+            "export", "supervisord", "--config", str(self._config(short_dir)), "-o", f"{files['file']}/x"
+        )
+        assert result.returncode == 1 and "Traceback" not in result.stderr
+        assert f"--output: cannot write {files['file']}/x: Not a directory" in result.stderr
+
+    def test_a_relative_spec_root(self, short_dir):
+        result = plugvisor(
+            "plugin",
+            "generic",
+            "--path",
+            "/dev/null",
+            "--kubelet-dir",
+            str(short_dir / "dp"),
+            "--spec-root",
+            "rel",
+        )
+        assert_usage_error(result, "--spec-root", "rel must be an absolute path")
+
+    @pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+    def test_a_rescan_interval_that_is_not_a_duration(self, short_dir, value):
+        result = plugvisor(
+            "plugin",
+            "generic",
+            "--path",
+            "/dev/null",
+            "--kubelet-dir",
+            str(short_dir / "dp"),
+            "--rescan-interval",
+            value,
+        )
+        assert_usage_error(result, "--rescan-interval")

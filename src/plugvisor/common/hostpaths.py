@@ -78,15 +78,10 @@ def resolve_in_root(root: Path, path: str | os.PathLike[str]) -> Path:
     return root.joinpath(*resolved)
 
 
-def kubelet_dir_problem(path: Path) -> str | None:
-    """Why no plugin could serve its socket in ``path``, or ``None``; the directory is created if missing.
-
-    Checked before anything starts (``plugvisor plugin``, ``plugvisor run`` and
-    every reload), so that a read-only, uncreatable or mistyped directory is one
-    clear error naming it, not a bind failure deep in gRPC in every child.
-    """
+def writable_dir_problem(path: Path, *, purpose: str, mode: int = 0o750) -> str | None:
+    """Why ``path`` cannot be created (with ``mode``) or written (``purpose``: what goes there), or None."""
     try:
-        path.mkdir(mode=0o750, parents=True, exist_ok=True)
+        path.mkdir(mode=mode, parents=True, exist_ok=True)
     except OSError as exc:
         return f"{path}: cannot create it: {exc.strerror or exc}"
     if not path.is_dir():
@@ -94,8 +89,18 @@ def kubelet_dir_problem(path: Path) -> str | None:
     if not os.access(path, os.W_OK | os.X_OK):
         read_only = os.statvfs(path).f_flag & os.ST_RDONLY
         why = "on a read-only filesystem" if read_only else "not writable by this process"
-        return f"{path}: {why}; plugins create their sockets there"
+        return f"{path}: {why}; {purpose}"
     return None
+
+
+def kubelet_dir_problem(path: Path) -> str | None:
+    """Why no plugin could serve its socket in ``path``, or ``None``; the directory is created if missing.
+
+    Checked before anything starts (``plugvisor plugin``, ``plugvisor run`` and
+    every reload), so that a read-only, uncreatable or mistyped directory is one
+    clear error naming it, not a bind failure deep in gRPC in every child.
+    """
+    return writable_dir_problem(path, purpose="plugins create their sockets there")
 
 
 def host_root_problem(root: Path) -> str | None:

@@ -14,17 +14,19 @@ from collections.abc import Iterable, Sequence
 
 import grpc
 
+from plugvisor.common.validation import shorten
 from plugvisor.deviceplugin.devices import DeviceSet, DeviceSpec, Mount
 from plugvisor.deviceplugin.errors import RequestError
 from plugvisor.deviceplugin.hooks import ContainerAllocation
 
 _SHOWN_IDS = 10
+_SHOWN_ID_LENGTH = 80  # a 1 MB ID echoed whole would exceed gRPC's 16 KiB status limit: RESOURCE_EXHAUSTED
 
 
 def format_ids(ids: Iterable[str]) -> str:
-    """Render IDs for an error message: JSON-quoted (control characters escaped), capped in length."""
+    """Render IDs for an error message: JSON-quoted (control characters escaped), each and all capped."""
     items = sorted(set(ids))
-    shown = json.dumps(items[:_SHOWN_IDS])
+    shown = json.dumps([shorten(item, _SHOWN_ID_LENGTH) for item in items[:_SHOWN_IDS]])
     if len(items) > _SHOWN_IDS:
         shown = shown[:-1] + f", ... and {len(items) - _SHOWN_IDS} more]"
     return shown

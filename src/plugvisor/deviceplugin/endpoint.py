@@ -21,6 +21,7 @@ import structlog
 from plugvisor.api.deviceplugin.v1beta1 import api_pb2_grpc
 from plugvisor.common.sockets import socket_name, socket_path_problem
 from plugvisor.deviceplugin.errors import ConfigurationError, SocketInUseError
+from plugvisor.deviceplugin.server import add_plugin_servicer
 
 
 async def socket_is_live(path: Path, timeout: float = 0.5) -> bool:
@@ -55,6 +56,7 @@ class PluginEndpoint:
     ) -> None:
         self._servicer = servicer
         self._extra_handlers = extra_handlers
+        self._resource = resource
         self.path = socket_dir / socket_name(resource)
         self._server: grpc.aio.Server | None = None
         self._log = structlog.get_logger("plugvisor.endpoint").bind(resource=resource, socket=self.path.name)
@@ -74,7 +76,7 @@ class PluginEndpoint:
                 )
             self.path.unlink()
         server = grpc.aio.server()
-        api_pb2_grpc.add_DevicePluginServicer_to_server(self._servicer, server)
+        add_plugin_servicer(self._servicer, server, resource=self._resource)
         if self._extra_handlers:
             server.add_generic_rpc_handlers(self._extra_handlers)
         # The socket is created by bind(); a tight umask means it is never, even briefly,

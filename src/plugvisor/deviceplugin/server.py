@@ -18,9 +18,11 @@ from typing import Any, Final
 
 import grpc
 import structlog
+from google.protobuf.message import DecodeError
 
 from plugvisor.api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from plugvisor.common import constants
+from plugvisor.common.validation import shorten
 from plugvisor.deviceplugin import allocation, metrics
 from plugvisor.deviceplugin.cell import CellClosedError, SnapshotCell
 from plugvisor.deviceplugin.devices import DeviceSet
@@ -32,6 +34,99 @@ from plugvisor.deviceplugin.snapshot import Snapshot
 Context = grpc.aio.ServicerContext[Any, Any]
 
 _RESPONSE_CACHE_SIZE: Final = 1024
+SERVICE: Final = "v1beta1.DevicePlugin"
+
+
+class MalformedRequest:
+    """What a request that is not valid protobuf deserializes to, so the handler can answer INVALID_ARGUMENT.
+
+    grpc aio turns an exception raised by a request deserializer into UNKNOWN
+    ("Unexpected DecodeError"), and nothing in between lets a server choose the
+    code. So the deserializer returns this value instead of raising, and
+    :func:`add_plugin_servicer`'s thin wrapper answers it (one ``is`` test per call).
+    """
+
+    __slots__ = ("error", "message_type")
+
+    def __init__(self, message_type: str, error: str) -> None:
+        self.message_type = message_type
+        self.error = error
+
+
+def tolerant_deserializer(message: type[Any]) -> Callable[[bytes], Any]:
+    """``message.FromString`` that returns a :class:`MalformedRequest` instead of raising."""
+    parse = message.FromString
+    name = message.DESCRIPTOR.full_name
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except DecodeError as exc:
+            return MalformedRequest(name, str(exc))
+
+    return deserialize
+
+
+def _malformed_detail(method: str, request: MalformedRequest) -> str:
+    return f"{method}: the request is not a valid {request.message_type} message ({shorten(request.error)})"
+
+
+def _checked_unary(
+    method: str, behaviour: Callable[[Any, Context], Awaitable[Any]], resource: str
+) -> Callable[[Any, Context], Awaitable[Any]]:
+    async def handle(request: Any, context: Context) -> Any:
+        if type(request) is MalformedRequest:
+            metrics.RPC_ERRORS.labels(resource, method, "INVALID_ARGUMENT").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _malformed_detail(method, request))
+        return await behaviour(request, context)
+
+    return handle
+
+
+def _checked_stream(
+    method: str, behaviour: Callable[[Any, Context], AsyncIterator[Any]], resource: str
+) -> Callable[[Any, Context], AsyncIterator[Any]]:
+    async def handle(request: Any, context: Context) -> AsyncIterator[Any]:
+        if type(request) is MalformedRequest:
+            metrics.RPC_ERRORS.labels(resource, method, "INVALID_ARGUMENT").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _malformed_detail(method, request))
+        async for item in behaviour(request, context):
+            yield item
+
+    return handle
+
+
+_UNARY: Final[dict[str, tuple[Any, Any]]] = {
+    "GetDevicePluginOptions": (api_pb2.Empty, api_pb2.DevicePluginOptions),
+    "GetPreferredAllocation": (api_pb2.PreferredAllocationRequest, api_pb2.PreferredAllocationResponse),
+    "Allocate": (api_pb2.AllocateRequest, api_pb2.AllocateResponse),
+    "PreStartContainer": (api_pb2.PreStartContainerRequest, api_pb2.PreStartContainerResponse),
+}
+
+
+def add_plugin_servicer(
+    servicer: api_pb2_grpc.DevicePluginServicer, server: grpc.aio.Server, *, resource: str
+) -> None:
+    """Register the five RPCs as the generated ``add_DevicePluginServicer_to_server`` does.
+
+    The one difference: a request that is not valid protobuf is answered
+    INVALID_ARGUMENT naming the method and the message type, not UNKNOWN.
+    """
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
+        name: grpc.unary_unary_rpc_method_handler(
+            _checked_unary(name, getattr(servicer, name), resource),
+            request_deserializer=tolerant_deserializer(request),
+            response_serializer=response.SerializeToString,
+        )
+        for name, (request, response) in _UNARY.items()
+    }
+    handlers["ListAndWatch"] = grpc.unary_stream_rpc_method_handler(
+        _checked_stream("ListAndWatch", servicer.ListAndWatch, resource),  # type: ignore[arg-type]
+        request_deserializer=tolerant_deserializer(api_pb2.Empty),
+        response_serializer=api_pb2.ListAndWatchResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)
 
 
 def device_list_message(devices: DeviceSet) -> api_pb2.ListAndWatchResponse:
@@ -265,8 +360,8 @@ class PluginServer(api_pb2_grpc.DevicePluginServicer):
         }
         handlers = {
             method: grpc.unary_unary_rpc_method_handler(
-                self._proposed(method),
-                request_deserializer=api_pb2.PreStartContainerRequest.FromString,
+                _checked_unary(method, self._proposed(method), self.resource),
+                request_deserializer=tolerant_deserializer(api_pb2.PreStartContainerRequest),
                 response_serializer=api_pb2.PreStartContainerResponse.SerializeToString,
             )
             for method, hook in hooks.items()
@@ -274,7 +369,7 @@ class PluginServer(api_pb2_grpc.DevicePluginServicer):
         }
         if not handlers:
             return None
-        return grpc.method_handlers_generic_handler("v1beta1.DevicePlugin", handlers)
+        return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
     def _proposed(
         self, method: str
@@ -298,7 +393,10 @@ class PluginServer(api_pb2_grpc.DevicePluginServicer):
             except Exception as exc:  # the hook's failure is reported to the caller by name
                 self._log.exception("proposed_call_failed", method=method, devices=ids)
                 await self._abort(
-                    context, method, grpc.StatusCode.INTERNAL, f"{method} of {ids} failed: {exc}"
+                    context,
+                    method,
+                    grpc.StatusCode.INTERNAL,
+                    f"{method} of {allocation.format_ids(ids)} failed: {shorten(str(exc), 300)}",
                 )
             self._log.info("proposed_call", method=method, devices=ids)
             return api_pb2.PreStartContainerResponse()
@@ -332,12 +430,15 @@ class PluginServer(api_pb2_grpc.DevicePluginServicer):
                 context,
                 "PreStartContainer",
                 grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"pre-start of {ids} did not finish within {budget:.1f} s",
+                f"pre-start of {allocation.format_ids(ids)} did not finish within {budget:.1f} s",
             )
         except Exception as exc:  # the hook's failure is the container's failure, reported by name
             self._log.exception("pre_start_failed", devices=ids)
             await self._abort(
-                context, "PreStartContainer", grpc.StatusCode.INTERNAL, f"pre-start of {ids} failed: {exc}"
+                context,
+                "PreStartContainer",
+                grpc.StatusCode.INTERNAL,
+                f"pre-start of {allocation.format_ids(ids)} failed: {shorten(str(exc), 300)}",
             )
         elapsed = time.monotonic() - started
         self._pre_start_seconds.observe(elapsed)

@@ -14,6 +14,7 @@ reports its registrations and device counts there (:mod:`plugvisor.common.notify
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -68,6 +69,13 @@ def _parse_options_json(text: str) -> dict[str, Any]:
     return data
 
 
+def _finite(param: click.Parameter, value: float) -> float:
+    """Refuse ``nan`` (click's ranges let it through: every comparison with it is false)."""
+    if math.isnan(value):
+        raise click.BadParameter("nan is not a number of seconds", param=param)
+    return value
+
+
 @click.command("plugin")
 @click.argument("kind")
 @click.option(
@@ -118,7 +126,8 @@ def _parse_options_json(text: str) -> dict[str, Any]:
 )
 @click.option(
     "--rescan-interval",
-    type=click.FloatRange(min=0.05),
+    type=click.FloatRange(min=0.05, max=86400),
+    callback=lambda _ctx, param, value: _finite(param, value),
     default=30.0,
     show_default=True,
     help="Seconds between safety-net rescans (changes under watched paths trigger one at once).",
@@ -179,6 +188,8 @@ def plugin_command(
     except pydantic.ValidationError as exc:
         click.echo(f"plugvisor plugin {kind}: invalid options\n{describe(exc, source=source_name)}", err=True)
         sys.exit(EXIT_USAGE)
+    if spec_root is not None and not spec_root.is_absolute():
+        raise click.BadParameter(f"{spec_root} must be an absolute path", param_hint="--spec-root")
     resource_name = resource or f"plugvisor.io/{kind}"
     host = HostPaths(root=host_root.absolute(), kubelet_dir=kubelet_dir.absolute(), spec_root=spec_root)
     _check_host(kind, host, resource_name)

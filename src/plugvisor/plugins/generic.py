@@ -148,8 +148,12 @@ class GenericSource:
             )
 
     def _matches(self, spec: PathSpec) -> list[Path]:
-        pattern = glob.escape(str(self.paths.root).rstrip("/")) + spec.path
-        # Path.glob cannot take an absolute pattern; the root is escaped, the user's glob is not.
+        # The static prefix is resolved inside the host root (a host's /dev -> /something must not
+        # lead to this process's own); the user's glob follows it. Path.glob cannot take an absolute
+        # pattern; the resolved prefix is escaped, the user's glob is not.
+        static = _static_prefix(spec.path)
+        rest = PurePosixPath(spec.path).relative_to(static)
+        pattern = glob.escape(str(self.paths.host(static)).rstrip("/")) + "/" + str(rest)
         return [Path(p) for p in sorted(glob.glob(pattern))]  # noqa: PTH207
 
     def unmatched_paths(self) -> list[str]:

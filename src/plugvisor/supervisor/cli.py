@@ -120,5 +120,9 @@ def export_supervisord_command(*, config_path: Path, output: Path | None) -> Non
     text = export_supervisord(config, source=str(config_path))
     if output is None:
         click.echo(text, nl=False)
-    else:
+        return
+    try:
         output.write_text(text)
+    except OSError as exc:
+        click.echo(f"plugvisor export supervisord: --output: cannot write {output}: {exc.strerror}", err=True)
+        sys.exit(EXIT_FAILURE)

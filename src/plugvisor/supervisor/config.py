@@ -27,7 +27,7 @@ import pydantic
 import pydantic_core
 
 from plugvisor.common import constants
-from plugvisor.common.hostpaths import host_root_problem, kubelet_dir_problem
+from plugvisor.common.hostpaths import host_root_problem, kubelet_dir_problem, writable_dir_problem
 from plugvisor.common.names import extended_resource_name_problem
 from plugvisor.common.sockets import longest_socket_path
 from plugvisor.common.validation import describe, shorten
@@ -280,10 +280,11 @@ def load_config(path: Path) -> NodeConfig:
 def load_node_config(path: Path) -> NodeConfig:
     """:func:`load_config`, then check that this node can run it (the agent's start and every reload).
 
-    The kubelet directory must be creatable and writable and the host root a
-    readable directory; otherwise every child would fail the same way, over and
-    over. Not part of :func:`load_config`: ``export`` and ``status`` may read a
-    file meant for another machine.
+    The kubelet and runtime directories must be creatable and writable and the
+    host root a directory; otherwise every child would fail the same way, over
+    and over, or the agent would die at start with a traceback. Not part of
+    :func:`load_config`: ``export`` and ``status`` may read a file meant for
+    another machine.
     """
     config = load_config(path)
     problems = [
@@ -294,6 +295,11 @@ def load_node_config(path: Path) -> NodeConfig:
         )
         if problem is not None
     ]
+    if not problems:  # only then create the runtime directory: a refused file leaves nothing behind
+        purpose = "the agent keeps its state file there"
+        runtime = writable_dir_problem(config.runtime_dir, purpose=purpose, mode=0o755)
+        if runtime is not None:
+            problems.append(f"{path}: supervisor.runtimeDir: {runtime}")
     if problems:
         raise ConfigError("\n".join(problems))
     return config

@@ -34,6 +34,7 @@ from prometheus_client.registry import Collector
 
 from plugvisor.supervisor import states
 from plugvisor.supervisor.child import CAUSES
+from plugvisor.supervisor.config import ConfigError
 
 MULTIPROC_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
 Snapshot = Callable[[], Mapping[str, Any]]
@@ -161,8 +162,13 @@ class HttpServer:
         return str(host), int(port)
 
     async def start(self) -> None:
-        """Bind and serve."""
-        self._server = await asyncio.start_server(self._handle, self._host, self._port)
+        """Bind and serve; a port in use or an address not on this host is a :class:`ConfigError`."""
+        try:
+            self._server = await asyncio.start_server(self._handle, self._host, self._port)
+        except OSError as exc:
+            raise ConfigError(
+                f"metrics.listen: cannot listen on {self._host}:{self._port}: {exc.strerror or exc}"
+            ) from None
         host, port = self.address
         self._log.info("metrics_listening", url=f"http://{host}:{port}/metrics")
 

@@ -72,7 +72,20 @@ class TestInvalid:
     def test_yaml_syntax_error_names_line(self, fs: FakeFilesystem) -> None:
         """A YAML syntax error names the file and the line."""
         fs.create_file("/p.yaml", contents="name: x\ngpus: [\n")
-        with pytest.raises(ProfileError, match=r"/p.yaml: not valid YAML at line \d+"):
+        with pytest.raises(ProfileError, match=r"/p.yaml: line \d+, column \d+: not valid YAML"):
+            load_profile("/p.yaml")
+
+    @pytest.mark.parametrize(
+        ("contents", "expected"),
+        [
+            (b"name: x\nname: y\ngpus: [{model: h100}]\n", r"line 2, column 1: .*duplicate key 'name'"),
+            (b"name: \xff\n", r"line 1, column 7: byte 0xff is not UTF-8"),
+        ],
+    )
+    def test_a_repeated_key_or_a_stray_byte_is_named(self, fs: FakeFilesystem, contents, expected) -> None:
+        """Strict reading: PyYAML alone keeps the last of two keys, and a stray byte was a traceback."""
+        fs.create_file("/p.yaml", contents=contents)
+        with pytest.raises(ProfileError, match=r"/p.yaml: " + expected):
             load_profile("/p.yaml")
 
     def test_missing_file(self, fs: FakeFilesystem) -> None:

@@ -169,3 +169,19 @@ class TestKindRegistry:
             kinds.KindLoadError, match=r"'broken' is registered as .*NOT_THERE but cannot be loaded"
         ):
             kinds.get_kind("broken")
+
+
+class TestHostRootConfinement:
+    def test_an_absolute_link_in_the_host_root_resolves_inside_it(self, fs):
+        fs.create_file("/realdev/fuse")  # this process's own: must never be handed out
+        fs.create_file(ROOT / "realdev/fuse")
+        fs.create_symlink(ROOT / "dev", "/realdev")
+        paths = HostPaths(root=ROOT, kubelet_dir=Path("/kubelet"))
+        devices = GenericSource(GenericOptions(paths=["/dev/fuse"]), paths).scan().devices
+        assert [s.host_path for d in devices.values() for s in d.specs] == ["/lab/realdev/fuse"]
+
+    def test_nothing_outside_the_host_root_matches(self, fs):
+        fs.create_file("/realdev/ttyUSB0")
+        fs.create_symlink(ROOT / "dev", "/realdev")
+        paths = HostPaths(root=ROOT, kubelet_dir=Path("/kubelet"))
+        assert len(GenericSource(GenericOptions(paths=["/dev/ttyUSB*"]), paths).scan().devices) == 0

@@ -18,6 +18,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from plugvisor.common.yamlfile import YamlFileError, read_yaml
 from plugvisor.emulators.lab import catalog, errors, majors
 
 _HEX32 = r"^[0-9a-f]{32}$"
@@ -246,17 +247,10 @@ def load_profile(path: str | Path) -> Profile:
     """Read and validate a profile file."""
     source = str(path)
     try:
-        raw = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise errors.ProfileError(source, [("", f"cannot read the file: {exc.strerror}")]) from None
-    try:
-        data = yaml.safe_load(raw)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        raise errors.ProfileError(
-            source, [("", f"not valid YAML{where}: {getattr(exc, 'problem', exc)}")]
-        ) from None
+        # Strict and bounded: UTF-8, no repeated key, no FIFO or huge file (plugvisor.common.yamlfile).
+        data = read_yaml(Path(path))
+    except YamlFileError as exc:
+        raise errors.ProfileError(source, [("", str(exc).removeprefix(f"{source}: "))]) from None
     return parse_profile(data, source=source)
 
 
