@@ -144,6 +144,11 @@ class TestStatus:
             result, f"{short_dir / 'state.json'} is not a plugvisor agent state file: {expected}"
         )
 
+    def test_a_state_file_that_is_a_fifo_does_not_block(self, short_dir):
+        os.mkfifo(short_dir / "state.json")
+        result = plugvisor("status", "--runtime-dir", str(short_dir), timeout=30)
+        assert_usage_error(result, "is not a plugvisor agent state file: not a regular file")
+
     def test_a_state_file_that_is_not_utf8(self, short_dir):
         (short_dir / "state.json").write_bytes(b'{"supervisor": {"pid": 1}, "x": "\xff"}')
         assert_usage_error(
@@ -234,3 +239,14 @@ class TestAgentStart:
             value,
         )
         assert_usage_error(result, "--rescan-interval")
+
+
+def test_a_path_with_a_line_break_cannot_inject_a_supervisord_program(short_dir):
+    config = short_dir / "node.yaml"
+    config.write_text(
+        'kubeletDir: "/tmp/d\\n[program:evil]\\ncommand=/bin/touch /tmp/pwned"\n'
+        "resources: [{name: example.com/null, kind: generic, paths: [/dev/null]}]\n"
+    )
+    result = plugvisor("export", "supervisord", "--config", str(config))
+    assert_usage_error(result, "kubeletDir: Value error", "contains a control character")
+    assert "[program:evil]" not in result.stdout

@@ -177,10 +177,13 @@ class NodeConfig(_Model):
 
 
 def _check_path(value: Path) -> None:
-    """An absolute path the kernel can open (no NUL byte, at most PATH_MAX bytes)."""
+    """An absolute path the kernel can open (no NUL, no control character, at most PATH_MAX bytes)."""
     text = str(value)
     if "\x00" in text:
         raise ValueError(f"{shorten(text)!r} contains a NUL byte")
+    if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in text):
+        # A line break in a path is a mistake, and would break out of an exported supervisord line.
+        raise ValueError(f"{shorten(text)!r} contains a control character (a line break?)")
     if len(os.fsencode(text)) > MAX_PATH_BYTES:
         raise ValueError(f"{shorten(text)!r} is longer than {MAX_PATH_BYTES} bytes (PATH_MAX)")
     if not value.is_absolute():

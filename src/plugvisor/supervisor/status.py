@@ -123,6 +123,8 @@ def agent_holds_lock(runtime_dir: Path, pid: int) -> bool:
 def read_state(runtime_dir: Path, *, now: float | None = None) -> dict[str, Any]:
     """The running agent's state, with uptimes as of ``now``; raises :class:`NoAgentError`."""
     path = runtime_dir / STATE_FILE
+    if path.exists() and not path.is_file():  # a FIFO would block the reader forever
+        raise BadStateError(f"{path} is not a plugvisor agent state file: not a regular file")
     try:
         document: dict[str, Any] = json.loads(path.read_text())
     except FileNotFoundError:

@@ -1,5 +1,6 @@
 """The fpga kind's names, options, scans of broken trees, PreStart and import boundary."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -206,6 +207,22 @@ class TestPreStart:
         src.pre_start_container(src.scan())
         assert (root / PORT / "errors/errors").read_text() == "0x10\n"
         assert (root / PORT / "ap1_event").read_text() == "1\n"
+
+    def test_a_fifo_or_a_link_in_place_of_an_event_attribute_fails_the_reset_without_blocking(
+        self, root, tmp_path
+    ):
+        from plugvisor.plugins.fpga.source import clear_port_events
+
+        event = root / PORT / "ap1_event"
+        event.unlink()
+        os.mkfifo(event)  # opening it for writing would wait for a reader forever
+        assert "cannot write ap1_event" in clear_port_events(root / PORT)
+        event.unlink()
+        outside = tmp_path / "outside"
+        outside.write_text("0\n")
+        event.symlink_to(outside)
+        assert "cannot write ap1_event" in clear_port_events(root / PORT)
+        assert outside.read_text() == "0\n"
 
     def test_xilinx_cards_run_only_the_command(self, root, tmp_path):
         marker = tmp_path / "m"

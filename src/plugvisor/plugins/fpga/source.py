@@ -263,7 +263,9 @@ def clear_port_events(port: Path) -> str | None:
         writes.append((port / "errors" / "errors", f"0x{errors:x}\n"))
     for path, value in writes:
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
+            # As reads (plugins.sysfs.read_bytes): an attribute is never a link, and a FIFO in its
+            # place must fail (ENXIO), not block PreStartContainer until someone reads it.
+            fd = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
             try:
                 os.write(fd, value.encode())
             finally:
