@@ -422,7 +422,7 @@ class Child:
                 else:
                     self.change_state(states.STOPPED)
                 return
-            self._back_off(cap=False)
+            self._back_off(cap=False, counts=not result.helper_fault)
             return
         self.spawn_error = None
         self.pid = result
@@ -434,10 +434,14 @@ class Child:
         else:
             self.change_state(states.STARTING)
 
-    def _back_off(self, *, cap: bool) -> None:
-        self.failures += 1
-        self.crash_looping = cap or self.policy.crash_looping(self.failures)
-        self.delay = self.policy.cap if cap else self.policy.delay(self.failures, rand=self._rand)
+    def _back_off(self, *, cap: bool, counts: bool = True) -> None:
+        if counts:
+            self.failures += 1
+            self.crash_looping = cap or self.policy.crash_looping(self.failures)
+            self.delay = self.policy.cap if cap else self.policy.delay(self.failures, rand=self._rand)
+        else:
+            # Not this child's failure (the fork server's): try again after the first step.
+            self.delay = self.policy.initial
         self.delay_until = self._clock.monotonic() + self.delay
         self.change_state(states.BACKOFF)
 

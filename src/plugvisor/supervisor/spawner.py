@@ -56,7 +56,15 @@ _log = structlog.get_logger("plugvisor.supervisor.spawner")
 
 
 class SpawnError(Exception):
-    """A child process could not be created (the message says why)."""
+    """A child process could not be created (the message says why).
+
+    ``helper_fault``: the fork server failed (died, hung, never became ready),
+    not anything about the child; such a failure counts against no child.
+    """
+
+    def __init__(self, message: str, *, helper_fault: bool = False) -> None:
+        super().__init__(message)
+        self.helper_fault = helper_fault
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,6 +286,7 @@ class _Helper:
         self.ready: asyncio.Future[dict[str, Any]] = loop.create_future()
         self.started: asyncio.Task[None] | None = None
         self.ready_at: float | None = None
+        self.lost = False
 
     def close_pipes(self) -> None:
         for stream in (self.proc.stdin, self.proc.stdout):
@@ -330,6 +339,8 @@ class ForkServerSpawner:
         self._next_id = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = False
+        self._opened = False
+        self._queued: list[tuple[ChildSpec, SpawnDone, bool]] = []
         self._young_deaths = 0
         self._replacement: asyncio.TimerHandle | None = None
         self.helpers_started = 0
@@ -347,6 +358,7 @@ class ForkServerSpawner:
         helper = self._start_helper()
         assert helper.started is not None
         await helper.started
+        self._opened = True
 
     def _start_helper(self) -> _Helper:
         argv = [sys.executable, "-m", "plugvisor.supervisor.forkserver", "--parent", str(os.getpid())]
@@ -373,11 +385,15 @@ class ForkServerSpawner:
             ready = await asyncio.wait_for(asyncio.shield(helper.ready), self._start_timeout)
         except (TimeoutError, SpawnError) as exc:
             self._helper_lost(helper, quiet=True)
+            if self._opened and not self._closing and self._helper is None and self._replacement is None:
+                self._schedule_replacement(helper)
             reason = "it did not answer in time" if isinstance(exc, TimeoutError) else str(exc)
-            raise SpawnError(f"the fork server did not start: {reason}") from None
+            raise SpawnError(helper_fault=True, message=f"the fork server did not start: {reason}") from None
         if ready.get("error"):
             self._helper_lost(helper, quiet=True)
-            raise SpawnError(f"the fork server did not start: {ready['error']}")
+            if self._opened and not self._closing and self._helper is None and self._replacement is None:
+                self._schedule_replacement(helper)
+            raise SpawnError(helper_fault=True, message=f"the fork server did not start: {ready['error']}")
         self.server_pid = helper.proc.pid
         helper.ready_at = time.monotonic()
         self.preload_seconds = round(helper.ready_at - started, 3)
@@ -399,6 +415,12 @@ class ForkServerSpawner:
         ident = message.get("id")
         pending = self._pending.pop(ident, None) if isinstance(ident, int) else None
         if pending is None:
+            pid = message.get("pid")
+            if isinstance(pid, int) and pid > 1:
+                # An answer to a spawn that already timed out: nobody tracks that process,
+                # so it must not run (it would register the resource behind our back).
+                _log.warning("forkserver_late_answer", id=ident, pid=pid, action="killed")
+                _signal_group(pid, signal.SIGKILL)
             return
         pending.timer.cancel()
         pid = message.get("pid")
@@ -416,17 +438,21 @@ class ForkServerSpawner:
 
     def _helper_lost(self, helper: _Helper, *, quiet: bool = False) -> None:
         """The helper's pipe closed (or it failed to start): forget it; spawns in flight go to a new one."""
+        if helper.lost:
+            # Once only: the second call would act on fd numbers that a newer helper may own by now.
+            return
+        helper.lost = True
         if self._helper is helper:
             self._helper = None
             self.server_pid = None
         with contextlib.suppress(RuntimeError, ValueError, OSError):
             asyncio.get_running_loop().remove_reader(helper.channel.fd)
         if helper.proc.returncode is None:
-            with contextlib.suppress(OSError):
-                helper.proc.kill()
+            # Its whole group: intermediates that have not answered yet go with it.
+            _signal_group(helper.proc.pid, signal.SIGKILL)
         helper.close_pipes()
         if not helper.ready.done():
-            helper.ready.set_exception(SpawnError("the fork server exited"))
+            helper.ready.set_exception(SpawnError(helper_fault=True, message="the fork server exited"))
             helper.ready.exception()  # retrieved: whoever awaits it gets it through the shield
         if not quiet:
             _log.warning(
@@ -440,7 +466,9 @@ class ForkServerSpawner:
             del self._pending[ident]
             pending.timer.cancel()
             if pending.retried:
-                pending.done(SpawnError("the fork server exited before answering, twice"))
+                pending.done(
+                    SpawnError(helper_fault=True, message="the fork server exited before answering, twice")
+                )
             else:
                 self._request(pending.spec, pending.done, retried=True)
         if not quiet and not self._closing and self._helper is None:
@@ -464,16 +492,23 @@ class ForkServerSpawner:
 
     def _replace(self) -> None:
         self._replacement = None
+        queued, self._queued = self._queued, []
         if self._closing or self._helper is not None:
+            for spec, done, retried in queued:
+                self._request(spec, done, retried=retried)
             return
         try:
             helper = self._start_helper()
         except SpawnError as exc:
             _log.error("forkserver_unavailable", error=str(exc))
+            for _, done, _ in queued:
+                done(SpawnError(str(exc), helper_fault=True))
             return
         assert helper.started is not None
         # Failures are logged (and the helper dropped) by _await_ready; nothing awaits this one.
         helper.started.add_done_callback(lambda task: task.cancelled() or task.exception())
+        for spec, done, retried in queued:
+            self._request(spec, done, retried=retried)
 
     def spawn(self, spec: ChildSpec, done: SpawnDone) -> None:
         """Ask the helper (started now if there is none) to fork a child running ``plugvisor <args>``."""
@@ -481,6 +516,11 @@ class ForkServerSpawner:
 
     def _request(self, spec: ChildSpec, done: SpawnDone, *, retried: bool) -> None:
         helper = self._helper
+        if helper is None and self._replacement is not None:
+            # A replacement is due after a delay (helpers keep dying young): wait for it
+            # rather than start helpers as fast as children ask.
+            self._queued.append((spec, done, retried))
+            return
         if helper is None:
             try:
                 helper = self._start_helper()
@@ -527,7 +567,18 @@ class ForkServerSpawner:
     def _timed_out(self, ident: int) -> None:
         pending = self._pending.pop(ident, None)
         if pending is not None:
-            pending.done(SpawnError(f"the fork server did not answer within {self._spawn_timeout:g} s"))
+            pending.done(
+                SpawnError(
+                    helper_fault=True,
+                    message=f"the fork server did not answer within {self._spawn_timeout:g} s",
+                )
+            )
+            helper = pending.helper
+            if helper is self._helper and self.server_pid == helper.proc.pid and not self._closing:
+                # A helper that does not answer is hung (stopped, stuck): it would time out
+                # every later spawn too. Replace it.
+                _log.warning("forkserver_hung", pid=helper.proc.pid, action="replaced")
+                self._helper_lost(helper)
 
     def _on_sigchld(self) -> None:
         self._collect()
@@ -569,6 +620,9 @@ class ForkServerSpawner:
             pending.timer.cancel()
             pending.done(SpawnError("the agent is stopping"))
         self._pending.clear()
+        for _, done, _ in self._queued:
+            done(SpawnError("the agent is stopping"))
+        self._queued.clear()
         helper, self._helper = self._helper, None
         if helper is None:
             return

@@ -117,7 +117,8 @@ def agent_holds_lock(runtime_dir: Path, pid: int) -> bool:
             recorded = handle.read(64).strip()
     except OSError:
         return False
-    return locked and recorded == str(pid)
+    # An empty file: the agent could not write its PID (a full disk); the lock still says it runs.
+    return locked and recorded in ("", str(pid))
 
 
 def read_state(runtime_dir: Path, *, now: float | None = None) -> dict[str, Any]:

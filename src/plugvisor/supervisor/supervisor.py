@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import glob
 import os
 import random
 import shutil
@@ -34,7 +35,7 @@ import structlog
 
 from plugvisor.common.constants import KUBELET_SOCKET_NAME
 from plugvisor.common.notify import STATUS_SOCKET_ENV
-from plugvisor.common.sockets import SOCKET_PREFIX, SOCKET_SUFFIX
+from plugvisor.common.sockets import SOCKET_PREFIX, SOCKET_SUFFIX, socket_prefix
 from plugvisor.supervisor import signals, states
 from plugvisor.supervisor import status as status_
 from plugvisor.supervisor.backoff import BackoffPolicy
@@ -85,12 +86,12 @@ class Supervisor:
         rand: Callable[[], float] = random.random,
         on_child_exit: Callable[[int], None] | None = None,
         socket_exists: Callable[[str], bool] | None = None,
-        remove_socket: Callable[[str], bool] | None = None,
+        sweep_sockets: Callable[[str], list[str]] | None = None,
     ) -> None:
         self.config = config
         self._socket_exists = socket_exists or (lambda name: (self.config.kubelet_dir / name).exists())
-        self._remove_socket = remove_socket or (
-            lambda name: remove_dead_socket(self.config.kubelet_dir / name)
+        self._sweep_sockets = sweep_sockets or (
+            lambda prefix: remove_stale_sockets(self.config.kubelet_dir, prefix)
         )
         self.spawner = spawner
         self.clock = clock
@@ -206,13 +207,15 @@ class Supervisor:
             self._on_child_exit(pid)
         child = self._by_pid(pid)
         if child is not None:
-            endpoint = child.endpoint
             child.on_exit(returncode)
             self.dirty = True
             # A process that died without stopping its server (SIGKILL, OOM) leaves its socket
-            # in the kubelet's directory; the name is unique to that process, so it goes now.
-            if endpoint is not None and self._remove_socket(endpoint):
-                _log.info("dead_socket_removed", resource=child.resource, socket=endpoint)
+            # in the kubelet's directory. Every socket of this resource that no process answers
+            # on is such a leftover (even one the process never got to report): they go now,
+            # before any new process of the resource can have bound its own.
+            removed = self._sweep_sockets(socket_prefix(child.resource))
+            if removed:
+                _log.info("dead_socket_removed", resource=child.resource, sockets=removed)
 
     def handle_report(self, pid: int, fields: Mapping[str, str]) -> None:
         """A status datagram from process ``pid``."""
@@ -353,8 +356,11 @@ def _socket_is_live(path: Path) -> bool:
     probe.settimeout(0.5)
     try:
         probe.connect(str(path))
-    except OSError:
+    except (ConnectionRefusedError, FileNotFoundError):
         return False
+    except OSError:
+        # A timeout or a full backlog: a process holds it and is slow to accept; not dead.
+        return True
     finally:
         probe.close()
     return True
@@ -371,8 +377,8 @@ def remove_dead_socket(path: Path) -> bool:
     return True
 
 
-def remove_stale_sockets(kubelet_dir: Path) -> list[str]:
-    """Delete ``plugvisor-*.sock`` files in the kubelet dir that no live process serves.
+def remove_stale_sockets(kubelet_dir: Path, prefix: str = SOCKET_PREFIX) -> list[str]:
+    """Delete ``<prefix>*.sock`` files in the kubelet dir that no live process serves.
 
     A supervisor that was SIGKILLed leaves its children's sockets behind; the
     kubelet ignores them, but operators and the next start should not have to.
@@ -380,7 +386,7 @@ def remove_stale_sockets(kubelet_dir: Path) -> list[str]:
     """
     removed = []
     with contextlib.suppress(OSError):
-        for path in sorted(kubelet_dir.glob(f"{SOCKET_PREFIX}*{SOCKET_SUFFIX}")):
+        for path in sorted(kubelet_dir.glob(f"{glob.escape(prefix)}*{SOCKET_SUFFIX}")):
             if remove_dead_socket(path):
                 removed.append(path.name)
     return removed
@@ -411,18 +417,23 @@ class RuntimeDirLock:
                         f"another plugvisor agent (pid {holder}) uses {self.path.parent}"
                     ) from None
                 time.sleep(0.01)
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"{os.getpid()}\n")
-        handle.flush()
         self._file = handle
+        try:
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"{os.getpid()}\n")
+            handle.flush()
+        except OSError as exc:
+            # The lock is what counts; the PID in it is for people (a full disk must not stop the agent).
+            _log.warning("pid_file_write_failed", file=str(self.path), error=exc.strerror or str(exc))
 
     def release(self) -> None:
         """Unlock and remove the file."""
         if self._file is not None:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
-            self._file.close()
+            with contextlib.suppress(OSError):
+                self._file.close()
             self._file = None
 
 

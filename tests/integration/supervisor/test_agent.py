@@ -370,3 +370,28 @@ async def test_a_full_runtime_directory_does_not_stop_the_supervising(
     )
     assert "state_write_recovered" in agent.log()
     assert await agent.stop() == 0
+
+
+async def test_an_agent_started_on_a_full_runtime_directory_still_registers_everything(
+    node, kubelet, agents, full_disk_runtime_dir
+):
+    """No space for its PID, state or metrics: the lock is what counts; status still finds the agent."""
+    fill(full_disk_runtime_dir)
+    node.write_config()
+    agent = await agents()
+    try:
+        await kubelet.wait_for(registered_all(EXPECTED), timeout=30)
+    except TimeoutError as exc:
+        raise AssertionError(agent.log()[-4000:]) from exc
+    assert agent.proc.returncode is None
+    assert "pid_file_write_failed" in agent.log()
+    (full_disk_runtime_dir / "filler").unlink()
+    await agent.wait_state(running_registered)
+    status = subprocess.run(
+        [sys.executable, "-m", "plugvisor", "status", "--runtime-dir", str(node.runtime_dir)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert await agent.stop() == 0

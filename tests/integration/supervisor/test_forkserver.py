@@ -6,6 +6,7 @@ server, and the supervisor reaps them and knows how each one ended.
 """
 
 import asyncio
+import contextlib
 import os
 import signal
 from pathlib import Path
@@ -22,7 +23,7 @@ def fork_server_of(node) -> int:
 
 
 async def replaced_fork_server(node, old: int) -> int:
-    for _ in range(500):
+    for _ in range(5000):
         found = [
             pid
             for pid in processes_of(node)
@@ -30,7 +31,7 @@ async def replaced_fork_server(node, old: int) -> int:
         ]
         if found:
             return found[0]
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(0.002)
     raise AssertionError("no new fork server was started")
 
 
@@ -94,4 +95,42 @@ async def test_a_killed_childs_socket_is_removed_when_it_is_reaped(node, kubelet
     assert socket_name not in node.sockets()
     assert others < set(node.sockets()), "the live children's sockets must stay"
     assert "dead_socket_removed" in agent.log()
+    assert await agent.stop() == 0
+
+
+async def test_a_hung_fork_server_is_replaced_and_leaves_no_stray_plugin(node, kubelet, agents):
+    """SIGSTOP the fork server, kill a child: the spawn times out, a new helper forks it, no stray runs."""
+    agent = await start_registered(node, kubelet, agents)
+    hung = fork_server_of(node)
+    os.kill(hung, signal.SIGSTOP)
+    try:
+        before = agent.children()
+        os.kill(before[SERIAL]["pid"], signal.SIGKILL)
+        await agent.wait_state(
+            lambda c: running_registered(c) and c[SERIAL]["pid"] != before[SERIAL]["pid"], timeout=60
+        )
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(hung, signal.SIGCONT)
+    await kubelet.wait_for(registered_all(EXPECTED))
+    assert "forkserver_hung" in agent.log()
+    assert agent.children()[SERIAL]["failures"] == 1, "the helper's hang counts against no child"
+    await asyncio.sleep(0.5)  # a stray fork from the old helper would show up by now
+    plugins = [pid for pid in processes_of(node) if Path(f"/proc/{pid}/comm").read_text().startswith("pv:")]
+    assert sorted(plugins) == sorted(c["pid"] for c in agent.children().values())
+    assert await agent.stop() == 0
+
+
+async def test_a_fork_server_killed_before_it_is_ready_does_not_stall_spawning(node, kubelet, agents):
+    """The replacement dies during its preload too: the one after it still gets the child forked."""
+    agent = await start_registered(node, kubelet, agents)
+    first = fork_server_of(node)
+    os.kill(first, signal.SIGKILL)
+    before = agent.children()
+    os.kill(before[SERIAL]["pid"], signal.SIGKILL)
+    second = await replaced_fork_server(node, first)
+    os.kill(second, signal.SIGKILL)  # within its preload (hundreds of milliseconds)
+    await agent.wait_state(
+        lambda c: running_registered(c) and c[SERIAL]["pid"] != before[SERIAL]["pid"], timeout=30
+    )
     assert await agent.stop() == 0

@@ -475,3 +475,40 @@ class TestKubeletRestartLog:
             supervisor.handle_kubelet_started(clock.wall() + 0.001)
         restart = [entry for entry in logs if entry["event"] == "kubelet_restart"]
         assert restart[0]["affected"] == sorted([GPU, NIC])
+
+
+class TestForkServerTrouble:
+    def test_a_spawn_the_fork_server_failed_counts_against_no_child(self, make_supervisor, spawner, clock):
+        """Died, hung, never ready: retried after the first step, with no failure counted."""
+        from plugvisor.supervisor.spawner import SpawnError
+
+        spawner.deferred = True
+        supervisor = make_supervisor(GPU)
+        _spec, done = spawner.waiting.pop(0)
+        done(SpawnError("the fork server did not answer within 10 s", helper_fault=True))
+        child = supervisor.children[GPU]
+        assert child.state is states.BACKOFF
+        assert child.failures == 0
+        assert child.restarts == {"spawn-error": 1}
+        clock.advance(child.delay)
+        supervisor.tick()
+        assert child.state is states.STARTING
+
+
+class TestDeadSockets:
+    def test_every_dead_socket_of_the_resource_goes_when_its_process_is_reaped(self, clock, spawner):
+        """Even one the process never got to report: the sweep is by the resource's socket prefix."""
+        from plugvisor.common.sockets import socket_prefix
+
+        swept: list[str] = []
+        supervisor = Supervisor(
+            node_config(GPU, NIC),
+            spawner=spawner,
+            clock=clock,
+            rand=lambda: 0.5,
+            socket_exists=lambda name: True,
+            sweep_sockets=lambda prefix: swept.append(prefix) or [],
+        )
+        supervisor.start()
+        crash(supervisor, spawner, GPU, returncode=-9)
+        assert swept == [socket_prefix(GPU)]
