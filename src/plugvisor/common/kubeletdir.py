@@ -93,23 +93,45 @@ class KubeletDirWatch:
             self._inotify.close()
             self._inotify = None
 
-    def _deliver(self, mask: Mask, name: str) -> None:
+    def _deliver(self, mask: Mask, name: str) -> bool:
+        """Deliver one event; returns whether the directory itself went away."""
         event = classify(mask, name)
         if event is None:
-            return
+            return False
         if event.change is DirChange.DIR_REMOVED:
             self._log.error("kubelet_dir_deleted", dir=str(self.kubelet_dir))
         elif event.change is DirChange.EVENTS_LOST:
             self._log.warning("kubelet_dir_events_lost", dir=str(self.kubelet_dir))
         self._on_event(event)
+        return event.change is DirChange.DIR_REMOVED
 
     async def run(self) -> None:
-        """Deliver events until cancelled (a burst is delivered without yielding in between)."""
-        inotify = self._inotify
-        if inotify is None:
+        """Deliver events until cancelled (a burst is delivered without yielding in between).
+
+        When the directory itself is deleted, its watch ends with it: the watch is
+        opened again on the directory as re-created (by us, as the kubelet would),
+        and a ``kubelet.sock`` already there is reported as created, so that no
+        later kubelet start goes unseen.
+        """
+        if self._inotify is None:
             raise RuntimeError("KubeletDirWatch.open() must be called before run()")
         while True:
+            inotify = self._inotify
+            removed = False
             event = await inotify.get()
-            self._deliver(event.mask, event.name.name if event.name else "")
+            removed |= self._deliver(event.mask, event.name.name if event.name else "")
             while (more := inotify.sync_get()) is not None:
-                self._deliver(more.mask, more.name.name if more.name else "")
+                removed |= self._deliver(more.mask, more.name.name if more.name else "")
+            if removed:
+                self._rearm()
+
+    def _rearm(self) -> None:
+        self.close()
+        try:
+            self.open()
+        except OSError as exc:
+            self._log.error("kubelet_dir_unwatchable", dir=str(self.kubelet_dir), error=str(exc))
+            raise
+        self._log.info("kubelet_dir_watched_again", dir=str(self.kubelet_dir))
+        if self.kubelet_socket.exists():
+            self._on_event(DirEvent(DirChange.KUBELET_SOCKET_CREATED, KUBELET_SOCKET_NAME))

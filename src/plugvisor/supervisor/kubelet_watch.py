@@ -35,22 +35,32 @@ class KubeletWatch:
         self._on_kubelet_started = on_kubelet_started
         self._on_socket_deleted = on_socket_deleted
         self._watch = KubeletDirWatch(kubelet_dir, self._on_event)
+        self._kubelet_inode: int | None = None
         self._task: asyncio.Task[None] | None = None
         self._log = structlog.get_logger("plugvisor.supervisor.kubelet_watch")
 
     def open(self) -> None:
         """Start watching (creating the directory as the kubelet would) on the running loop."""
         self._watch.open()
+        with contextlib.suppress(OSError):
+            self._kubelet_inode = self._watch.kubelet_socket.stat().st_ino
         self._task = asyncio.get_running_loop().create_task(self._watch.run(), name="kubelet-watch")
 
     def _on_event(self, event: DirEvent) -> None:
+        socket = self._watch.kubelet_socket
+        try:
+            inode: int | None = socket.stat().st_ino
+            changed: float | None = socket.stat().st_ctime
+        except OSError:
+            inode = changed = None
         if event.change is DirChange.KUBELET_SOCKET_CREATED:
-            socket = self._watch.kubelet_socket
-            try:
-                changed: float | None = socket.stat().st_ctime
-            except OSError:
-                changed = None
+            self._kubelet_inode = inode
             self._log.info("kubelet_started", socket=str(socket))
+            self._on_kubelet_started(changed)
+        elif event.change is DirChange.EVENTS_LOST and inode is not None and inode != self._kubelet_inode:
+            # Events were dropped and kubelet.sock is not the one we knew: a start we did not see.
+            self._kubelet_inode = inode
+            self._log.info("kubelet_started", socket=str(socket), seen="after lost events")
             self._on_kubelet_started(changed)
         elif event.change is DirChange.FILE_REMOVED and is_plugvisor_socket(event.name):
             self._on_socket_deleted(event.name)

@@ -395,3 +395,26 @@ async def test_an_agent_started_on_a_full_runtime_directory_still_registers_ever
     )
     assert status.returncode == 0, status.stdout + status.stderr
     assert await agent.stop() == 0
+
+
+async def test_a_deleted_kubelet_directory_is_watched_again(node, kubelet, agents):
+    """rm -rf of the device-plugins dir, then a kubelet restart: the agent sees the restart all the same."""
+    import shutil
+
+    agent = await start_registered(node, kubelet, agents)
+    shutil.rmtree(node.kubelet_dir)
+    deadline = asyncio.get_running_loop().time() + 10
+    while not node.kubelet_dir.is_dir():  # re-created by the watch, as the kubelet would
+        assert asyncio.get_running_loop().time() < deadline, agent.log()[-2000:]
+        await asyncio.sleep(0.02)
+    generation = kubelet.generation
+    await kubelet.restart()
+    await kubelet.wait_for(
+        lambda k: (
+            registered_all(EXPECTED)(k) and all(r.generation == generation + 1 for r in k.registrations[-3:])
+        ),
+        timeout=30,
+    )
+    await agent.wait_state(running_registered)
+    assert agent.state()["supervisor"]["kubelet_restarts"] == 1, agent.log()[-3000:]
+    assert await agent.stop() == 0
