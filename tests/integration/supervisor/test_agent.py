@@ -325,7 +325,7 @@ def full_disk_runtime_dir(node):
 
 def fill(directory) -> None:
     """Write until the file system says ENOSPC, in ever smaller pieces."""
-    fd = os.open(directory / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+    fd = os.open(directory / "filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
         for size in (65536, 4096, 512, 1):
             try:
@@ -355,10 +355,13 @@ async def test_a_full_runtime_directory_does_not_stop_the_supervising(
         except TimeoutError as exc:
             raise AssertionError(agent.log()[-6000:]) from exc
     await kubelet.wait_for(registered_all(EXPECTED))
-    agent.send(signal.SIGHUP)
-    await asyncio.sleep(0.5)
-    assert agent.proc.returncode is None, agent.log()[-3000:]
-    assert "state_write_failed" in agent.log()
+    fill(full_disk_runtime_dir)  # whatever the restarts freed
+    agent.send(signal.SIGHUP)  # a reload rewrites the state file: it cannot
+    deadline = asyncio.get_running_loop().time() + 30
+    while "state_write_failed" not in agent.log() or "reloaded" not in agent.log():
+        assert agent.proc.returncode is None, agent.log()[-3000:]
+        assert asyncio.get_running_loop().time() < deadline, agent.log()[-3000:]
+        await asyncio.sleep(0.05)
     assert "metrics_kept_local" in agent.log()
     (full_disk_runtime_dir / "filler").unlink()
     await agent.wait_state(
