@@ -28,6 +28,7 @@ from plugvisor.common.names import extended_resource_name_problem
 from plugvisor.common.notify import StatusReporter
 from plugvisor.deviceplugin import metrics
 from plugvisor.deviceplugin.cell import SnapshotCell
+from plugvisor.deviceplugin.device_monitor import DeviceDescriber, DeviceMonitor, MonitorConfig
 from plugvisor.deviceplugin.endpoint import PluginEndpoint
 from plugvisor.deviceplugin.errors import ConfigurationError, RegistrationRejectedError, SocketInUseError
 from plugvisor.deviceplugin.hooks import DeviceSource, Hooks, resolve_hooks
@@ -59,6 +60,7 @@ class PluginConfig:
     rescan_interval: float = 30.0
     register_timeout: float = 30.0
     on_kubelet_restart: KubeletRestartPolicy = "reregister"
+    monitoring: MonitorConfig = field(default_factory=MonitorConfig)
 
     def __post_init__(self) -> None:
         problem = extended_resource_name_problem(self.resource)
@@ -117,6 +119,17 @@ class DevicePluginRuntime:
             source, self.snapshot, rescan_interval=config.rescan_interval, resource=config.resource
         )
         self.registrations: SnapshotCell[Registration | None] = SnapshotCell(None)
+        self.monitor: DeviceMonitor | None = None
+        watch = config.monitoring
+        if watch.enabled:
+            self.monitor = DeviceMonitor(
+                config.resource,
+                self.snapshot,
+                source if isinstance(source, DeviceDescriber) else None,
+                watch,
+                pod_resources_socket=watch.pod_resources_socket
+                or default_pod_resources_socket(config.paths.kubelet_dir),
+            )
         self.endpoint: PluginEndpoint | None = None
         self._log = structlog.get_logger("plugvisor.plugin").bind(resource=config.resource)
 
@@ -149,6 +162,8 @@ class DevicePluginRuntime:
         release_watch = self._release_watch()
         if release_watch is not None:
             tasks.append(asyncio.create_task(release_watch.run(), name="release-watch"))
+        if self.monitor is not None:
+            tasks.append(asyncio.create_task(self.monitor.run(), name="monitor"))
         lifecycle = asyncio.create_task(self._serve_and_register(registrar), name="serve-and-register")
         stopper = asyncio.create_task(stop.wait(), name="stop")
         try:

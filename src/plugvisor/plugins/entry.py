@@ -24,7 +24,7 @@ import click
 import pydantic
 import structlog
 
-from plugvisor.common import constants
+from plugvisor.common import constants, monitoring
 from plugvisor.common.exitcodes import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
 from plugvisor.common.hostpaths import HostPaths, host_root_problem, kubelet_dir_problem
 from plugvisor.common.logs import configure_logging, log_options, quiet_grpc_core
@@ -135,7 +135,37 @@ def _finite(param: click.Parameter, value: float) -> float:
 @click.option(
     "--metrics-listen",
     metavar="HOST:PORT",
-    help="Serve this plugin's Prometheus metrics (the supervisor serves them for its children instead).",
+    help="Serve this plugin's Prometheus metrics, per-device ones included (the supervisor serves them "
+    "for its children instead).",
+)
+@click.option(
+    "--monitor-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    envvar=monitoring.MONITOR_DIR_ENV,
+    help="Write device reports there and share one PodResources poller with the other plugins using it "
+    "(how the agent runs its children) [env: PLUGVISOR_MONITOR_DIR].",
+)
+@click.option(
+    "--pod-resources-socket",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar=monitoring.POD_RESOURCES_SOCKET_ENV,
+    help="The kubelet's PodResources socket [default: pod-resources/kubelet.sock beside --kubelet-dir].",
+)
+@click.option(
+    "--pod-resources-interval",
+    type=click.FloatRange(min=0.1, max=3600),
+    envvar=monitoring.POD_RESOURCES_INTERVAL_ENV,
+    default=5.0,
+    show_default=True,
+    help="Seconds between PodResources List calls (who holds which device).",
+)
+@click.option(
+    "--telemetry-interval",
+    type=click.FloatRange(min=0.1, max=3600),
+    envvar=monitoring.TELEMETRY_INTERVAL_ENV,
+    default=10.0,
+    show_default=True,
+    help="Seconds between sysfs telemetry samples (AER, PCIe link, hwmon, network links).",
 )
 @log_options()
 def plugin_command(
@@ -152,6 +182,10 @@ def plugin_command(
     on_kubelet_restart: str,
     rescan_interval: float,
     metrics_listen: str | None,
+    monitor_dir: Path | None,
+    pod_resources_socket: Path | None,
+    pod_resources_interval: float,
+    telemetry_interval: float,
     log_level: str,
     log_format: str,
 ) -> None:
@@ -160,8 +194,9 @@ def plugin_command(
     When PLUGVISOR_STATUS_SOCKET names a unix datagram socket, the plugin reports its
     registrations and device counts there in sd_notify format.
     """
+    from plugvisor.deviceplugin.device_monitor import MonitorConfig
     from plugvisor.deviceplugin.errors import ConfigurationError
-    from plugvisor.deviceplugin.runtime import PluginConfig, run_plugin
+    from plugvisor.deviceplugin.runtime import DevicePluginRuntime, PluginConfig, run_plugin
 
     configure_logging(level=log_level, fmt="json" if log_format == "json" else "kv")
     try:
@@ -199,14 +234,31 @@ def plugin_command(
             host,
             rescan_interval=rescan_interval,
             on_kubelet_restart="exit" if on_kubelet_restart == "exit" else "reregister",
+            monitoring=MonitorConfig(
+                enabled=bool(metrics_listen or monitor_dir),
+                monitor_dir=None if monitor_dir is None else monitor_dir.absolute(),
+                pod_resources_socket=pod_resources_socket,
+                pod_resources_interval=pod_resources_interval,
+                telemetry_interval=telemetry_interval,
+            ),
         )
         source = plugin_kind.build(options, host, resource=resource_name)
     except ConfigurationError as exc:
         click.echo(f"plugvisor plugin {kind}: {exc}", err=True)
         sys.exit(EXIT_USAGE)
+    on_ready = None
     if metrics_listen:
         _serve_metrics(metrics_listen)
-    sys.exit(run_plugin(config, source))
+
+        def on_ready(runtime: DevicePluginRuntime) -> None:
+            from prometheus_client import REGISTRY
+
+            from plugvisor.common.device_metrics import DeviceCollector
+
+            if runtime.monitor is not None:
+                REGISTRY.register(DeviceCollector(runtime.monitor.view))
+
+    sys.exit(run_plugin(config, source, on_ready=on_ready))
 
 
 def _check_host(kind: str, host: HostPaths, resource: str) -> None:

@@ -71,7 +71,7 @@ def run_command(*, config_path: Path, log_level: str, log_format: str) -> None:
     help="Find the runtime directory from this configuration file (supervisor.runtimeDir).",
 )
 def status_command(*, as_json: bool, runtime_dir: Path | None, config_path: Path | None) -> None:
-    """Show each child: resource, state, PID, uptime, restarts, last exit cause, devices (healthy/total)."""
+    """Show each child (state, PID, uptime, restarts, last exit, devices) and who holds which device."""
     if runtime_dir is None and config_path is not None:
         try:
             runtime_dir = load_config(config_path).runtime_dir
@@ -88,6 +88,7 @@ def status_command(*, as_json: bool, runtime_dir: Path | None, config_path: Path
     except status_.NoAgentError as exc:
         click.echo(f"plugvisor status: {exc}", err=True)
         sys.exit(EXIT_FAILURE)
+    status_.attach_devices(document, runtime_dir)
     if as_json:
         click.echo(json.dumps(document, indent=2, sort_keys=True))
     else:

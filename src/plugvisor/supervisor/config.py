@@ -129,6 +129,23 @@ class SupervisorConfig(_Model):
         return value
 
 
+class MonitoringConfig(_Model):
+    """Per-device monitoring (docs/monitoring.md): who holds which device, and sysfs telemetry.
+
+    ``podResourcesSocket`` defaults to ``pod-resources/kubelet.sock`` beside the
+    kubelet directory. One child of the agent polls it every
+    ``podResourcesInterval`` seconds (the kubelet allows 100 calls/s for the
+    whole node); every child samples telemetry every ``telemetryInterval``.
+    """
+
+    enabled: bool = True
+    pod_resources_socket: Path | None = pydantic.Field(default=None, alias="podResourcesSocket")
+    pod_resources_interval: Annotated[
+        float, pydantic.Field(ge=0.1, le=3600, alias="podResourcesInterval")
+    ] = 5.0
+    telemetry_interval: Annotated[float, pydantic.Field(ge=0.1, le=3600, alias="telemetryInterval")] = 10.0
+
+
 class ResourceConfig(pydantic.BaseModel):
     """One ``resources`` entry: ``name`` and ``kind`` plus the kind's own keys (kept as written)."""
 
@@ -159,6 +176,7 @@ class NodeConfig(_Model):
     spec_root: Path | None = pydantic.Field(default=None, alias="specRoot")
     metrics: MetricsConfig | None = None
     supervisor: SupervisorConfig = SupervisorConfig()
+    monitoring: MonitoringConfig = MonitoringConfig()
     resources: Annotated[list[ResourceConfig], pydantic.Field(min_length=1)]
 
     @pydantic.field_validator("kubelet_dir", "host_root", "spec_root", mode="after")

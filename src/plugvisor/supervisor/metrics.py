@@ -6,6 +6,12 @@ Two sources, one endpoint:
   (state, restarts by cause, registrations and devices from the status
   datagrams, kubelet restarts seen). A collector rather than long-lived metric
   objects, so a resource removed by a reload simply disappears.
+- Per-device families (health and cause, owner pod/namespace/container,
+  identity, sysfs telemetry), rendered at scrape time from the reports the
+  children write to ``<runtimeDir>/monitor`` and the owners file the elected
+  child keeps (see :mod:`plugvisor.common.monitoring`): plain JSON files,
+  so the supervisor needs no gRPC for them, and series of a departed pod vanish
+  with it.
 - The children's own metrics (allocations, RPC latencies), in
   prometheus-client's multiprocess mode: the supervisor creates a fresh
   ``PROMETHEUS_MULTIPROC_DIR`` per run, hands it to every child, aggregates the
@@ -32,6 +38,7 @@ from prometheus_client import multiprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from plugvisor.common import device_metrics, monitoring
 from plugvisor.supervisor import states
 from plugvisor.supervisor.child import CAUSES
 from plugvisor.supervisor.config import ConfigError
@@ -117,9 +124,13 @@ class SupervisorCollector(Collector):
 class Metrics:
     """The registries behind ``/metrics``: the supervisor's and the children's (multiprocess)."""
 
-    def __init__(self, snapshot: Snapshot, *, multiproc_dir: Path | None) -> None:
+    def __init__(
+        self, snapshot: Snapshot, *, multiproc_dir: Path | None, monitor_dir: Path | None = None
+    ) -> None:
         self.own = prometheus_client.CollectorRegistry(auto_describe=False)
         self.own.register(SupervisorCollector(snapshot))
+        if monitor_dir is not None:
+            self.own.register(device_metrics.DeviceCollector(lambda: _device_view(snapshot, monitor_dir)))
         self.multiproc_dir = multiproc_dir
         self.children: prometheus_client.CollectorRegistry | None = None
         if multiproc_dir is not None:
@@ -138,6 +149,12 @@ class Metrics:
         if self.multiproc_dir is not None:
             with contextlib.suppress(OSError):
                 multiprocess.mark_process_dead(pid, str(self.multiproc_dir))  # type: ignore[no-untyped-call]
+
+
+def _device_view(snapshot: Snapshot, monitor_dir: Path) -> monitoring.View:
+    """The children's device reports (only those written by each resource's current process) and owners."""
+    live = {child["resource"]: child["pid"] for child in snapshot()["children"]}
+    return monitoring.directory_view(monitor_dir, live)
 
 
 Readiness = Callable[[], tuple[bool, str]]

@@ -19,10 +19,13 @@ import time
 from pathlib import Path
 from typing import Any, Final
 
+from plugvisor.common import monitoring
+
 STATE_FILE: Final = "state.json"
 PID_FILE: Final = "supervisor.pid"
 REPORT_SOCKET: Final = "status.sock"
 METRICS_DIR: Final = "prometheus"
+MONITOR_DIR: Final = "monitor"
 
 
 class NoAgentError(Exception):
@@ -152,6 +155,65 @@ def read_state(runtime_dir: Path, *, now: float | None = None) -> dict[str, Any]
     return document
 
 
+def attach_devices(document: dict[str, Any], runtime_dir: Path) -> dict[str, Any]:
+    """Add each child's devices (health, cause, holders) and the PodResources poller's state.
+
+    Read from the monitor directory the children write (``plugvisor.common.monitoring``);
+    a child whose report is missing or from an earlier process gets ``devices_detail: null``.
+    """
+    monitor_dir = runtime_dir / MONITOR_DIR
+    owners = monitoring.read_owners(monitor_dir)
+    holders = owners.holders if owners is not None else {}
+    for child in document.get("children", []):
+        report = monitoring.read_report(monitor_dir, child["resource"])
+        if report is None or not child.get("pid") or report.pid != child["pid"]:
+            child["devices_detail"] = None
+            continue
+        child["devices_detail"] = [
+            {
+                "id": device.id,
+                "healthy": device.healthy,
+                "cause": device.description.cause,
+                "numa_nodes": list(device.numa_nodes),
+                "pci_address": device.description.pci_address or None,
+                "holders": [
+                    {"namespace": h.namespace, "pod": h.pod, "container": h.container}
+                    for h in holders.get((child["resource"], device.id), ())
+                ],
+            }
+            for device in report.devices
+        ]
+    document["pod_resources"] = (
+        None
+        if owners is None
+        else {"up": owners.up, "error": owners.error, "last_success": owners.last_success, "pid": owners.pid}
+    )
+    return document
+
+
+def _device_lines(document: dict[str, Any]) -> list[str]:
+    """Held and unhealthy devices, one per line (free healthy ones are left out: there may be thousands)."""
+    rows = [("RESOURCE", "DEVICE", "HEALTH", "HELD BY (namespace/pod/container)")]
+    for child in document.get("children", []):
+        for device in child.get("devices_detail") or []:
+            held = ", ".join(f"{h['namespace']}/{h['pod']}/{h['container']}" for h in device["holders"])
+            if device["healthy"] and not held:
+                continue
+            health = "healthy" if device["healthy"] else f"unhealthy: {device['cause'] or 'unknown'}"
+            rows.append((child["resource"], device["id"], health, held or "-"))
+    lines: list[str] = []
+    pod_resources = document.get("pod_resources")
+    if pod_resources is not None and not pod_resources["up"]:
+        lines.append(f"PodResources unavailable ({pod_resources['error']}): holders as last seen")
+    if len(rows) == 1:
+        return lines
+    lines.append("devices held or unhealthy:")
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+    return lines
+
+
 def _duration(seconds: float | None) -> str:
     if seconds is None:
         return "-"
@@ -200,4 +262,5 @@ def render(document: dict[str, Any]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for row in rows:
         lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+    lines += _device_lines(document)
     return "\n".join(lines)

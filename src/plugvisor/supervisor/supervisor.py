@@ -33,6 +33,7 @@ from typing import IO, Any, Final
 
 import structlog
 
+from plugvisor.common import monitoring
 from plugvisor.common.constants import KUBELET_SOCKET_NAME
 from plugvisor.common.notify import STATUS_SOCKET_ENV
 from plugvisor.common.sockets import SOCKET_PREFIX, SOCKET_SUFFIX, socket_prefix
@@ -467,6 +468,13 @@ class Agent:
         env = {key: value for key, value in self._env.items() if key not in SYSTEMD_ENV}
         env[STATUS_SOCKET_ENV] = str(report_socket)
         env["PROMETHEUS_MULTIPROC_DIR"] = str(multiproc_dir)
+        watch = self.config.monitoring
+        if watch.enabled:
+            env[monitoring.MONITOR_DIR_ENV] = str(self.runtime_dir / status_.MONITOR_DIR)
+            env[monitoring.POD_RESOURCES_INTERVAL_ENV] = str(watch.pod_resources_interval)
+            env[monitoring.TELEMETRY_INTERVAL_ENV] = str(watch.telemetry_interval)
+            if watch.pod_resources_socket is not None:
+                env[monitoring.POD_RESOURCES_SOCKET_ENV] = str(watch.pod_resources_socket)
         return env
 
     def _make_spawner(self, env: Mapping[str, str]) -> Spawner:
@@ -543,6 +551,9 @@ class Agent:
         multiproc_dir = runtime_dir / status_.METRICS_DIR
         shutil.rmtree(multiproc_dir, ignore_errors=True)
         multiproc_dir.mkdir(mode=0o755)
+        monitor_dir = runtime_dir / status_.MONITOR_DIR
+        shutil.rmtree(monitor_dir, ignore_errors=True)
+        monitor_dir.mkdir(mode=0o755)
         report_path = runtime_dir / status_.REPORT_SOCKET
         spawner = await self._open_spawner(self._child_env(report_path, multiproc_dir))
         metrics: metrics_.Metrics | None = None
@@ -556,11 +567,16 @@ class Agent:
         )
         supervisor.config_source = None if self.config_path is None else str(self.config_path)
         self.supervisor = supervisor
-        metrics = metrics_.Metrics(supervisor.snapshot, multiproc_dir=multiproc_dir)
+        metrics = metrics_.Metrics(
+            supervisor.snapshot,
+            multiproc_dir=multiproc_dir,
+            monitor_dir=monitor_dir if self.config.monitoring.enabled else None,
+        )
         async with contextlib.AsyncExitStack() as cleanup:
             # Undone in reverse order: children first (should anything have failed), the
             # fork server, then the files.
             cleanup.callback(shutil.rmtree, multiproc_dir, ignore_errors=True)
+            cleanup.callback(shutil.rmtree, monitor_dir, ignore_errors=True)
             cleanup.callback(status_.remove_state, runtime_dir)
             cleanup.callback(self.notifier.close)
             cleanup.push_async_callback(spawner.close)

@@ -5,7 +5,9 @@ that rises, a GPU whose driver link and nodes vanish and whose config space
 reads all ones, a NIC whose ``operstate`` goes ``down`` (taking its VFs'
 links with it), an FPGA port whose ``afu_id`` reads all ``f``, a Xilinx card
 whose ``rom`` directory disappears (as after ``xbutil reset``), a PF whose VFs
-drop to zero (as after a PF driver reload). How a plugin reacts is the plugin's
+drop to zero (as after a PF driver reload), a PCIe link that trained below its
+capability (``current_link_*`` under ``max_link_*``), a GPU whose hwmon
+temperatures pass their critical limits. How a plugin reacts is the plugin's
 business; the lab only makes the tree tell the truth.
 
 ``heal`` undoes a fault. For AER that means the counters go back to zero: a real
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from plugvisor.emulators.lab import errors, fpga, gpu, kinds, nic
+from plugvisor.emulators.lab import errors, fpga, gpu, hwmon, kinds, nic, pci
 from plugvisor.emulators.lab.state import DeviceState, LabState
 
 
@@ -32,6 +34,8 @@ class FaultKind(StrEnum):
     AFU_ID_INVALID = fpga.AFU_ID_INVALID
     ROM_MISSING = fpga.ROM_MISSING
     VFS_RESET = nic.VFS_RESET
+    OVERHEAT = hwmon.OVERHEAT
+    LINK_DEGRADED = pci.LINK_DEGRADED
 
 
 _AER = {FaultKind.AER_FATAL: 0, FaultKind.AER_NONFATAL: 1, FaultKind.AER_CORRECTABLE: 2}

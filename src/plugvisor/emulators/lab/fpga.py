@@ -39,6 +39,7 @@ def _function(
         link_speed="8.0 GT/s PCIe",
         aer=dev.aer,
         config_readable=not fallen,
+        link_degraded=pci.LINK_DEGRADED in dev.faults,
         multifunction=len(dev.functions) > 1,
         extra=extra,
     )
@@ -212,7 +213,7 @@ class _FpgaKind:
 
     def faults(self, dev: DeviceState) -> tuple[str, ...]:
         flavor = catalog.FPGAS[dev.model].flavor
-        return (FALLEN_OFF_BUS, AFU_ID_INVALID if flavor == "dfl" else ROM_MISSING)
+        return (FALLEN_OFF_BUS, AFU_ID_INVALID if flavor == "dfl" else ROM_MISSING, pci.LINK_DEGRADED)
 
     def shared(self, state: LabState, devices: list[DeviceState]) -> kinds.Shared:
         out = kinds.Shared()

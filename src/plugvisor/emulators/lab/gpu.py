@@ -20,7 +20,7 @@ import hashlib
 import uuid
 from typing import Any
 
-from plugvisor.emulators.lab import catalog, kinds, majors, pci
+from plugvisor.emulators.lab import catalog, hwmon, kinds, majors, pci
 from plugvisor.emulators.lab.catalog import GpuModel
 from plugvisor.emulators.lab.pci import Bdf
 from plugvisor.emulators.lab.spec import Dir, File, Spec, add_link, add_node, text, virtual_device
@@ -238,6 +238,7 @@ def render(state: LabState, dev: DeviceState) -> Spec:
             link_speed=model.link_speed,
             aer=dev.aer,
             config_readable=not fallen,
+            link_degraded=pci.LINK_DEGRADED in dev.faults,
             extra=extra,
         ),
     )
@@ -257,6 +258,7 @@ def render(state: LabState, dev: DeviceState) -> Spec:
     else:
         assert dev.card is not None
         render_drm(spec, fn.path, fn.bdf, dev.card, lmem_bytes=model.lmem_bytes)
+        hwmon.render(spec, fn.path, dev.card, model.driver, overheat=hwmon.OVERHEAT in dev.faults)
     return spec
 
 
@@ -387,7 +389,9 @@ class _GpuKind:
         return catalog.GPUS[dev.model].identity
 
     def faults(self, dev: DeviceState) -> tuple[str, ...]:
-        return (FALLEN_OFF_BUS,)
+        if catalog.GPUS[dev.model].driver == "amdgpu":  # the lab's GPUs with hwmon temperatures
+            return (FALLEN_OFF_BUS, pci.LINK_DEGRADED, hwmon.OVERHEAT)
+        return (FALLEN_OFF_BUS, pci.LINK_DEGRADED)
 
     def shared(self, state: LabState, devices: list[DeviceState]) -> kinds.Shared:
         out = kinds.Shared()

@@ -118,6 +118,7 @@ def render_pf(state: LabState, dev: DeviceState) -> Spec:
             iommu_group=fn.iommu_group,
             link_speed=model.link_speed,
             aer=dev.aer,
+            link_degraded=pci.LINK_DEGRADED in dev.faults,
             multifunction=address.function > 0 or _ports(state, dev) > 1,
             extra=extra,
         ),
@@ -272,7 +273,7 @@ class _NicKind:
 
     def faults(self, dev: DeviceState) -> tuple[str, ...]:
         if dev.kind is DeviceKind.NIC_PF:
-            return (LINK_DOWN, VFS_RESET)
+            return (LINK_DOWN, VFS_RESET, pci.LINK_DEGRADED)
         return (LINK_DOWN,) if dev.netdev else ()
 
     def shared(self, state: LabState, devices: list[DeviceState]) -> kinds.Shared:

@@ -111,6 +111,8 @@ class Function:
     aer: tuple[int, int, int] = (0, 0, 0)
     """Fatal, non-fatal and correctable error counts."""
     config_readable: bool = True
+    link_degraded: bool = False
+    """The link trained below its capability: current speed one generation down, half the lanes."""
     multifunction: bool = False
     extra: dict[str, str] = field(default_factory=dict)
     """More attributes of this function (``sriov_*``, ``user_pf``, ...)."""
@@ -155,6 +157,24 @@ def _aer_text(names: tuple[str, ...], first: int, total_name: str, count: int) -
     return File(("\n".join(lines) + "\n").encode())
 
 
+LINK_DEGRADED = "link-degraded"
+LINK_SPEEDS = (
+    "2.5 GT/s PCIe",
+    "5.0 GT/s PCIe",
+    "8.0 GT/s PCIe",
+    "16.0 GT/s PCIe",
+    "32.0 GT/s PCIe",
+    "64.0 GT/s PCIe",
+)
+"""``current_link_speed`` values the kernel prints (``PCIE_SPEED2STR``), slowest first."""
+
+
+def degraded_link(fn: Function) -> tuple[str, int]:
+    """What a badly trained link reads: one speed generation lower (at least 2.5 GT/s), half the lanes."""
+    index = LINK_SPEEDS.index(fn.link_speed) if fn.link_speed in LINK_SPEEDS else 1
+    return LINK_SPEEDS[max(index - 1, 0)], max(fn.link_width // 2, 1)
+
+
 def render_function(spec: Spec, fn: Function) -> None:
     """Add one PCI function (its directory, attributes and links) to ``spec``."""
     ident = fn.identity
@@ -171,8 +191,9 @@ def render_function(spec: Spec, fn: Function) -> None:
     spec[f"{p}/numa_node"] = text(fn.numa_node)
     spec[f"{p}/local_cpulist"] = text(fn.cpulist)
     spec[f"{p}/enable"] = File(b"1\n" if fn.driver else b"0\n", 0o644)
-    spec[f"{p}/current_link_speed"] = text(fn.link_speed)
-    spec[f"{p}/current_link_width"] = text(fn.link_width)
+    current_speed, current_width = degraded_link(fn) if fn.link_degraded else (fn.link_speed, fn.link_width)
+    spec[f"{p}/current_link_speed"] = text(current_speed)
+    spec[f"{p}/current_link_width"] = text(current_width)
     spec[f"{p}/max_link_speed"] = text(fn.link_speed)
     spec[f"{p}/max_link_width"] = text(fn.link_width)
     spec[f"{p}/irq"] = text(0)

@@ -13,10 +13,11 @@ from typing import Any, Final
 import structlog
 
 from plugvisor.common.hostpaths import HostPaths
+from plugvisor.common.monitoring import DeviceDescription, Reading
 from plugvisor.deviceplugin.devices import Device, DeviceSpec, Health
 from plugvisor.deviceplugin.hooks import ReleaseWatch
 from plugvisor.deviceplugin.snapshot import Snapshot
-from plugvisor.plugins import sysfs
+from plugvisor.plugins import sysfs, telemetry
 from plugvisor.plugins.fpga import naming
 from plugvisor.plugins.fpga.discovery import FpgaDevice, FpgaScanner
 from plugvisor.plugins.fpga.options import FpgaOptions, Mode, PreStartAction
@@ -106,6 +107,7 @@ class FpgaSource:
         self.scanner = FpgaScanner(options, paths)
         self._log = structlog.get_logger("plugvisor.plugins.fpga").bind(resource=resource)
         self._problems = sysfs.ProblemLog(self._log)
+        self._telemetry = telemetry.TelemetryLog(self._log)
 
     # -- discovery -----------------------------------------------------------------
 
@@ -151,6 +153,31 @@ class FpgaSource:
     def uevent_subsystems(self) -> tuple[str, ...]:
         """Rescan on real nodes when the kernel announces PCI, FPGA region or DFL changes."""
         return ("pci", "fpga_region", "dfl")
+
+    def describe(self, snapshot: Snapshot[FpgaScan]) -> Mapping[str, DeviceDescription]:
+        """Monitoring: PCI address, interface and AFU IDs (or shell), health cause, AER, PCIe link, hwmon."""
+        known = snapshot.data
+        devices = snapshot.devices
+        per_function: dict[str, list[Reading]] = {}
+        described: dict[str, DeviceDescription] = {}
+        for device_id in devices:
+            device = known.get(device_id)
+            if device is None:
+                continue
+            bdf = device.function.bdf
+            if bdf not in per_function:
+                per_function[bdf] = telemetry.pci_readings(bdf, device.function.path, self._telemetry)
+            described[device_id] = DeviceDescription(
+                kind="fpga",
+                pci_address=bdf,
+                identity=telemetry.identity(
+                    interface_id=device.interface_id or device.shell, afu_id=device.afu_id
+                ),
+                cause=telemetry.first_problem_text(device.problems),
+                cause_code=telemetry.cause_code(device.problems),
+                readings=per_function[bdf],
+            )
+        return described
 
     # -- PreStartContainer -----------------------------------------------------------
 

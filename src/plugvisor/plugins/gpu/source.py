@@ -9,10 +9,11 @@ from typing import Final
 import structlog
 
 from plugvisor.common.hostpaths import HostPaths
+from plugvisor.common.monitoring import DeviceDescription, Reading
 from plugvisor.deviceplugin.devices import Device, DeviceSpec, Health
 from plugvisor.deviceplugin.hooks import ContainerAllocation
 from plugvisor.deviceplugin.snapshot import Snapshot
-from plugvisor.plugins import sysfs, topology
+from plugvisor.plugins import sysfs, telemetry, topology
 from plugvisor.plugins.gpu import cdi
 from plugvisor.plugins.gpu.discovery import Gpu, GpuScanner
 from plugvisor.plugins.gpu.options import GpuOptions, IdStrategy
@@ -29,17 +30,20 @@ class GpuScan:
     describes, so every request against one snapshot shares it.
     """
 
-    __slots__ = ("_index", "cdi_devices", "cdi_shared", "placements")
+    __slots__ = ("_index", "cdi_devices", "cdi_shared", "gpus", "placements")
 
     def __init__(
         self,
         placements: Mapping[str, topology.Placement],
         cdi_devices: Mapping[str, tuple[cdi.Node, ...]],
         cdi_shared: tuple[cdi.Node, ...],
+        gpus: Mapping[str, Gpu] | None = None,
     ) -> None:
         self.placements = placements
         self.cdi_devices = cdi_devices
         self.cdi_shared = cdi_shared
+        self.gpus: Mapping[str, Gpu] = gpus or {}
+        """Each device's GPU as read (path, UUID, problems): what monitoring describes."""
         self._index: topology.TopologyIndex | None = None
 
     @property
@@ -52,10 +56,11 @@ class GpuScan:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, GpuScan):
             return NotImplemented
-        return (self.placements, self.cdi_devices, self.cdi_shared) == (
+        return (self.placements, self.cdi_devices, self.cdi_shared, self.gpus) == (
             other.placements,
             other.cdi_devices,
             other.cdi_shared,
+            other.gpus,
         )
 
     def __hash__(self) -> int:
@@ -77,6 +82,7 @@ class GpuSource:
         self.scanner = GpuScanner(options, paths)
         self._log = structlog.get_logger("plugvisor.plugins.gpu").bind(resource=resource)
         self._problems = sysfs.ProblemLog(self._log)
+        self._telemetry = telemetry.TelemetryLog(self._log)
 
     # -- discovery -----------------------------------------------------------------
 
@@ -98,6 +104,7 @@ class GpuSource:
         control = self.scanner.control_nodes(sorted({g.function.vendor for g in gpus}))
         devices: list[Device] = []
         placements: dict[str, topology.Placement] = {}
+        by_id: dict[str, Gpu] = {}
         cdi_devices: dict[str, tuple[cdi.Node, ...]] = {}
         shared = tuple(self._cdi_node(n) for n in control)
         used: set[str] = set()
@@ -130,12 +137,37 @@ class GpuSource:
                     )
                 )
                 placements[device_id] = placement
+                by_id[device_id] = gpu
         watch = {self.paths.sysfs / sysfs.PCI_DEVICES, self.paths.devfs, self.paths.devfs / "dri"}
         watch.add(self.paths.procfs / "driver/nvidia/gpus")
         for gpu in gpus:
             watch.add(gpu.function.path)
             watch.add(gpu.function.path / "drm")
-        return Snapshot(devices, watch=sorted(watch, key=str), data=GpuScan(placements, cdi_devices, shared))
+        return Snapshot(
+            devices, watch=sorted(watch, key=str), data=GpuScan(placements, cdi_devices, shared, by_id)
+        )
+
+    def describe(self, snapshot: Snapshot[GpuScan]) -> Mapping[str, DeviceDescription]:
+        """Monitoring: PCI address, UUID, health cause, AER, PCIe link and hwmon sensors (once per GPU)."""
+        gpus = snapshot.data.gpus
+        devices = snapshot.devices
+        readings: dict[str, tuple[Reading, ...]] = {}
+        described: dict[str, DeviceDescription] = {}
+        for device_id in devices:
+            gpu = gpus.get(device_id)
+            if gpu is None:
+                continue
+            if gpu.bdf not in readings:
+                readings[gpu.bdf] = tuple(telemetry.pci_readings(gpu.bdf, gpu.function.path, self._telemetry))
+            described[device_id] = DeviceDescription(
+                kind="gpu",
+                pci_address=gpu.bdf,
+                identity=telemetry.identity(uuid=gpu.uuid),
+                cause=telemetry.first_problem_text(gpu.problems),
+                cause_code=telemetry.cause_code(gpu.problems),
+                readings=readings[gpu.bdf],
+            )
+        return described
 
     def _physical_id(self, gpu: Gpu) -> str:
         strategy = self.options.device_id_strategy

@@ -21,18 +21,20 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Final
 
 import structlog
 
 from plugvisor.common.hostpaths import HostPaths
+from plugvisor.common.monitoring import DeviceDescription, Reading
 from plugvisor.deviceplugin.devices import Device, DeviceSpec, Health
 from plugvisor.deviceplugin.hooks import ContainerAllocation
 from plugvisor.deviceplugin.snapshot import Snapshot
-from plugvisor.plugins import sysfs
+from plugvisor.plugins import sysfs, telemetry
 from plugvisor.plugins.nic.options import NicOptions
 
 VFIO_DRIVER: Final = "vfio-pci"
@@ -55,6 +57,15 @@ class PhysicalFunction:
     problems: tuple[str, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class ScannedVf:
+    """What monitoring needs of one VF from the scan that listed it (the snapshot's data, by VF address)."""
+
+    path: Path
+    pf: PhysicalFunction
+    problems: tuple[str, ...]
+
+
 class NicSource:
     """Device source for SR-IOV VFs (the ``nic`` kind); a post-allocate hook adds the ``_INFO`` variable."""
 
@@ -73,6 +84,7 @@ class NicSource:
         self._aer = [k.value for k in options.aer_unhealthy]
         self._log = structlog.get_logger("plugvisor.plugins.nic").bind(resource=resource)
         self._problems = sysfs.ProblemLog(self._log)
+        self._telemetry = telemetry.TelemetryLog(self._log)
 
     # -- discovery -----------------------------------------------------------------
 
@@ -124,13 +136,14 @@ class NicSource:
         vfs.sort()
         return vfs
 
-    def scan(self) -> Snapshot[None]:
+    def scan(self) -> Snapshot[Mapping[str, ScannedVf]]:
         """Read every PF's VFs that the selectors match; one device per VF, health included."""
         addresses = sysfs.pci_addresses(self.paths.sysfs)
         if isinstance(addresses, sysfs.Unreadable):
             addresses = []
         devices: list[Device] = []
         seen: list[str] = []
+        found: dict[str, ScannedVf] = {}
         watch = {self.paths.sysfs / sysfs.PCI_DEVICES, self.paths.devfs / "vfio"}
         for pf in self._physical_functions(addresses):
             watch.add(pf.path)
@@ -140,13 +153,15 @@ class NicSource:
                 if self._addresses is not None and vf_bdf not in self._addresses:
                     continue
                 seen.append(vf_bdf)
-                device = self._device(pf, vf_bdf, watch)
+                device = self._device(pf, vf_bdf, watch, found)
                 if device is not None:
                     devices.append(device)
         self._problems.forget_absent(seen)
-        return Snapshot(devices, watch=sorted(watch, key=str))
+        return Snapshot(devices, watch=sorted(watch, key=str), data=MappingProxyType(found))
 
-    def _device(self, pf: PhysicalFunction, bdf: str, watch: set[Path]) -> Device | None:
+    def _device(
+        self, pf: PhysicalFunction, bdf: str, watch: set[Path], found: dict[str, ScannedVf]
+    ) -> Device | None:
         vf = sysfs.read_function(self.paths.sysfs, bdf)
         if isinstance(vf, sysfs.Unreadable):
             self._problems.report(bdf, str(vf), skipped=True)
@@ -181,6 +196,7 @@ class NicSource:
                 if link is not None:
                     problems.append(link)
         self._problems.report(bdf, "; ".join(problems) or None)
+        found[bdf] = ScannedVf(vf.path, pf, tuple(problems))
         numa = None if self.options.exclude_topology else vf.numa_node
         return Device(
             bdf,
@@ -193,6 +209,41 @@ class NicSource:
     def _node_problems(self, *nodes: Path) -> list[str]:
         found = ((node, sysfs.node_problem(node)) for node in nodes)
         return [f"device node {self.paths.for_kubelet(n)} {problem}" for n, problem in found if problem]
+
+    def describe(self, snapshot: Snapshot[Mapping[str, ScannedVf]]) -> Mapping[str, DeviceDescription]:
+        """Monitoring: VF address, its PF, health cause, the VF's AER, the PF's PCIe link, PF and VF links.
+
+        A VF has no PCIe link of its own: the physical link (speed, width,
+        degraded) is its PF's, read once per PF.
+        """
+        vfs = snapshot.data
+        devices = snapshot.devices
+        per_pf: dict[str, list[Reading]] = {}
+        described: dict[str, DeviceDescription] = {}
+        for bdf in devices:
+            known = vfs.get(bdf)
+            if known is None:
+                continue
+            path, pf, problems = known.path, known.pf, known.problems
+            if pf.bdf not in per_pf:
+                per_pf[pf.bdf] = [
+                    *telemetry.link_readings(pf.bdf, pf.path, self._telemetry),
+                    *telemetry.netdev_readings(pf.bdf, pf.path, "pf", self._telemetry),
+                ]
+            readings = [
+                *telemetry.aer_readings(bdf, path, self._telemetry),
+                *per_pf[pf.bdf],
+                *telemetry.netdev_readings(bdf, path, "vf", self._telemetry),
+            ]
+            described[bdf] = DeviceDescription(
+                kind="nic",
+                pci_address=bdf,
+                identity=telemetry.identity(pf=pf.bdf, interface=pf.ifname),
+                cause=telemetry.first_problem_text(problems),
+                cause_code=telemetry.cause_code(problems),
+                readings=readings,
+            )
+        return described
 
     def _vfio_node(self, path: Path) -> Path | str:
         group = sysfs.link_name(path / "iommu_group")

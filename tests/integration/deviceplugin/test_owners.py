@@ -1,0 +1,162 @@
+"""The PodResources poller on real sockets: missing, slow, rate-limited endpoints; one poller per agent."""
+
+import asyncio
+import time
+
+import grpc
+import structlog
+from plugvisor.deviceplugin.hostpaths import HostPaths
+
+from plugvisor.api.podresources.v1 import api_pb2, api_pb2_grpc
+from plugvisor.common import device_metrics, monitoring
+from plugvisor.deviceplugin.device_monitor import MonitorConfig
+from plugvisor.deviceplugin.devices import Device
+from plugvisor.deviceplugin.owners import OwnerWatch
+from plugvisor.deviceplugin.runtime import DevicePluginRuntime, PluginConfig
+from plugvisor.deviceplugin.snapshot import Snapshot
+from plugvisor.emulators.kubelet import EmulatedKubelet
+
+RESOURCE = "example.com/widget"
+
+
+class Widgets:
+    def scan(self) -> Snapshot:
+        return Snapshot(Device(f"w{i}") for i in range(3))
+
+    def describe(self, snapshot: Snapshot):
+        return {
+            i: monitoring.DeviceDescription(kind="widget", pci_address=f"0000:0{i[1]}:00.0")
+            for i in snapshot.devices
+        }
+
+
+def unavailable_lines(logs):
+    return [entry for entry in logs if entry["event"] == "pod_resources_unavailable"]
+
+
+async def test_a_missing_socket_is_said_once_and_never_dialled(short_dir):
+    watch = OwnerWatch(socket=short_dir / "nowhere.sock", interval=0.05)
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(5):
+            await watch.poll_once()
+    owners = watch.owners.value
+    assert not owners.up
+    assert owners.error.startswith("missing:")
+    assert owners.calls_failed == 0  # nothing was called
+    (line,) = unavailable_lines(logs)
+    assert line["condition"] == "missing"
+
+
+class SlowLister(api_pb2_grpc.PodResourcesListerServicer):
+    async def List(self, request, context):
+        await asyncio.sleep(5)
+        return api_pb2.ListPodResourcesResponse()
+
+
+async def test_a_slow_endpoint_times_out_each_call_and_is_said_once(short_dir):
+    socket = short_dir / "slow.sock"
+    server = grpc.aio.server()
+    api_pb2_grpc.add_PodResourcesListerServicer_to_server(SlowLister(), server)
+    server.add_insecure_port(f"unix:{socket}")
+    await server.start()
+    try:
+        watch = OwnerWatch(socket=socket, interval=0.05, timeout=0.2)
+        with structlog.testing.capture_logs() as logs:
+            for _ in range(3):
+                assert await watch.poll_once() == 1
+        (line,) = unavailable_lines(logs)
+        assert line["condition"] == "slow"
+        assert watch.owners.value.calls_failed == 3
+    finally:
+        await server.stop(0)
+
+
+async def test_rate_limiting_backs_off_keeps_the_owners_and_recovers(short_dir):
+    kubelet = EmulatedKubelet(
+        short_dir / "dp", write_view=False, pod_resources_qps=0.0001, pod_resources_burst=1
+    )
+    await kubelet.start()
+    try:
+        watch = OwnerWatch(socket=kubelet.pod_resources_socket, interval=0.05)
+        with structlog.testing.capture_logs() as logs:
+            assert await watch.poll_once() == 1  # the burst allows one
+            assert watch.owners.value.up
+            factors = [await watch.poll_once(1)]
+            for _ in range(4):
+                factors.append(await watch.poll_once(factors[-1]))
+        assert factors == [2, 4, 8, 8, 8]  # doubling, capped
+        (line,) = unavailable_lines(logs)
+        assert line["condition"] == "rate-limited"
+        owners = watch.owners.value
+        assert not owners.up and owners.last_success is not None and owners.calls_ok == 1
+    finally:
+        await kubelet.stop()
+
+
+async def test_device_metrics_go_on_without_pod_resources(short_dir):
+    """Without PodResources a plugin still reports every device and says once why owners are absent."""
+    kubelet = EmulatedKubelet(short_dir / "dp", write_view=False, pod_resources=False)
+    await kubelet.start()
+    config = PluginConfig(
+        RESOURCE,
+        HostPaths(root=short_dir, kubelet_dir=kubelet.socket_dir),
+        monitoring=MonitorConfig(enabled=True, pod_resources_interval=0.05, telemetry_interval=0.05),
+    )
+    runtime = DevicePluginRuntime(config, Widgets())
+    stop = asyncio.Event()
+    with structlog.testing.capture_logs() as logs:
+        task = asyncio.create_task(runtime.run(stop))
+        try:
+            assert runtime.monitor is not None
+            deadline = time.monotonic() + 20
+            while True:
+                report = runtime.monitor.report.value
+                if report is not None and len(report.devices) == 3:
+                    break
+                assert time.monotonic() < deadline, "no device report"
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.3)  # several more polls: still one line
+            text = b"".join(
+                f"{m.name} {s.labels} {s.value}\n".encode()
+                for m in device_metrics.collect(runtime.monitor.view())
+                for s in m.samples
+            ).decode()
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 10)
+            await kubelet.stop()
+    assert text.count("plugvisor_device_healthy ") == 3
+    assert "'pci_address': '0000:00:00.0'" in text
+    assert "plugvisor_pod_resources_up {} 0.0" in text
+    assert len(unavailable_lines(logs)) == 1
+
+
+async def test_one_process_polls_for_the_whole_agent_and_another_takes_over(short_dir):
+    """Two watchers sharing a monitor directory: one calls the kubelet, the other reads its file."""
+    kubelet = EmulatedKubelet(short_dir / "dp", write_view=False)
+    await kubelet.start()
+    monitor_dir = short_dir / "monitor"
+    monitor_dir.mkdir()
+    first = OwnerWatch(socket=kubelet.pod_resources_socket, interval=0.05, monitor_dir=monitor_dir)
+    second = OwnerWatch(socket=kubelet.pod_resources_socket, interval=0.05, monitor_dir=monitor_dir)
+    leader = asyncio.create_task(first.run())
+    follower = asyncio.create_task(second.run())
+    try:
+        await wait_for(lambda: first.leader and second.owners.value.calls_ok >= 2)
+        assert not second.leader
+        leader.cancel()  # the poller goes away: its lock with it
+        await asyncio.gather(leader, return_exceptions=True)
+        calls = second.owners.value.calls_ok
+        await wait_for(lambda: second.leader and second.owners.value.calls_ok > calls + 1)
+    finally:
+        for task in (leader, follower):
+            task.cancel()
+        await asyncio.gather(leader, follower, return_exceptions=True)
+        await kubelet.stop()
+
+
+async def wait_for(predicate, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.02)
