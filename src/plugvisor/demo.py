@@ -2,12 +2,15 @@
 
 Everything is real except the hardware and the kubelet. The hardware lab writes
 a ``dgx-like`` tree (8 GPUs two per PCIe switch on two NUMA nodes, FPGAs, SR-IOV
-NICs); the emulated kubelet applies the real kubelet's rules; ``plugvisor run``
-supervises one plugin process per resource, each serving gRPC on its own unix
-socket. The story: devices appear, a pod asks for two GPUs and gets a
-switch-local pair, a GPU faults and heals, a plugin process is SIGKILLed, the
-kubelet restarts, VFs are added. Every figure printed is measured as it happens.
-Nothing needs privileges and nothing is left behind.
+NICs), with AMD Instinct-like GPUs because their driver reports temperatures
+through hwmon (NVIDIA's exposes none in sysfs); the emulated kubelet applies the
+real kubelet's rules; ``plugvisor run`` supervises one plugin process per
+resource, each serving gRPC on its own unix socket. The story: devices appear, a
+pod asks for two GPUs and gets a switch-local pair, a GPU faults and heals, one of
+the pod's GPUs overheats and the agent's /metrics shows it with the pod's name, a
+plugin process is SIGKILLed, the kubelet restarts, VFs are added. Every figure
+printed is measured as it happens. Nothing needs privileges and nothing is left
+behind. ``--pace SECONDS`` pauses after each step, for a presenter.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import signal
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,9 +36,11 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from plugvisor.common import monitoring
 from plugvisor.common.logs import configure_logging
 from plugvisor.emulators import lab as lab_
 from plugvisor.emulators.kubelet import EmulatedKubelet
+from plugvisor.emulators.lab.profiles import GpuGroup, builtin
 from plugvisor.supervisor import status as status_
 
 GPU: Final = "plugvisor.io/gpu"
@@ -43,6 +49,9 @@ FPGA: Final = "plugvisor.io/fpga"
 FUSE: Final = "plugvisor.io/fuse"
 STEP_TIMEOUT: Final = 30.0
 REFRESH_SECONDS: Final = 0.2
+MONITOR_INTERVAL: Final = 0.25
+"""Seconds between PodResources polls and telemetry samples: fast, so the story need not wait
+(the agent's defaults are 5 and 10)."""
 
 
 @dataclass
@@ -74,11 +83,12 @@ class Node:
 class Demo:
     """Plays the story; each step narrates what happened and how long recovery took."""
 
-    def __init__(self, node: Node, console: Console, *, keep: bool) -> None:
+    def __init__(self, node: Node, console: Console, *, keep: bool, pace: float = 0.0) -> None:
         self.node = node
         self.console = console
         self.keep = keep
-        self.kubelet = EmulatedKubelet(node.kubelet_dir, grace_period=60.0, pod_resources=False)
+        self.pace = pace
+        self.kubelet = EmulatedKubelet(node.kubelet_dir, grace_period=60.0)
         self.lab: lab_.Lab | None = None
         self.agent: asyncio.subprocess.Process | None = None
         self.timings: list[Timing] = []
@@ -139,10 +149,52 @@ class Demo:
             table.add_row(pod.name, str(pod.phase), shown)
         return table
 
+    def _gpu_rows(self) -> list[tuple[str, str, str, str, str]]:
+        """Per GPU: lab name, device ID, health (and cause), holder, temperatures, from the agent's files."""
+        monitor_dir = self.node.runtime_dir / status_.MONITOR_DIR
+        report = monitoring.read_report(monitor_dir, GPU)
+        if report is None or self.lab is None:
+            return []
+        owners = monitoring.read_owners(monitor_dir)
+        holders = owners.holders if owners is not None else {}
+        names = {key: record.name for key, record in self._gpu_names().items()}
+        rows = []
+        for device in report.devices:
+            held = ", ".join(
+                f"{h.namespace}/{h.pod}/{h.container}" for h in holders.get((GPU, device.id), ())
+            )
+            temperatures = {
+                r.labels["sensor"]: r.value
+                for r in device.description.readings
+                if r.family == "plugvisor_device_temperature_celsius"
+            }
+            shown = " ".join(
+                f"{sensor} {value:.0f}°C"
+                for sensor, value in temperatures.items()
+                if sensor in ("edge", "junction")
+            )
+            health = "healthy" if device.healthy else f"unhealthy ({device.description.cause_code})"
+            rows.append((names.get(device.id, "?"), device.id, health, held or "-", shown or "-"))
+        return rows
+
+    def _gpu_table(self) -> Table:
+        table = Table(
+            title="GPUs: owner and temperature (from the agent)",
+            show_edge=False,
+            header_style="bold",
+            expand=True,
+        )
+        for column in ("gpu", "device", "health", "held by", "temperature"):
+            table.add_column(column, overflow="fold")
+        for row in self._gpu_rows():
+            table.add_row(*row)
+        return table
+
     def _view(self) -> Group:
         return Group(
             self._resource_table(),
             self._children_table(),
+            self._gpu_table(),
             self._pods_table(),
             Text("\n").join(self.log[-14:]),
         )
@@ -184,16 +236,20 @@ class Demo:
             "kubeletDir": str(self.node.kubelet_dir),
             "hostRoot": str(self.node.lab_root),
             "supervisor": {"runtimeDir": str(self.node.runtime_dir), "stopTimeout": 3},
+            "metrics": {"listen": "127.0.0.1:0"},
+            "monitoring": {"podResourcesInterval": MONITOR_INTERVAL, "telemetryInterval": MONITOR_INTERVAL},
             "resources": resources,
         }
         self.node.config.write_text(yaml.safe_dump(config, sort_keys=False))
 
     def _gpu_names(self) -> dict[str, lab_.DeviceRecord]:
-        """GPU device IDs (as the plugin reports them: UUIDs) mapped to the lab's records."""
+        """GPU device IDs (as the plugin reports them: UUIDs or PCI addresses) mapped to the lab's records."""
         assert self.lab is not None
         by_id: dict[str, lab_.DeviceRecord] = {}
         for record in self.lab.devices(kind=lab_.DeviceKind.GPU):
-            by_id[record.uuid or record.bdf] = record
+            by_id[record.bdf] = record  # AMD- and Intel-like GPUs: the PCI address
+            if record.uuid:
+                by_id[record.uuid] = record  # NVIDIA-like GPUs: the UUID the driver reports
         return by_id
 
     # -- the story --------------------------------------------------------------------
@@ -201,18 +257,39 @@ class Demo:
     async def run(self) -> None:
         """Play the story; raises if any step does not happen within its timeout."""
         gpus = await self._hardware()
+        await self._pause()
         await self._agent()
+        await self._pause()
         held = await self._pod()
+        await self._pause()
         await self._gpu_fault(gpus, held)
+        await self._pause()
+        await self._overheat(held)
+        await self._pause()
         await self._kill_child(len(gpus), len(held))
+        await self._pause()
         await self._kubelet_restart()
+        await self._pause()
         await self._more_vfs()
+        await self._pause()
         await self._summary()
 
+    async def _pause(self) -> None:
+        """``--pace``: give the audience time to read the step (the default, 0, keeps the story fast)."""
+        if self.pace > 0:
+            await asyncio.sleep(self.pace)
+
     async def _hardware(self) -> list[lab_.DeviceRecord]:
-        self._step(1, "Hardware: an emulated dgx-like node")
+        self._step(1, "Hardware: an emulated dgx-like node with AMD Instinct-like GPUs")
         started = time.monotonic()
-        self.lab = await asyncio.to_thread(lab_.Lab.create, self.node.lab_root, "dgx-like")
+        profile = builtin("dgx-like")
+        profile = profile.model_copy(
+            update={
+                "name": "dgx-like-amd",
+                "gpus": [GpuGroup(model="amd-mi300x", count=8, per_switch=2)],  # hwmon temperatures
+            }
+        )
+        self.lab = await asyncio.to_thread(lab_.Lab.create, self.node.lab_root, profile)
         (self.node.lab_root / "dev" / "fuse").touch()
         records = self.lab.devices()
         self.timings.append(Timing("lab created (sys/, dev/, proc/)", time.monotonic() - started))
@@ -285,7 +362,7 @@ class Demo:
     async def _gpu_fault(self, gpus: list[lab_.DeviceRecord], held: tuple[str, ...]) -> None:
         assert self.lab is not None
         self._step(4, "A GPU fails (AER fatal error), then recovers")
-        victim = next(r for r in gpus if (r.uuid or r.bdf) not in held)
+        victim = next(r for r in gpus if r.bdf not in held and r.uuid not in held)
         started = time.monotonic()
         await asyncio.to_thread(self.lab.fault, victim.name, "aer-fatal")
         await self._measure(
@@ -301,8 +378,49 @@ class Demo:
             started,
         )
 
+    def _scrape(self) -> str:
+        log = self.node.agent_log.read_text(errors="replace")
+        address = log.split("event='metrics_listening' url='http://", 1)[1].split("/", 1)[0]
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as response:
+            text: str = response.read().decode()
+        return text
+
+    async def _overheat(self, held: tuple[str, ...]) -> None:
+        assert self.lab is not None
+        self._step(5, "A GPU the pod holds overheats; the agent's /metrics names the pod")
+        names = self._gpu_names()
+        victim = names[held[0]]
+        wanted = (f'device="{victim.bdf}"', 'pod="trainer"', 'sensor="junction"')
+        started = time.monotonic()
+        await asyncio.to_thread(self.lab.fault, victim.name, "overheat")
+        deadline = started + STEP_TIMEOUT
+        while True:
+            text = await asyncio.to_thread(self._scrape)
+            hot = [
+                line
+                for line in text.splitlines()
+                if line.startswith("plugvisor_device_temperature_celsius{") and all(w in line for w in wanted)
+            ]
+            if hot and float(hot[0].rsplit(" ", 1)[1]) >= 110.0:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{victim.name}'s temperature did not rise in /metrics")
+            await asyncio.sleep(0.05)
+        elapsed = time.monotonic() - started
+        self.timings.append(Timing(f"{victim.name} overheat -> in /metrics with its pod", elapsed))
+        self._say(
+            f"  [green]done[/green]: {victim.name} overheat -> in /metrics with its pod in "
+            f"[bold]{elapsed * 1000:.1f} ms[/bold]"
+        )
+        value = float(hot[0].rsplit(" ", 1)[1])
+        self._say(
+            f"  plugvisor_device_temperature_celsius{{device={victim.bdf}, sensor=junction, "
+            f"namespace=default, pod=trainer, container=train}} = {value:.0f} (critical: 110)"
+        )
+        await asyncio.to_thread(self.lab.heal, victim.name)
+
     async def _kill_child(self, gpu_count: int, held: int) -> None:
-        self._step(5, "The gpu plugin process is killed (SIGKILL)")
+        self._step(6, "The gpu plugin process is killed (SIGKILL)")
         child = self._children()[GPU]
         view = self.kubelet.resource(GPU)
         endpoint = view.endpoint if view is not None else None
@@ -317,7 +435,7 @@ class Demo:
         self._say(f"  the other resources kept their processes; the pod still holds {held} GPUs")
 
     async def _kubelet_restart(self) -> None:
-        self._step(6, "The kubelet restarts (every socket in its directory is deleted)")
+        self._step(7, "The kubelet restarts (every socket in its directory is deleted)")
         generation = self.kubelet.generation
         started = time.monotonic()
         await self.kubelet.restart()
@@ -329,7 +447,7 @@ class Demo:
 
     async def _more_vfs(self) -> None:
         assert self.lab is not None
-        self._step(7, "More VFs: sriov_numvfs 8 -> 0 -> 16")
+        self._step(8, "More VFs: sriov_numvfs 8 -> 0 -> 16")
         started = time.monotonic()
         await asyncio.to_thread(self.lab.set_num_vfs, "nic0", 0)
         await asyncio.to_thread(self.lab.set_num_vfs, "nic0", 16)
@@ -337,7 +455,7 @@ class Demo:
         await self._measure("16 VFs advertised, no restart", self._allocatable(NIC, 16), started)
 
     async def _summary(self) -> None:
-        self._step(8, "Summary")
+        self._step(9, "Summary")
         for timing in self.timings:
             self._say(f"  {timing.seconds * 1000:8.1f} ms  {timing.label}")
         if self.keep:
@@ -393,11 +511,19 @@ def _node() -> Iterator[Node]:
 @click.command("demo")
 @click.option("--keep", is_flag=True, help="Leave everything running at the end, until Ctrl-C.")
 @click.option(
+    "--pace",
+    type=click.FloatRange(min=0, max=600),
+    default=0.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="Pause this long after each step (for a presenter or a class).",
+)
+@click.option(
     "--live/--no-live",
     default=None,
     help="Live terminal view (resources, children, pods, events) [default: when stdout is a terminal].",
 )
-def demo_command(keep: bool, live: bool | None) -> None:
+def demo_command(keep: bool, pace: float, live: bool | None) -> None:
     """Run a whole emulated node: lab, kubelet, supervised plugins, faults, crashes, restarts."""
     configure_logging(level="warning")
     console = Console(highlight=False, width=max(100, shutil.get_terminal_size((110, 24)).columns))
@@ -406,7 +532,7 @@ def demo_command(keep: bool, live: bool | None) -> None:
     async def main() -> int:
         code = 0
         with _node() as node:
-            demo = Demo(node, console, keep=keep)
+            demo = Demo(node, console, keep=keep, pace=pace)
             task = asyncio.current_task()
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
@@ -422,6 +548,7 @@ def demo_command(keep: bool, live: bool | None) -> None:
                     await demo.run()
                     console.print(demo._resource_table())
                     console.print(demo._children_table())
+                    console.print(demo._gpu_table())
                     console.print(demo._pods_table())
             except asyncio.CancelledError:
                 console.print("\nstopping")

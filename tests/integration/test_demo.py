@@ -13,7 +13,7 @@ def leftovers() -> set[Path]:
 def test_the_demo_tells_the_whole_story_and_cleans_up():
     before = leftovers()
     result = subprocess.run(
-        [sys.executable, "-m", "plugvisor", "demo", "--no-live"],
+        [sys.executable, "-m", "plugvisor", "demo", "--no-live", "--pace", "0.01"],
         capture_output=True,
         text=True,
         timeout=180,
@@ -27,6 +27,9 @@ def test_the_demo_tells_the_whole_story_and_cleans_up():
         r"pod trainer is Running: gpu\d \+ gpu\d \(both under PCIe switch sw\d\)",
         r"done: gpu\d unhealthy: allocatable 7",
         r"done: gpu\d healthy again: allocatable 8",
+        r"done: gpu\d overheat -> in /metrics with its pod in [\d.]+ ms",
+        r"sensor=junction, namespace=default, pod=trainer, container=train\} = 11\d \(critical: 110\)",
+        r"gpu\d\s+│ \S+\s+│ healthy\s+│ default/trainer/train\s+│ edge \d+°C junction \d+°C",
         r"done: killed child -> registered again on a new socket",
         r"done: kubelet restart -> every resource registered again",
         r"done: 16 VFs advertised, no restart",

@@ -40,7 +40,7 @@ from plugvisor.common import monitoring
 from plugvisor.deviceplugin.cell import SnapshotCell
 
 DEFAULT_INTERVAL: Final = 5.0
-CALL_TIMEOUT: Final = 2.0
+CALL_TIMEOUT: Final = 5.0
 MAX_BACKOFF_FACTOR: Final = 8
 
 

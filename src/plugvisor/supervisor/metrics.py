@@ -129,8 +129,8 @@ class Metrics:
     ) -> None:
         self.own = prometheus_client.CollectorRegistry(auto_describe=False)
         self.own.register(SupervisorCollector(snapshot))
-        if monitor_dir is not None:
-            self.own.register(device_metrics.DeviceCollector(lambda: _device_view(snapshot, monitor_dir)))
+        self._snapshot = snapshot
+        self.monitor_dir = monitor_dir
         self.multiproc_dir = multiproc_dir
         self.children: prometheus_client.CollectorRegistry | None = None
         if multiproc_dir is not None:
@@ -140,6 +140,8 @@ class Metrics:
     def render(self) -> bytes:
         """The exposition text of both registries."""
         text = prometheus_client.generate_latest(self.own)
+        if self.monitor_dir is not None:
+            text += device_metrics.render(_device_view(self._snapshot, self.monitor_dir))
         if self.children is not None:
             text += prometheus_client.generate_latest(self.children)
         return text

@@ -2,7 +2,9 @@
 
 import os
 
+import prometheus_client
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from plugvisor.common import device_metrics, monitoring
 from plugvisor.common.monitoring import DeviceDescription, Holder, Owners, Reading
@@ -114,3 +116,25 @@ def test_a_device_shared_by_containers_keeps_one_series():
 def test_the_catalogue_names_what_the_collector_emits():
     names = {name for name, _ in samples(monitoring.View([report()], Owners(up=True, last_success=1.0)))}
     assert names <= monitoring.exported_metric_names()
+
+
+def test_the_agents_fast_writer_gives_the_collectors_samples():
+    """render (the agent's scrape path) and the collector (standalone) agree sample for sample."""
+    held = Owners(
+        holders={(GPU, "g0"): (Holder('m"l', "trainer", "a\\b"),)}, up=False, last_success=3.5, error="x"
+    )
+    view = monitoring.View([report()], held)
+    registry = prometheus_client.CollectorRegistry(auto_describe=False)
+    registry.register(device_metrics.DeviceCollector(lambda: view))
+
+    def parsed(text):
+        return {
+            (s.name, tuple(sorted(s.labels.items())), s.value)
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if not s.name.endswith("_created")
+        }
+
+    expected = parsed(prometheus_client.generate_latest(registry).decode())
+    assert parsed(device_metrics.render(view).decode()) == expected
+    assert any(dict(labels).get("namespace") == 'm"l' for _, labels, _ in expected)
