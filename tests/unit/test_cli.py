@@ -35,3 +35,19 @@ def test_an_unknown_command_is_a_usage_error():
     )
     assert result.returncode == 2
     assert "No such command 'frobnicate'" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["demo", "--pace", "-1"], "--pace"),
+        (["plugin", "gpu", "--pod-resources-interval", "0"], "--pod-resources-interval"),
+        (["plugin", "gpu", "--telemetry-interval", "soon"], "--telemetry-interval"),
+    ],
+)
+def test_bad_monitoring_and_pace_values_are_usage_errors_naming_the_option(argv, named):
+    result = subprocess.run(
+        [sys.executable, "-m", "plugvisor", *argv], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 2
+    assert named in result.stderr

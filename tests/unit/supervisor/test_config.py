@@ -173,3 +173,22 @@ class TestLoadConfig:
             f"{path}: hostRoot: {tmp_path}/nothing: does not exist; "
             "expected the host's / (or an emulated lab root)",
         ]
+
+
+class TestMonitoring:
+    def test_monitoring_is_on_by_default_with_a_5s_poll_for_the_whole_agent(self):
+        config = config_.parse_config(yaml.safe_load(GOOD), source="node.yaml")
+        assert config.monitoring.enabled
+        assert config.monitoring.pod_resources_interval == 5.0
+        assert config.monitoring.pod_resources_socket is None
+
+    @pytest.mark.parametrize(
+        ("section", "field"),
+        [
+            ("{podResourcesInterval: 0}", "monitoring.podResourcesInterval"),
+            ("{telemetryInterval: -1}", "monitoring.telemetryInterval"),
+            ("{pollEvery: 5}", "monitoring.pollEvery"),
+        ],
+    )
+    def test_bad_monitoring_values_name_the_field(self, section, field):
+        assert field in errors_of(GOOD + f"monitoring: {section}\n")
