@@ -414,8 +414,7 @@ class Demo:
         )
         value = float(hot[0].rsplit(" ", 1)[1])
         self._say(
-            f"  plugvisor_device_temperature_celsius{{device={victim.bdf}, sensor=junction, "
-            f"namespace=default, pod=trainer, container=train}} = {value:.0f} (critical: 110)"
+            f"  /metrics: {victim.name} junction {value:.0f} °C (critical 110), pod default/trainer/train"
         )
         await asyncio.to_thread(self.lab.heal, victim.name)
 

@@ -28,7 +28,7 @@ def test_the_demo_tells_the_whole_story_and_cleans_up():
         r"done: gpu\d unhealthy: allocatable 7",
         r"done: gpu\d healthy again: allocatable 8",
         r"done: gpu\d overheat -> in /metrics with its pod in [\d.]+ ms",
-        r"sensor=junction, namespace=default, pod=trainer, container=train\} = 11\d \(critical: 110\)",
+        r"/metrics: gpu\d junction 11\d °C \(critical 110\), pod default/trainer/train",
         r"gpu\d\s+│ \S+\s+│ healthy\s+│ default/trainer/train\s+│ edge \d+°C junction \d+°C",
         r"done: killed child -> registered again on a new socket",
         r"done: kubelet restart -> every resource registered again",
