@@ -46,6 +46,7 @@ _SPEED: Final = re.compile(r"^(\d+(?:\.\d+)?)\s*GT/s")
 _CAUSES: Final = tuple(
     (re.compile(pattern), code)
     for pattern, code in (
+        (r"unreadable|garbage", "unreadable"),
         (r"fallen off the bus", "fallen-off-bus"),
         (r"aer fatal", "aer-fatal"),
         (r"aer nonfatal", "aer-nonfatal"),
@@ -56,7 +57,6 @@ _CAUSES: Final = tuple(
         (r"no driver", "no-driver"),
         (r"(device|render) node", "device-node-missing"),
         (r"iommu group", "no-iommu-group"),
-        (r"unreadable|garbage", "unreadable"),
         (r"port errors", "port-errors"),
         (r"missing|not found", "missing"),
     )

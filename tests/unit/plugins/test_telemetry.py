@@ -125,4 +125,6 @@ class TestCauses:
         assert telemetry.cause_code(["PCIe link down (width 0)"]) == "link-down"
         assert telemetry.cause_code(["no driver bound"]) == "no-driver"
         assert telemetry.cause_code(["device node /dev/dri/card1 missing"]) == "device-node-missing"
+        assert telemetry.cause_code(["AER fatal counters unreadable: x: garbage"]) == "unreadable"
+        assert telemetry.cause_code(["PF ens1 operstate unreadable: x"]) == "unreadable"
         assert telemetry.cause_code(["something new"]) == "other"
