@@ -88,8 +88,9 @@ def bench_node(repeat: int) -> None:
         ):
             kind = get_kind(kind_name)
             source = kind.build(kind.options_model.model_validate(options), paths, resource=resource)
-            devices = source.scan()
-            samples, descriptions = timed(lambda s=source, d=devices: s.describe(d), repeat)  # type: ignore[attr-defined]
+            snapshot = source.scan()
+            devices = snapshot.devices
+            samples, descriptions = timed(lambda s=source, d=snapshot: s.describe(d), repeat)  # type: ignore[attr-defined]
             print(f"  describe {kind_name} ({len(devices)} devices, sysfs reads): {summary(samples)}")
             report = build_report(resource, devices, descriptions)  # type: ignore[arg-type]
             monitoring.write_report(monitor_dir, report)
