@@ -26,7 +26,7 @@ import grpc
 import structlog
 
 from plugvisor.api.podresources.v1 import api_pb2, api_pb2_grpc
-from plugvisor.common import constants
+from plugvisor.common import constants, monitoring
 from plugvisor.deviceplugin.cell import SnapshotCell
 from plugvisor.deviceplugin.hooks import ReleaseHandler
 from plugvisor.deviceplugin.snapshot import Snapshot
@@ -97,12 +97,12 @@ class PodResourcesWatch:
         """How many ``List`` calls have failed so far."""
         self.held: frozenset[str] = frozenset()
         """The devices some container held at the latest successful poll."""
+        self._previous: frozenset[str] | None = None
         self._log = structlog.get_logger("plugvisor.release").bind(resource=resource)
 
     async def run(self) -> None:
         """Poll until cancelled."""
         self._log.info("release_watch_started", socket=str(self.socket), interval=self.interval)
-        previous: frozenset[str] | None = None
         failing: str | None = None
         async with grpc.aio.insecure_channel(f"unix:{self.socket}") as channel:
             stub = api_pb2_grpc.PodResourcesListerStub(channel)
@@ -120,26 +120,47 @@ class PodResourcesWatch:
                 if failing is not None:
                     self._log.info("pod_resources_available", socket=str(self.socket))
                     failing = None
-                current = frozenset(
-                    device_id
-                    for pod in response.pod_resources
-                    for container in pod.containers
-                    for devices in container.devices
-                    if devices.resource_name == self.resource
-                    for device_id in devices.device_ids
+                await self._observe(
+                    frozenset(
+                        device_id
+                        for pod in response.pod_resources
+                        for container in pod.containers
+                        for devices in container.devices
+                        if devices.resource_name == self.resource
+                        for device_id in devices.device_ids
+                    )
                 )
-                if current != previous:
-                    self._log.info("devices_held", devices=sorted(current))
-                self._on_held(current)
-                if previous is not None and previous - current:
-                    released = sorted(previous - current)
-                    self._log.info("devices_released", devices=released)
-                    with contextlib.suppress(Exception):  # logged by the handler; the watch goes on
-                        await self._on_release(released)
-                previous = current
-                self.polls += 1
-                self.held = current
                 await asyncio.sleep(self.interval)
+
+    async def follow(self, owners: SnapshotCell[monitoring.Owners]) -> None:
+        """Watch through an agent-wide poller instead of calling ``List`` (until cancelled).
+
+        Every successful poll of the shared :class:`~plugvisor.deviceplugin.owners.OwnerWatch`
+        counts as one of ours; a failed one changes nothing, as in :meth:`run`.
+        """
+        self._log.info("release_watch_started", follows="the agent's PodResources poller")
+        seen, last = -1, None
+        while True:
+            seen, current = await owners.wait_newer(seen)
+            if not current.up or current.last_success == last:
+                continue
+            last = current.last_success
+            await self._observe(frozenset(d for (r, d) in current.holders if r == self.resource))
+
+    async def _observe(self, current: frozenset[str]) -> None:
+        """One successful look at who holds what: report the held set, then what was released."""
+        previous = self._previous
+        if current != previous:
+            self._log.info("devices_held", devices=sorted(current))
+        self._on_held(current)
+        if previous is not None and previous - current:
+            released = sorted(previous - current)
+            self._log.info("devices_released", devices=released)
+            with contextlib.suppress(Exception):  # logged by the handler; the watch goes on
+                await self._on_release(released)
+        self._previous = current
+        self.polls += 1
+        self.held = current
 
 
 class Releases:

@@ -24,6 +24,7 @@ import structlog
 
 from plugvisor.common.exitcodes import EXIT_CONFIGURATION, EXIT_FAILURE, EXIT_KUBELET_RESTARTED, EXIT_OK
 from plugvisor.common.hostpaths import HostPaths
+from plugvisor.common.monitoring import Owners
 from plugvisor.common.names import extended_resource_name_problem
 from plugvisor.common.notify import StatusReporter
 from plugvisor.deviceplugin import metrics
@@ -161,7 +162,9 @@ class DevicePluginRuntime:
             tasks.append(asyncio.create_task(self._report_devices(), name="status"))
         release_watch = self._release_watch()
         if release_watch is not None:
-            tasks.append(asyncio.create_task(release_watch.run(), name="release-watch"))
+            shared = self._shared_owners(release_watch)
+            watching = release_watch.run() if shared is None else release_watch.follow(shared)
+            tasks.append(asyncio.create_task(watching, name="release-watch"))
         if self.monitor is not None:
             tasks.append(asyncio.create_task(self.monitor.run(), name="monitor"))
         lifecycle = asyncio.create_task(self._serve_and_register(registrar), name="serve-and-register")
@@ -237,6 +240,16 @@ class DevicePluginRuntime:
             seen, snapshot = await self.snapshot.wait_newer(seen)
             devices = snapshot.devices
             self.status.send(DEVICES=f"{len(devices.healthy_ids)}/{len(devices)}")
+
+    def _shared_owners(self, watch: PodResourcesWatch) -> SnapshotCell[Owners] | None:
+        """The agent-wide owners, when monitoring polls the same PodResources socket: one caller, not two.
+
+        Release detection then follows the monitoring poll interval rather than the kind's own.
+        """
+        monitor = self.monitor
+        if monitor is None or monitor.owner_watch is None or monitor.owner_watch.socket != watch.socket:
+            return None
+        return monitor.owner_watch.owners
 
     def _release_watch(self) -> PodResourcesWatch | None:
         """The PodResources watch the source asks for, if it handles releases and wants one."""

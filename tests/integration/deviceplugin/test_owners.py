@@ -5,12 +5,13 @@ import time
 
 import grpc
 import structlog
-from plugvisor.deviceplugin.hostpaths import HostPaths
 
 from plugvisor.api.podresources.v1 import api_pb2, api_pb2_grpc
 from plugvisor.common import device_metrics, monitoring
+from plugvisor.common.hostpaths import HostPaths
 from plugvisor.deviceplugin.device_monitor import MonitorConfig
 from plugvisor.deviceplugin.devices import Device
+from plugvisor.deviceplugin.hooks import ReleaseWatch
 from plugvisor.deviceplugin.owners import OwnerWatch
 from plugvisor.deviceplugin.runtime import DevicePluginRuntime, PluginConfig
 from plugvisor.deviceplugin.snapshot import Snapshot
@@ -160,3 +161,57 @@ async def wait_for(predicate, timeout=20.0):
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached"
         await asyncio.sleep(0.02)
+
+
+class Scrubbed(Widgets):
+    """A source with a release hook: the framework watches PodResources for it."""
+
+    def __init__(self):
+        self.scrubbed: list[str] = []
+
+    def release_watch(self):
+        return ReleaseWatch(interval=0.05)
+
+    def released(self, snapshot):
+        self.scrubbed.extend(snapshot.devices)
+
+
+async def test_release_watching_follows_the_monitoring_poller_instead_of_calling_the_kubelet_again(short_dir):
+    """With monitoring on, a release hook learns of releases from the one shared poller (no second client)."""
+    kubelet = EmulatedKubelet(short_dir / "dp", write_view=False)
+    await kubelet.start()
+    source = Scrubbed()
+    config = PluginConfig(
+        RESOURCE,
+        HostPaths(root=short_dir, kubelet_dir=kubelet.socket_dir),
+        monitoring=MonitorConfig(enabled=True, pod_resources_interval=0.05, telemetry_interval=1),
+    )
+    runtime = DevicePluginRuntime(config, source)
+    stop = asyncio.Event()
+    task = asyncio.create_task(runtime.run(stop))
+    try:
+        await kubelet.wait_for(
+            lambda k: (v := k.resource(RESOURCE)) is not None and v.allocatable == 3, timeout=20
+        )
+        pod = await kubelet.add_pod(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": "p"},
+                "spec": {
+                    "containers": [{"name": "c", "image": "x", "resources": {"limits": {RESOURCE: "1"}}}]
+                },
+            }
+        )
+        (device,) = pod.container("c").devices[RESOURCE]
+        owners = runtime.monitor.owner_watch.owners
+        await wait_for(lambda: (RESOURCE, device) in owners.value.holders)
+        await wait_for(lambda: runtime.release_watch is not None and device in runtime.release_watch.held)
+        assert kubelet.delete_pod("p")
+        await wait_for(lambda: source.scrubbed == [device])
+        assert runtime.release_watch.failures == 0  # it never called List itself
+        assert runtime.release_watch.polls <= owners.value.calls_ok
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        await kubelet.stop()
