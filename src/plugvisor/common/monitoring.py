@@ -354,8 +354,13 @@ def report_path(monitor_dir: Path, resource: str) -> Path:
 def _write_atomically(path: Path, document: Mapping[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.{os.getpid()}")
-    temporary.write_text(json.dumps(document, separators=(",", ":")))
-    temporary.replace(path)
+    try:
+        temporary.write_text(json.dumps(document, separators=(",", ":")))
+        temporary.replace(path)
+    except OSError:
+        with contextlib.suppress(OSError):  # a full disk must not keep half a file
+            temporary.unlink()
+        raise
 
 
 def write_report(monitor_dir: Path, report: ResourceReport) -> None:
