@@ -23,7 +23,7 @@ def fork_server_of(node) -> int:
 
 
 async def replaced_fork_server(node, old: int) -> int:
-    for _ in range(5000):
+    for _ in range(15_000):  # generous: a loaded machine starts a python slowly
         found = [
             pid
             for pid in processes_of(node)
