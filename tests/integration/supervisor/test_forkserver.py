@@ -131,6 +131,6 @@ async def test_a_fork_server_killed_before_it_is_ready_does_not_stall_spawning(n
     second = await replaced_fork_server(node, first)
     os.kill(second, signal.SIGKILL)  # within its preload (hundreds of milliseconds)
     await agent.wait_state(
-        lambda c: running_registered(c) and c[SERIAL]["pid"] != before[SERIAL]["pid"], timeout=30
+        lambda c: running_registered(c) and c[SERIAL]["pid"] != before[SERIAL]["pid"], timeout=60
     )
     assert await agent.stop() == 0
