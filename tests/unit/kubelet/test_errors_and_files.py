@@ -12,8 +12,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from plugvisor.common import constants, names
-from plugvisor.emulators.kubelet import errors, registration, view
+from plugvisor.common import constants
+from plugvisor.emulators.kubelet import errors, names, registration, view
 
 
 def make_socket(path: Path) -> None:

@@ -33,9 +33,8 @@ from types import MappingProxyType
 from google.protobuf import text_format
 
 from plugvisor.api.deviceplugin.v1beta1 import api_pb2
-from plugvisor.common import names
 from plugvisor.emulators.kubelet import endpoint as endpoint_
-from plugvisor.emulators.kubelet import errors, journal, manager, model
+from plugvisor.emulators.kubelet import errors, journal, manager, model, names
 
 
 class ContainerKind(enum.StrEnum):

@@ -28,28 +28,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import os
 import time
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType, TracebackType
 from typing import Final
 
-import grpc
-
-from plugvisor.api.deviceplugin.v1beta1 import api_pb2
 from plugvisor.common import constants
 from plugvisor.emulators.kubelet import allocation as allocation_
-from plugvisor.emulators.kubelet import checkpoint as checkpoint_
-from plugvisor.emulators.kubelet import client as client_
-from plugvisor.emulators.kubelet import endpoint as endpoint_
 from plugvisor.emulators.kubelet import (
-    errors,
+    devicemanager,
     journal,
     manager,
     manifest,
     model,
+    nodestatus,
     podresources,
     podsource,
     registration,
@@ -65,9 +59,6 @@ DEVICE_PLUGINS_DIR_NAME: Final = "device-plugins"
 
 DEFAULT_POD_UID: Final = "pod-0"
 DEFAULT_CONTAINER: Final = "container-0"
-
-_TIMER_SLACK = 0.001
-"""Fire grace timers just after expiry: the kubelet's test is strictly "older than"."""
 
 
 class EmulatedKubelet:
@@ -140,32 +131,35 @@ class EmulatedKubelet:
             else self.socket_dir.with_name(self.socket_dir.name + ".pods.json")
         )
         self.grace_period = grace_period
-        self._dial_timeout = dial_timeout
-        self._pre_start_timeout = pre_start_timeout
         self._pod_resources_qps = pod_resources_qps
         self._pod_resources_burst = pod_resources_burst
         self._journal = journal.Journal(clock=clock, on_event=on_event)
-        self._manager = manager.DeviceManager(grace_period=grace_period)
-        self._allocation_lock = asyncio.Lock()
         self._pods_lock = asyncio.Lock()
-        self._pods = pods_.Pods(
-            host=self,
-            journal=self._journal,
-            health_status=self.gates.resource_health_status,
-            on_container_stopped=self._container_stopped,
-        )
-        self._allocator = self._new_allocator()
-        self._adhoc_pods: set[str] = set()
         self._sources_ready = False
-        self._node_capacity: dict[str, int] = {}
-        self._node_allocatable: dict[str, int] = {}
-        self._removed: set[str] = set()
-        self._server: registration.RegistrationServer | None = None
+        self._running = False
+        self._node_status = nodestatus.NodeStatus(
+            journal=self._journal, devices=lambda: self._devices, grace_period=grace_period
+        )
+        self._devices = devicemanager.ManagerImpl(
+            socket_dir=self.socket_dir,
+            journal=self._journal,
+            grace_period=grace_period,
+            dial_timeout=dial_timeout,
+            pre_start_timeout=pre_start_timeout,
+            replacement=replacement,
+            gates=self.gates,
+            node_status=self._node_status,
+            sources_ready=lambda: self._sources_ready,
+            # Late-bound: the pods are created below, with this device manager.
+            container_running=lambda pod_uid, container: self._pods.container_running(pod_uid, container),  # noqa: PLW0108
+            active_pod_uids=lambda: self._pods.active_uids(),  # noqa: PLW0108
+        )
+        self._pods = pods_.Pods(
+            devices=self._devices, journal=self._journal, health_status=self.gates.resource_health_status
+        )
         self._pod_resources_server: podresources.PodResourcesServer | None = None
         self._pod_watcher: podsource.DirectoryWatcher | None = None
         self._reported_invalid: set[str] = set()
-        self._grace_timer: asyncio.TimerHandle | None = None
-        self._background: set[asyncio.Task[None]] = set()
         self.started_at: float | None = None
         """Wall-clock time of the latest start (for humans; the view shows it)."""
         self._view: view.ViewWriter | None = None
@@ -210,19 +204,23 @@ class EmulatedKubelet:
     @property
     def running(self) -> bool:
         """Tell whether the Registration server is listening."""
-        return self._server is not None
+        return self._running
 
     @property
     def registration_counts(self) -> Mapping[str, int]:
         """Register attempts per resource name in the current run (the kubelet's metric)."""
-        return (
-            MappingProxyType(dict(self._server.registration_counts)) if self._server else MappingProxyType({})
-        )
+        server = self._devices.server
+        return MappingProxyType(dict(server.registration_counts)) if server else MappingProxyType({})
 
     @property
     def device_manager(self) -> manager.DeviceManager:
         """The device manager's books (replaced at every start; read-only by convention)."""
-        return self._manager
+        return self._devices.books
+
+    @property
+    def devices(self) -> devicemanager.ManagerImpl:
+        """The device manager itself (upstream's ``ManagerImpl``): server, books, checkpoint, admission."""
+        return self._devices
 
     @property
     def sources_ready(self) -> bool:
@@ -243,23 +241,15 @@ class EmulatedKubelet:
         admitted again first - a container the runtime still runs needs nothing,
         see :meth:`restart` - and only then are sources "ready".
         """
-        if self._server is not None:
+        if self._running:
             raise RuntimeError("the emulated kubelet is already running")
         self._journal.generation += 1
         self._sources_ready = False
         if reboot:
             self._pods.node_rebooted()
-        self._manager = self._read_checkpoint()
-        self._allocator = self._new_allocator()
-        server = registration.RegistrationServer(
-            socket_dir=self.socket_dir,
-            handler=self,
-            journal=self._journal,
-            dial_timeout=self._dial_timeout,
-            replacement=self.replacement,
-        )
-        removed = await server.start()
-        self._server = server
+        removed = await self._devices.start()
+        self._running = True
+        self._node_status.armed = True
         self.started_at = time.time()
         for path in removed:
             self._journal.event(
@@ -275,7 +265,7 @@ class EmulatedKubelet:
             )
             await pod_resources_server.start()
             self._pod_resources_server = pod_resources_server
-        self._sync_node_status()
+        self._node_status.sync()
         for writer in (self._view, self._pods_view):
             if writer is not None:
                 writer.start()
@@ -300,41 +290,9 @@ class EmulatedKubelet:
         self._sources_ready = True
         self._journal.changed()
 
-    def _read_checkpoint(self) -> manager.DeviceManager:
-        try:
-            data = checkpoint_.read(self.checkpoint_path)
-        except checkpoint_.CheckpointNotFoundError:
-            return manager.DeviceManager(grace_period=self.grace_period)
-        except checkpoint_.CheckpointError as error:
-            self._journal.event(
-                model.EventKind.CHECKPOINT_IGNORED,
-                "Continue after failing to read checkpoint file. Device allocation info may NOT be "
-                f"up-to-date: {error}",
-                path=os.fspath(self.checkpoint_path),
-                error=str(error),
-            )
-            return manager.DeviceManager(grace_period=self.grace_period)
-        restored = manager.DeviceManager.restored(
-            data, grace_period=self.grace_period, now=self._journal.clock(), journal=self._journal
-        )
-        self._journal.event(
-            model.EventKind.CHECKPOINT_RESTORED,
-            f"checkpoint read: {len(restored.healthy)} resource(s) at capacity 0 until their plugins "
-            f"register, allocations of {len(restored.pod_devices.pods())} pod(s) kept",
-            path=os.fspath(self.checkpoint_path),
-        )
-        return restored
-
     def write_checkpoint(self) -> None:
         """Write ``kubelet_internal_checkpoint`` now (the kubelet's ``writeCheckpoint``)."""
-        try:
-            checkpoint_.write(self.checkpoint_path, self._manager.checkpoint())
-        except OSError as error:
-            self._journal.event(
-                model.EventKind.CHECKPOINT_WRITE_FAILED,
-                f"failed to write checkpoint file {constants.CHECKPOINT_NAME!r}: {error}",
-                path=os.fspath(self.checkpoint_path),
-            )
+        self._devices.write_checkpoint()
 
     async def stop(self) -> None:
         """Stop serving and cut every plugin connection, leaving the state readable.
@@ -342,22 +300,17 @@ class EmulatedKubelet:
         Pods stay as they are (their containers keep "running"): what a kubelet
         restart finds is decided by :meth:`start`.
         """
-        server, self._server = self._server, None
-        if server is None:
+        if not self._running:
             return
-        if self._grace_timer is not None:
-            self._grace_timer.cancel()
-            self._grace_timer = None
+        self._running = False
+        self._node_status.stop()
         if self._pod_watcher is not None:
             await self._pod_watcher.stop()
             self._pod_watcher = None
-        for task in list(self._background):
-            task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
         if self._pod_resources_server is not None:
             await self._pod_resources_server.stop()
             self._pod_resources_server = None
-        await server.stop()
+        await self._devices.stop()
         self._journal.event(model.EventKind.STOPPED, "kubelet stopped")
         for writer in (self._view, self._pods_view):
             if writer is not None:
@@ -393,47 +346,16 @@ class EmulatedKubelet:
         A resource appears with its plugin's first ListAndWatch message (or its
         stream's end), and stays, at capacity 0, once dropped after the grace period.
         """
-        if name not in self._node_capacity:
-            return None
-        devices = self._manager
-        healthy = frozenset(devices.healthy.get(name, set()))
-        unhealthy = frozenset(devices.unhealthy.get(name, set()))
-        records = devices.all_devices.get(name, {})
-        device_views: dict[str, model.DeviceView] = {}
-        for device_id in sorted(healthy | unhealthy):
-            record = records.get(device_id)
-            device_views[device_id] = model.DeviceView(
-                id=device_id,
-                health=constants.HEALTHY if device_id in healthy else constants.UNHEALTHY,
-                reported_health=record.health if record is not None else None,
-                numa_nodes=record.numa_nodes if record is not None else (),
-            )
-        info = devices.endpoints.get(name)
-        endpoint = info.endpoint if info is not None else None
-        return model.ResourceView(
-            name=name,
-            capacity=self._node_capacity[name],
-            allocatable=self._node_allocatable.get(name, 0),
-            devices=MappingProxyType(device_views),
-            healthy_ids=healthy,
-            unhealthy_ids=unhealthy,
-            endpoint=endpoint.socket_path if endpoint is not None else None,
-            registered=endpoint is not None and not endpoint.is_stopped(),
-            options=info.options if info is not None else None,
-            stopped_at=endpoint.stop_time if endpoint is not None else None,
-            removed=name in self._removed,
-            topology_aware=devices.has_topology_alignment(name),
-        )
+        return self._node_status.resource(name)
 
     @property
     def resources(self) -> Mapping[str, model.ResourceView]:
         """Every resource the node reports, by name."""
-        views = {name: self.resource(name) for name in sorted(self._node_capacity)}
-        return MappingProxyType({name: view_ for name, view_ in views.items() if view_ is not None})
+        return self._node_status.resources()
 
     def allocated(self, resource: str, *, pod_uid: str, container: str) -> tuple[str, ...] | None:
         """Return the device IDs a container holds of ``resource``, or ``None``."""
-        held = self._manager.pod_devices.container_devices(pod_uid, container, resource)
+        held = self._devices.books.pod_devices.container_devices(pod_uid, container, resource)
         return None if held is None else tuple(sorted(held))
 
     async def wait_for(
@@ -495,48 +417,26 @@ class EmulatedKubelet:
         start failed) or
         :class:`~plugvisor.emulators.kubelet.errors.NotDevicePluginResourceError`.
         """
-        async with self._allocation_lock:
-            self._adhoc_pods.add(pod_uid)
-            result = await self._allocator.allocate(
-                pod_uid=pod_uid,
-                container=container,
-                resource=resource,
-                count=count,
-                numa_affinity=numa_affinity,
-                kind=kind,
-                start=False,
-            )
-            self.write_checkpoint()
-            if not start or count == 0:
-                return result
-            try:
-                called = await self._allocator.start_container(
-                    pod_uid=pod_uid, container=container, resource=resource
-                )
-            except errors.PreStartError as error:
-                error.allocation = result
-                raise
-            return dataclasses.replace(result, pre_start_called=called)
+        return await self._devices.allocate(
+            pod_uid=pod_uid,
+            container=container,
+            resource=resource,
+            count=count,
+            numa_affinity=numa_affinity,
+            kind=kind,
+            start=start,
+            adhoc=True,
+        )
 
     async def start_container(
         self, resource: str, *, pod_uid: str = DEFAULT_POD_UID, container: str = DEFAULT_CONTAINER
     ) -> bool:
         """Run the container-start step again (a container restart); return whether PreStart was called."""
-        async with self._allocation_lock:
-            return await self._allocator.start_container(
-                pod_uid=pod_uid, container=container, resource=resource
-            )
+        return await self._devices.pre_start(pod_uid=pod_uid, container=container, resource=resource)
 
     def remove_pod(self, pod_uid: str) -> None:
         """Forget a pod's allocations, freeing its devices (``UpdateAllocatedDevices``)."""
-        devices = self._manager
-        self._adhoc_pods.discard(pod_uid)
-        freed = devices.pod_devices.devices()
-        devices.pod_devices.remove_pods([pod_uid])
-        devices.allocated_devices = devices.pod_devices.devices()
-        devices.devices_to_reuse.pop(pod_uid, None)
-        self._deallocate(freed, devices.allocated_devices)
-        self._journal.event(model.EventKind.POD_REMOVED, f"pod {pod_uid} removed", pod_uid=pod_uid)
+        self._devices.remove_pod(pod_uid)
 
     # -- pods ------------------------------------------------------------------------
 
@@ -624,46 +524,9 @@ class EmulatedKubelet:
 
     # -- pod host and PodResources provider (called by pods and podresources) ---------
 
-    async def allocate_for_pod(
-        self, *, pod_uid: str, container: manifest.ContainerSpec, resource: str
-    ) -> model.Allocation:
-        """Admit one container's share of one resource (serialised with every other allocation)."""
-        async with self._allocation_lock:
-            return await self._allocator.allocate(
-                pod_uid=pod_uid,
-                container=container.name,
-                resource=resource,
-                count=container.limits[resource],
-                numa_affinity=None,
-                kind=container.kind,
-                start=False,
-            )
-
-    async def pre_start(self, *, pod_uid: str, container: str, resource: str) -> bool:
-        """Run the container-start step for one resource (serialised with allocations)."""
-        async with self._allocation_lock:
-            return await self._allocator.start_container(
-                pod_uid=pod_uid, container=container, resource=resource
-            )
-
     def update_allocated_devices(self) -> None:
-        """Free devices of pods that are no longer active (``UpdateAllocatedDevices``).
-
-        Does nothing until sources are ready: a restarting kubelet must not
-        drop allocations of pods it has not seen again yet.
-        """
-        if not self._sources_ready:
-            return
-        devices = self._manager
-        active = self._pods.active_uids() | self._adhoc_pods
-        gone = devices.pod_devices.pods() - active
-        if not gone:
-            return
-        before = devices.pod_devices.devices()
-        devices.pod_devices.remove_pods(gone)
-        devices.allocated_devices = devices.pod_devices.devices()
-        self._deallocate(before, devices.allocated_devices)
-        self._journal.changed()
+        """Free devices of pods that are no longer active (``UpdateAllocatedDevices``)."""
+        self._devices.update_allocated_devices()
 
     def active_pods(self) -> Sequence[podresources.PodView]:
         """Active pods: what ``GetActivePods`` returns (ad-hoc :meth:`allocate` pods are not pods)."""
@@ -672,157 +535,6 @@ class EmulatedKubelet:
     def pod_by_name(self, namespace: str, name: str) -> podresources.PodView | None:
         """Any pod the node knows by this name."""
         return self._pods.get(namespace, name)
-
-    def _container_stopped(self, pod: pods_.PodRecord, container: pods_.ContainerRecord) -> None:
-        """Call the proposed PostStopContainer for the container's devices (``DeviceManagerDeallocate``)."""
-        if not self.gates.device_manager_deallocate:
-            return
-        held = self._manager.pod_devices.container_resources(pod.uid, container.spec.name)
-        for resource in sorted(held):
-            self._spawn(
-                self._proposed_call(
-                    model.PluginMethod.POST_STOP_CONTAINER, resource, held[resource].device_ids()
-                )
-            )
-
-    def _deallocate(self, before: Mapping[str, set[str]], after: Mapping[str, set[str]]) -> None:
-        """Call the proposed Deallocate for devices no longer in use (gate ``DeviceManagerDeallocate``)."""
-        if not self.gates.device_manager_deallocate:
-            return
-        for resource in sorted(before):
-            freed = before[resource] - after.get(resource, set())
-            if freed:
-                self._spawn(self._proposed_call(model.PluginMethod.DEALLOCATE, resource, freed))
-
-    async def _proposed_call(self, method: model.PluginMethod, resource: str, device_ids: set[str]) -> None:
-        info = self._manager.endpoints.get(resource)
-        if info is None:
-            return
-        try:
-            await info.endpoint.proposed_call(method, sorted(device_ids), timeout=self._pre_start_timeout)
-        except endpoint_.EndpointCallError as error:
-            self._journal.event(
-                model.EventKind.PLUGIN_CALL_FAILED,
-                f"{resource}: {method} failed: {error}",
-                resource=resource,
-                method=str(method),
-                error=str(error),
-            )
-
-    def _spawn(self, coroutine: Coroutine[object, object, None]) -> None:
-        task = asyncio.get_running_loop().create_task(coroutine)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    # -- client handler (called by the registration server's clients) ----------------
-
-    async def plugin_connected(self, resource: str, client: client_.PluginClient) -> None:
-        """Fetch the plugin's options (its reply decides later calls) and install the endpoint."""
-        try:
-            options = await client.get_device_plugin_options()
-        except grpc.aio.AioRpcError as error:
-            raise client_.ConnectError(
-                f"failed to get device plugin options: {errors.go_rpc_error(error)}"
-            ) from None
-        client.options = model.PluginOptions.from_proto(options)
-        self._install_endpoint(resource, client)
-        self._sync_node_status()
-
-    def _install_endpoint(self, resource: str, client: client_.PluginClient) -> None:
-        endpoint = endpoint_.Endpoint(
-            resource=resource,
-            socket_path=client.socket_path,
-            stub=client.stub,
-            journal=self._journal,
-            channel=client.channel,
-        )
-        self._manager.plugin_connected(resource, endpoint, client.options or model.PluginOptions())
-
-    def plugin_resumed(self, resource: str, client: client_.PluginClient) -> None:
-        """An older live instance takes over again (per-socket): its endpoint and its last list."""
-        self._install_endpoint(resource, client)
-        if client.last_response is not None:
-            self._manager.list_and_watch_update(
-                resource, map(manager.DeviceRecord.from_proto, client.last_response.devices)
-            )
-            self.write_checkpoint()
-        self._sync_node_status()
-        self._journal.event(
-            model.EventKind.PLUGIN_RESUMED,
-            f"{resource}: the instance at {client.socket_path} serves the resource again "
-            f"(capacity {self._node_capacity.get(resource, 0)}, "
-            f"allocatable {self._node_allocatable.get(resource, 0)})",
-            resource=resource,
-            endpoint=client.socket_path,
-        )
-
-    def plugin_list_and_watch_receiver(self, resource: str, response: api_pb2.ListAndWatchResponse) -> None:
-        """Apply one full device list and report the new counts."""
-        self._manager.list_and_watch_update(resource, map(manager.DeviceRecord.from_proto, response.devices))
-        self.write_checkpoint()
-        self._sync_node_status()
-        self._journal.event(
-            model.EventKind.DEVICES_UPDATED,
-            f"{resource}: capacity {self._node_capacity.get(resource, 0)}, "
-            f"allocatable {self._node_allocatable.get(resource, 0)}",
-            resource=resource,
-            capacity=self._node_capacity.get(resource, 0),
-            allocatable=self._node_allocatable.get(resource, 0),
-            devices=len(response.devices),
-        )
-
-    def plugin_disconnected(self, resource: str) -> None:
-        """Mark every device unhealthy and stop the endpoint; the grace period starts."""
-        if not self._manager.plugin_disconnected(resource, now=self._journal.clock()):
-            return
-        self._sync_node_status()
-        capacity, allocatable = self._node_capacity.get(resource, 0), self._node_allocatable.get(resource, 0)
-        self._journal.event(
-            model.EventKind.ENDPOINT_STOPPED,
-            f"{resource}: endpoint stopped, all devices unhealthy "
-            f"(capacity {capacity}, allocatable {allocatable})",
-            resource=resource,
-            capacity=capacity,
-            allocatable=allocatable,
-        )
-
-    # -- node status -----------------------------------------------------------------
-
-    def _sync_node_status(self) -> None:
-        """Poll capacity as a node-status sync does, and re-arm the grace timer."""
-        polled = self._manager.get_capacity(now=self._journal.clock())
-        if polled.deleted:
-            self.write_checkpoint()
-        for name, value in polled.capacity.items():
-            self._node_capacity[name] = value
-            self._node_allocatable[name] = polled.allocatable.get(name, 0)
-            self._removed.discard(name)
-        for name in sorted(polled.deleted):
-            # Zero, not absent: the node keeps marking the resource as device-plugin managed.
-            self._node_capacity[name] = 0
-            self._node_allocatable[name] = 0
-            self._removed.add(name)
-            self._journal.event(
-                model.EventKind.RESOURCE_REMOVED,
-                f"{name}: no plugin for {self.grace_period} s, resource removed (capacity 0)",
-                resource=name,
-            )
-        self._journal.changed()
-        self._arm_grace_timer()
-
-    def _arm_grace_timer(self) -> None:
-        if self._grace_timer is not None:
-            self._grace_timer.cancel()
-            self._grace_timer = None
-        expiry = self._manager.next_expiry()
-        if expiry is None or self._server is None:
-            return
-        delay = max(0.0, expiry - self._journal.clock()) + _TIMER_SLACK
-        self._grace_timer = asyncio.get_running_loop().call_later(delay, self._grace_timer_fired)
-
-    def _grace_timer_fired(self) -> None:
-        self._grace_timer = None
-        self._sync_node_status()
 
     # -- the JSON view ---------------------------------------------------------------
 
@@ -835,7 +547,7 @@ class EmulatedKubelet:
                 "resource": resource,
                 "device_ids": sorted(entry.device_ids()),
             }
-            for pod_uid, per_pod in sorted(self._manager.pod_devices.entries.items())
+            for pod_uid, per_pod in sorted(self._devices.books.pod_devices.entries.items())
             for container, per_container in sorted(per_pod.items())
             for resource, entry in sorted(per_container.items())
         ]
@@ -879,15 +591,6 @@ class EmulatedKubelet:
         for writer in (self._view, self._pods_view):
             if writer is not None and self.running:
                 await writer.settled()
-
-    def _new_allocator(self) -> allocation_.Allocator:
-        return allocation_.Allocator(
-            devices=self._manager,
-            journal=self._journal,
-            pre_start_timeout=self._pre_start_timeout,
-            sources_ready=lambda: self._sources_ready,
-            container_running=self._pods.container_running,
-        )
 
 
 def _default_gates() -> gates_.FeatureGates:

@@ -25,14 +25,22 @@ retry); a failed start leaves the container waiting with
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Protocol
 
 from plugvisor.api.deviceplugin.v1beta1 import api_pb2
 from plugvisor.common import constants
-from plugvisor.emulators.kubelet import allocation, errors, journal, manager, manifest, model, runtime_config
+from plugvisor.emulators.kubelet import (
+    allocation,
+    devicemanager,
+    errors,
+    journal,
+    manager,
+    manifest,
+    model,
+    runtime_config,
+)
 
 
 class PodPhase(enum.StrEnum):
@@ -181,43 +189,19 @@ class PodRecord:
             self.phase = PodPhase.PENDING
 
 
-class PodHost(Protocol):
-    """**Protocol:** what pod handling needs from the kubelet around it."""
-
-    @property
-    def device_manager(self) -> manager.DeviceManager:
-        """The device manager's books (replaced at every kubelet start)."""
-
-    async def allocate_for_pod(
-        self, *, pod_uid: str, container: manifest.ContainerSpec, resource: str
-    ) -> model.Allocation:
-        """Run admission for one container and resource (serialised with other allocations)."""
-
-    async def pre_start(self, *, pod_uid: str, container: str, resource: str) -> bool:
-        """Run ``callPreStartContainerIfNeeded`` (serialised with allocations)."""
-
-    def write_checkpoint(self) -> None:
-        """Write the checkpoint now, as the kubelet does after a container's allocation."""
-
-    def update_allocated_devices(self) -> None:
-        """Free devices of pods that are no longer active (``UpdateAllocatedDevices``)."""
-
-
 class Pods:
     """Every pod the node knows, and the kubelet's steps for them."""
 
     def __init__(
         self,
         *,
-        host: PodHost,
+        devices: devicemanager.ManagerImpl,
         journal: journal.Journal,
         health_status: bool,
-        on_container_stopped: Callable[[PodRecord, ContainerRecord], None] | None = None,
     ) -> None:
-        self._host = host
+        self._devices = devices
         self._journal = journal
         self._health_status = health_status
-        self._on_container_stopped = on_container_stopped
         self.records: dict[tuple[str, str], PodRecord] = {}
         self.running: set[tuple[str, str]] = set()
         """The container runtime's view: (pod UID, container) pairs running now; survives kubelet restarts."""
@@ -273,18 +257,18 @@ class Pods:
 
     async def _admit(self, pod: PodRecord) -> bool:
         """Run the device manager's part of admission for every container; reject the pod on failure."""
-        host = self._host
+        devices = self._devices
         try:
             for container in pod.spec.all_containers():
                 updated = False
                 for resource in sorted(container.limits):
-                    if not host.device_manager.is_device_plugin_resource(resource):
+                    if not devices.is_device_plugin_resource(resource):
                         continue
                     if not updated:
-                        host.update_allocated_devices()
+                        devices.update_allocated_devices()
                         updated = True
-                    await host.allocate_for_pod(pod_uid=pod.uid, container=container, resource=resource)
-                host.write_checkpoint()
+                    await devices.allocate_container(pod_uid=pod.uid, container=container, resource=resource)
+                devices.write_checkpoint()
         except errors.AllocationError as error:
             pod.phase = PodPhase.FAILED
             pod.reason = error.reason
@@ -323,21 +307,21 @@ class Pods:
 
     async def _start(self, pod: PodRecord, record: ContainerRecord) -> bool:
         """Run ``GetDeviceRunContainerOptions`` and start the container; tell whether it started."""
-        host = self._host
+        devices = self._devices
         spec = record.spec
         try:
             needs_reallocate = False
             for resource in sorted(spec.limits):
-                if not host.device_manager.is_device_plugin_resource(resource) or spec.limits[resource] == 0:
+                if not devices.is_device_plugin_resource(resource) or spec.limits[resource] == 0:
                     continue
-                await host.pre_start(pod_uid=pod.uid, container=spec.name, resource=resource)
-                if host.device_manager.pod_devices.container_devices(pod.uid, spec.name, resource) is None:
+                await devices.pre_start(pod_uid=pod.uid, container=spec.name, resource=resource)
+                if devices.books.pod_devices.container_devices(pod.uid, spec.name, resource) is None:
                     needs_reallocate = True
             if needs_reallocate:
                 for resource in sorted(spec.limits):
-                    if host.device_manager.is_device_plugin_resource(resource):
-                        await host.allocate_for_pod(pod_uid=pod.uid, container=spec, resource=resource)
-                host.write_checkpoint()
+                    if devices.is_device_plugin_resource(resource):
+                        await devices.allocate_container(pod_uid=pod.uid, container=spec, resource=resource)
+                devices.write_checkpoint()
         except errors.KubeletError as error:
             record.state = ContainerState.WAITING
             record.reason = errors.CREATE_CONTAINER_CONFIG_ERROR
@@ -351,7 +335,7 @@ class Pods:
                 error=error.message,
             )
             return False
-        allocations = host.device_manager.pod_devices.container_resources(pod.uid, spec.name)
+        allocations = devices.books.pod_devices.container_resources(pod.uid, spec.name)
         record.runtime = runtime_config.merge(
             (resource, allocations[resource].response or _EMPTY_RESPONSE) for resource in sorted(allocations)
         )
@@ -375,8 +359,8 @@ class Pods:
         record.reason = reason
         record.message = None
         self.running.discard((pod.uid, record.spec.name))
-        if was_running and self._on_container_stopped is not None:
-            self._on_container_stopped(pod, record)
+        if was_running:
+            self._devices.container_stopped(pod.uid, record.spec.name)
 
     async def restart_container(self, namespace: str, name: str, container: str) -> ContainerRecord:
         """Restart a container (a crash and restart): the start step, PreStart included, runs again."""
@@ -465,7 +449,7 @@ class Pods:
 
     def view(self, pod: PodRecord) -> PodStatusView:
         """Snapshot a pod's status, devices and health as they are now."""
-        devices = self._host.device_manager
+        devices = self._devices.books
 
         def container_view(record: ContainerRecord) -> ContainerStatusView:
             held = devices.pod_devices.container_resources(pod.uid, record.spec.name)

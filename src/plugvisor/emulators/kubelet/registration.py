@@ -52,9 +52,9 @@ import grpc
 import structlog
 
 from plugvisor.api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
-from plugvisor.common import constants, names
+from plugvisor.common import constants
 from plugvisor.emulators.kubelet import client as client_
-from plugvisor.emulators.kubelet import errors, journal, model, unixserver
+from plugvisor.emulators.kubelet import errors, journal, model, names, unixserver
 
 _log = structlog.get_logger(__name__)
 
@@ -115,11 +115,6 @@ def cleanup_plugin_directory(directory: Path, *, keep: frozenset[str] = frozense
     if failures:
         raise OSError("failed to clean up the device plugin directory: " + "; ".join(failures))
     return removed
-
-
-def _go_quote_list(values: tuple[str, ...]) -> str:
-    """Render a string array as Go's ``%q`` does: ``["a" "b"]``."""
-    return "[" + " ".join(names.go_quote(value) for value in values) + "]"
 
 
 class RegistrationServer(api_pb2_grpc.RegistrationServicer):
@@ -226,7 +221,7 @@ class RegistrationServer(api_pb2_grpc.RegistrationServicer):
         if request.version not in constants.SUPPORTED_VERSIONS:
             return (
                 f"requested API version {names.go_quote(request.version)} is not supported by kubelet. "
-                f"Supported version is {_go_quote_list(constants.SUPPORTED_VERSIONS)}"
+                f"Supported version is {names.go_quote_list(constants.SUPPORTED_VERSIONS)}"
             )
         if not names.is_extended_resource_name(request.resource_name):
             return f"the ResourceName {names.go_quote(request.resource_name)} is invalid"
