@@ -151,7 +151,10 @@ class RegistrationServer(api_pb2_grpc.RegistrationServicer):
         self.socket_dir.mkdir(mode=SOCKET_DIR_MODE, parents=True, exist_ok=True)
         removed = cleanup_plugin_directory(self.socket_dir, keep=frozenset({constants.CHECKPOINT_NAME}))
         self._server = await unixserver.serve(
-            self.socket_path, lambda server: api_pb2_grpc.add_RegistrationServicer_to_server(self, server)
+            self.socket_path,
+            lambda server: api_pb2_grpc.add_RegistrationServicer_to_server(self, server),
+            # kubelet.sock must outlive this server, as a dying kubelet's does.
+            bound_at=self.socket_dir.with_name(f"{self.socket_dir.name}.{constants.KUBELET_SOCKET_NAME}"),
         )
         return removed
 
