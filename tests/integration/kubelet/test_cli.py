@@ -91,8 +91,31 @@ class TestKubeletCommand:
             (("--dir", "/tmp/" + "d" * 120), "--dir"),
             (("--dir", "/tmp/x", "--feature-gates", "Nope=true"), "--feature-gates"),
             (("--dir", "/tmp/x", "--replacement", "sometimes"), "--replacement"),
+            (
+                ("--dir", "/tmp/x", "--kubelet-version", "1.20"),
+                "'1.20' is not supported: choose one of 1.26, 1.29",
+            ),
+            (
+                (
+                    "--dir",
+                    "/tmp/x",
+                    "--kubelet-version",
+                    "1.26",
+                    "--feature-gates",
+                    "ResourceHealthStatus=true",
+                ),
+                "unrecognized feature gate: ResourceHealthStatus (kubelet 1.26",
+            ),
         ],
-        ids=["missing-dir", "negative-grace", "socket-path-too-long", "unknown-gate", "bad-replacement"],
+        ids=[
+            "missing-dir",
+            "negative-grace",
+            "socket-path-too-long",
+            "unknown-gate",
+            "bad-replacement",
+            "unknown-version",
+            "gate-too-new-for-the-version",
+        ],
     )
     def test_bad_usage_exits_2_naming_the_option(self, args: tuple[str, ...], option: str) -> None:
         """Usage errors are exit status 2 with the option in the message."""
@@ -108,21 +131,53 @@ class TestPodsDirectory:
         """--pods makes a node: the pod is admitted, started, and shown in <DIR>.pods.json."""
         pods_dir = socket_dir / "pods"
         pods_dir.mkdir()
-        kubelet = Kubelet("--dir", str(socket_dir / "dp"), "--pods", str(pods_dir))
+        kubelet = Kubelet("--dir", str(socket_dir / "dp"), "--pods", str(pods_dir), "--node-name", "n1")
         try:
             kubelet.wait_for_line("event='started'")
             (pods_dir / "web.yaml").write_text(
                 "apiVersion: v1\nkind: Pod\nmetadata: {name: web}\n"
                 "spec:\n  containers: [{name: c, image: nginx}]\n"
             )
-            kubelet.wait_for_line("event='container_started'", "default/web/c")
+            kubelet.wait_for_line("event='container_started'", "default/web-n1/c")
             (pods_dir / "bad.yaml").write_text("kind: Service\n")
             kubelet.wait_for_line("event='pod_invalid'", "not a Pod")
             assert kubelet.stop() == 0
             document = json.loads(Path(f"{socket_dir}/dp.pods.json").read_text())
             assert [(p["metadata"]["name"], p["status"]["phase"]) for p in document["pods"]] == [
-                ("web", "Running")
+                ("web-n1", "Running")
             ]
+        finally:
+            if kubelet.process.poll() is None:
+                kubelet.process.kill()
+                kubelet.process.wait()
+
+
+class TestANegativeExtendedResourceLimit:
+    def test_is_refused_at_validation_and_the_node_goes_on(self, socket_dir: Path) -> None:
+        """All versions: refused with the API's text, later pods are admitted, SIGTERM exits 0 quietly."""
+        pods_dir = socket_dir / "pods"
+        pods_dir.mkdir()
+        kubelet = Kubelet("--dir", str(socket_dir / "dp"), "--pods", str(pods_dir), "--node-name", "n1")
+        try:
+            kubelet.wait_for_line("event='started'")
+            (pods_dir / "neg.yaml").write_text(
+                "apiVersion: v1\nkind: Pod\nmetadata: {name: neg}\nspec:\n  containers:\n"
+                "  - {name: c, image: i, resources: {limits: {example.com/good: -1}}}\n"
+            )
+            line = kubelet.wait_for_line("event='pod_invalid'")
+            assert (
+                'limits[example.com/good]: Invalid value: "-1": must be greater than or equal to 0'
+                in line
+            )
+            (pods_dir / "web.yaml").write_text(
+                "apiVersion: v1\nkind: Pod\nmetadata: {name: web}\nspec:\n"
+                "  containers: [{name: c, image: i}]\n"
+            )
+            kubelet.wait_for_line("event='container_started'", "default/web-n1/c")
+            assert kubelet.stop() == 0
+            assert kubelet.process.stderr is not None
+            rest = kubelet.process.stderr.read()
+            assert "Traceback" not in "".join(kubelet.lines) + rest
         finally:
             if kubelet.process.poll() is None:
                 kubelet.process.kill()

@@ -198,7 +198,7 @@ class TestPodsDirectory:
     @pytest.fixture
     async def node(self, socket_dir: Path, plugin: PluginFactory):
         pods_dir = socket_dir / "pods"
-        kubelet = EmulatedKubelet(socket_dir / "dp", grace_period=0.5, pods_dir=pods_dir)
+        kubelet = EmulatedKubelet(socket_dir / "dp", grace_period=0.5, pods_dir=pods_dir, node_name="node1")
         await kubelet.start()
         stub = await plugin(GPU, devices("g0", "g1"))
         await stub.stop()
@@ -211,12 +211,12 @@ class TestPodsDirectory:
         await stub.stop()
 
     async def test_a_file_dropped_in_is_a_pod_and_removing_it_terminates_the_pod(self, node) -> None:
-        """Static-pod style: the directory is the set of pods."""
+        """Static-pod style: the directory is the set of pods, each named <name>-<node name>."""
         kubelet, pods_dir = node
         (pods_dir / "p.yaml").write_text(manifest("p"))
-        await kubelet.wait_for(lambda k: (p := k.pod("p")) is not None and p.phase is PodPhase.RUNNING)
+        await kubelet.wait_for(lambda k: (p := k.pod("p-node1")) is not None and p.phase is PodPhase.RUNNING)
         (pods_dir / "p.yaml").unlink()
-        await kubelet.wait_for(lambda k: k.pod("p") is None, what="pod p gone")
+        await kubelet.wait_for(lambda k: k.pod("p-node1") is None, what="pod p-node1 gone")
         assert EventKind.POD_DELETED in [e.kind for e in kubelet.events]
 
     async def test_bad_manifests_give_an_event_and_the_kubelet_goes_on(self, node) -> None:
@@ -228,14 +228,16 @@ class TestPodsDirectory:
         )
         (pods_dir / "typo.yaml").write_text(manifest("t").replace("limits:", "limts:"))
         (pods_dir / "good.yaml").write_text(manifest("good"))
-        await kubelet.wait_for(lambda k: (p := k.pod("good")) is not None and p.phase is PodPhase.RUNNING)
+        await kubelet.wait_for(
+            lambda k: (p := k.pod("good-node1")) is not None and p.phase is PodPhase.RUNNING
+        )
         await kubelet.sync_pods_dir()
         invalid = sorted(e.message for e in kubelet.events if e.kind is EventKind.POD_INVALID)
         assert len(invalid) == 3
         assert "not a Pod: kind is 'Deployment'" in invalid[0]
         assert f"must be equal to {GPU} limit of 1" in invalid[1]
-        assert "unknown field" in invalid[2]
-        assert [p.name for p in kubelet.pods] == ["good"]
+        assert "('limts' was unexpected)" in invalid[2]
+        assert [p.name for p in kubelet.pods] == ["good-node1"]
 
 
 class TestAddPodApi:

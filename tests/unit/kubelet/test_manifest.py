@@ -57,7 +57,7 @@ class TestValidManifests:
         first = parse_manifest(GOOD, source="/pods/a.yaml")
         assert parse_manifest(GOOD, source="/pods/a.yaml").uid == first.uid
         assert parse_manifest(GOOD, source="/pods/b.yaml").uid != first.uid
-        assert parse_manifest(GOOD.replace("sleep", "true"), source="/pods/a.yaml").uid != first.uid
+        assert parse_manifest(GOOD.replace("sleep", "wait"), source="/pods/a.yaml").uid != first.uid
         assert parse_manifest(GOOD, source="/pods/a.yaml", node_name="other").uid != first.uid
 
     def test_an_explicit_uid_is_kept(self) -> None:
@@ -98,17 +98,35 @@ class TestInvalidManifests:
                 id="fractional-device",
             ),
             pytest.param(
-                pod("[{name: c, image: i, limits: {}}]"), "unknown field(s) 'limits'", id="typo-in-container"
+                pod("[{name: c, image: i, limits: {}}]"),
+                "spec.containers[0]: Additional properties are not allowed ('limits' was unexpected)",
+                id="typo-in-container",
             ),
             pytest.param(
                 pod("[{name: c, image: i, resources: {limts: {}}}]"),
-                "resources.limts: unknown field",
+                "spec.containers[0].resources: Additional properties are not allowed "
+                "('limts' was unexpected)",
                 id="typo-in-resources",
             ),
             pytest.param(
                 pod("[{name: c, image: i}]", "  nodeSelecter: {}\n"), "'nodeSelecter'", id="typo-in-spec"
             ),
-            pytest.param(pod("[{name: C_1, image: i}]"), "DNS-1123 label", id="bad-container-name"),
+            pytest.param(
+                pod("[{name: c, image: i, command: [sleep, 1]}]"),
+                "spec.containers[0].command[1]: 1 is not of type 'string'",
+                id="wrong-type",
+            ),
+            pytest.param(
+                pod("[{name: c, image: i, resources: {limits: {example.com/good: -1}}}]"),
+                'spec.containers[0].resources.limits[example.com/good]: Invalid value: "-1": '
+                "must be greater than or equal to 0",
+                id="negative-extended-resource",
+            ),
+            pytest.param(
+                pod("[{name: C_1, image: i}]"),
+                'spec.containers[0].name: Invalid value: "C_1": a lowercase RFC 1123 label must consist of',
+                id="bad-container-name",
+            ),
             pytest.param(
                 pod("[{name: c, image: i}, {name: c, image: i}]"), "Duplicate value", id="duplicate-names"
             ),
@@ -124,3 +142,36 @@ class TestInvalidManifests:
             parse_manifest(text, source="/pods/x.yaml")
         assert message in str(raised.value)
         assert str(raised.value).startswith("/pods/x.yaml: ")
+
+
+class TestKubeletVersions:
+    SIDECAR = pod("[{name: c, image: i}]").replace(
+        "  containers:", "  initContainers: [{name: s, image: i, restartPolicy: Always}]\n  containers:"
+    )
+
+    def test_sidecars_are_unknown_to_the_1_26_schema(self) -> None:
+        """Kubernetes 1.26: an init container's restartPolicy is not a field yet."""
+        with pytest.raises(ManifestError) as raised:
+            parse_manifest(self.SIDECAR, kubelet_version="1.26")
+        assert "('restartPolicy' was unexpected) (Kubernetes 1.26 Pod schema)" in str(raised.value)
+
+    @pytest.mark.parametrize("version", ["1.29", "1.35"])
+    def test_sidecars_are_pods_from_1_29_on(self, version: str) -> None:
+        spec = parse_manifest(self.SIDECAR, kubelet_version=version)
+        assert spec.init_containers[0].kind is ContainerKind.SIDECAR
+
+    def test_an_unknown_version_is_named_with_the_supported_ones(self) -> None:
+        with pytest.raises(
+            ValueError, match=r"kubelet version '1\.20' is not supported: choose one of 1\.26, "
+        ):
+            parse_manifest(pod("[{name: c, image: i}]"), kubelet_version="1.20")
+
+
+class TestStaticPods:
+    def test_a_static_pod_is_named_after_the_node(self) -> None:
+        """The kubelet's file source names a static pod <name>-<node name>."""
+        spec = parse_manifest(pod("[{name: c, image: i}]"), node_name="Node-7", static=True)
+        assert spec.name == "p-node-7"
+
+    def test_a_pod_from_the_api_keeps_its_name(self) -> None:
+        assert parse_manifest(pod("[{name: c, image: i}]"), node_name="node-7").name == "p"

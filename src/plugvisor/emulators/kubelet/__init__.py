@@ -15,7 +15,7 @@ and their order follow the kubelet of v1.31-v1.35 (see docs/kubelet-contract.md)
 DevicePlugin with settable devices, options and failures.
 """
 
-from plugvisor.emulators.kubelet import checkpoint
+from plugvisor.emulators.kubelet import checkpoint, versions
 from plugvisor.emulators.kubelet.allocation import ContainerKind
 from plugvisor.emulators.kubelet.errors import (
     AllocationError,
@@ -76,4 +76,5 @@ __all__ = [
     "device",
     "devices",
     "parse_manifest",
+    "versions",
 ]

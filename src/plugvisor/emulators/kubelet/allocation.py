@@ -11,6 +11,10 @@ sections 5 and 6), because plugin authors debug by them:
    from the pod's reusable pool, and the rest from ``healthy - in use``
    (``requested number of devices unavailable``).
 
+Checks 2-5 depend on the kubelet release played (:mod:`.versions`): before
+kubernetes#116376 a container already holding its devices skipped 3-5, and
+before kubernetes#118635 check 2 did not exist.
+
 The plugin is asked for a preference only when its *options reply* advertised
 GetPreferredAllocation and only under the two conditions the kubelet uses; its
 answer is intersected with what is allowed and any shortfall is filled by the
@@ -34,7 +38,7 @@ from google.protobuf import text_format
 
 from plugvisor.api.deviceplugin.v1beta1 import api_pb2
 from plugvisor.emulators.kubelet import endpoint as endpoint_
-from plugvisor.emulators.kubelet import errors, journal, manager, model, names
+from plugvisor.emulators.kubelet import errors, journal, manager, model, names, versions
 
 
 class ContainerKind(enum.StrEnum):
@@ -74,7 +78,9 @@ class Allocator:
         pre_start_timeout: float,
         sources_ready: Callable[[], bool] = lambda: True,
         container_running: Callable[[str, str], bool] = lambda pod_uid, container: False,
+        rules: versions.KubeletRules | None = None,
     ) -> None:
+        self._rules = rules if rules is not None else versions.rules_for()
         self._manager = devices
         self._journal = journal
         self._pre_start_timeout = pre_start_timeout
@@ -260,7 +266,7 @@ class Allocator:
         )
         return picked, True
 
-    async def _devices_to_allocate(  # noqa: PLR0912 - mirrors devicesToAllocate check by check
+    async def _devices_to_allocate(  # noqa: PLR0911, PLR0912 - mirrors devicesToAllocate check by check
         self,
         *,
         pod_uid: str,
@@ -280,19 +286,30 @@ class Allocator:
                     f"pod {names.go_quote(pod_uid)} container {names.go_quote(container)} changed request "
                     f"for resource {names.go_quote(resource)} from {len(held)} to {required}"
                 )
-        if not self._sources_ready() and self._container_running(pod_uid, container):
+        rules = self._rules
+        if (
+            rules.skip_running_containers_while_sources_not_ready
+            and not self._sources_ready()
+            and self._container_running(pod_uid, container)
+        ):
             # A kubelet restart: the running container already has its devices.
+            return _Picked(devices=None)
+        if not rules.health_checks_before_reuse and needed == 0:
+            # Before kubernetes#116376 a container holding its devices needed nothing, healthy or not.
             return _Picked(devices=None)
         healthy = devices.healthy.get(resource)
         if healthy is None:
-            raise _AdmissionError(f"cannot allocate unregistered device {resource}")
-        if not healthy:
-            raise _AdmissionError(f"no healthy devices present; cannot allocate unhealthy devices {resource}")
-        if held is not None and not held <= healthy:
-            raise _AdmissionError(
-                "previously allocated devices are no longer healthy; "
-                f"cannot allocate unhealthy devices {resource}"
-            )
+            raise _AdmissionError(rules.unregistered_device_error.format(resource=resource))
+        if rules.health_checks_before_reuse:
+            if not healthy:
+                raise _AdmissionError(
+                    f"no healthy devices present; cannot allocate unhealthy devices {resource}"
+                )
+            if held is not None and not held <= healthy:
+                raise _AdmissionError(
+                    "previously allocated devices are no longer healthy; "
+                    f"cannot allocate unhealthy devices {resource}"
+                )
         if needed == 0:
             return _Picked(devices=None)
 

@@ -26,7 +26,7 @@ import click
 import structlog
 
 from plugvisor.common import constants
-from plugvisor.emulators.kubelet import gates, model, registration
+from plugvisor.emulators.kubelet import gates, model, registration, versions
 from plugvisor.emulators.kubelet import kubelet as kubelet_
 
 
@@ -136,8 +136,8 @@ def _parse_gates(ctx: click.Context, param: click.Parameter, value: str | None) 
     type=click.Choice(registration.REPLACEMENTS),
     default="per-name",
     show_default=True,
-    help="A second plugin for a registered resource: per-name (kubelet <= 1.35, the new client replaces "
-    "the old) or per-socket (instances tracked per socket, zero-downtime hand-over).",
+    help="A second plugin for a registered resource: per-name (kubelet 1.26-1.35, the new client replaces "
+    "the old) or per-socket (instances tracked per socket, zero-downtime hand-over; kubernetes#135437).",
 )
 @click.option(
     "--feature-gates",
@@ -147,6 +147,20 @@ def _parse_gates(ctx: click.Context, param: click.Parameter, value: str | None) 
     metavar="GATES",
     help="Kubelet feature gates, e.g. KubeletPodResourcesGet=true,ResourceHealthStatus=true,"
     "DeviceManagerDeallocate=true.",
+)
+@click.option(
+    "--kubelet-version",
+    default=versions.DEFAULT_VERSION,
+    show_default=True,
+    metavar="VERSION",
+    help="The kubelet release whose device manager rules are played: "
+    f"{', '.join(versions.SUPPORTED_VERSIONS)} (see docs/kubelet.md for what differs).",
+)
+@click.option(
+    "--node-name",
+    default=None,
+    metavar="NAME",
+    help="The node's name; static pods from --pods are named <name>-<node name> [default: the host name].",
 )
 def kubelet_command(  # noqa: PLR0917 - click passes every option positionally
     socket_dir: Path,
@@ -159,6 +173,8 @@ def kubelet_command(  # noqa: PLR0917 - click passes every option positionally
     pods_view_path: Path | None,
     replacement: registration.Replacement,
     feature_gates: gates.FeatureGates,
+    kubelet_version: str,
+    node_name: str | None,
 ) -> None:
     """Run an emulated kubelet's device-plugin side on DIR (SIGHUP restarts it like a real kubelet)."""
     socket_path = Path(os.path.abspath(socket_dir)) / constants.KUBELET_SOCKET_NAME  # noqa: PTH100
@@ -168,6 +184,14 @@ def kubelet_command(  # noqa: PLR0917 - click passes every option positionally
             f"to {constants.MAX_UNIX_SOCKET_PATH}. Use a shorter directory.",
             param_hint="'--dir'",
         )
+    try:
+        rules = versions.rules_for(kubelet_version)
+    except versions.UnsupportedVersionError as error:
+        raise click.BadParameter(str(error), param_hint="'--kubelet-version'") from None
+    try:
+        rules.check_gates(feature_gates)
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="'--feature-gates'") from None
     options: dict[str, Any] = {
         "view_path": view_path,
         "grace_period": grace_period,
@@ -178,6 +202,8 @@ def kubelet_command(  # noqa: PLR0917 - click passes every option positionally
         "pods_view_path": pods_view_path,
         "replacement": replacement,
         "gates": feature_gates,
+        "kubelet_version": rules.version,
+        "node_name": node_name,
     }
     try:
         asyncio.run(_serve(socket_dir, options=options))

@@ -39,7 +39,7 @@ from plugvisor.emulators.kubelet import allocation as allocation_
 from plugvisor.emulators.kubelet import checkpoint as checkpoint_
 from plugvisor.emulators.kubelet import client as client_
 from plugvisor.emulators.kubelet import endpoint as endpoint_
-from plugvisor.emulators.kubelet import errors, journal, manager, manifest, model, registration
+from plugvisor.emulators.kubelet import errors, journal, manager, manifest, model, registration, versions
 from plugvisor.emulators.kubelet import gates as gates_
 
 
@@ -75,6 +75,7 @@ class ManagerImpl:
         sources_ready: Callable[[], bool],
         container_running: Callable[[str, str], bool],
         active_pod_uids: Callable[[], set[str]],
+        rules: versions.KubeletRules,
     ) -> None:
         self.socket_dir = socket_dir
         self.checkpoint_path = socket_dir / constants.CHECKPOINT_NAME
@@ -88,18 +89,22 @@ class ManagerImpl:
         self._sources_ready = sources_ready
         self._container_running = container_running
         self._active_pod_uids = active_pod_uids
+        self.rules = rules
         self.books = manager.DeviceManager(grace_period=grace_period)
         """The books (replaced at every start, as a new kubelet process starts empty)."""
         self.server: registration.RegistrationServer | None = None
         self._allocation_lock = asyncio.Lock()
         self._allocator = self._new_allocator()
         self._adhoc_pods: set[str] = set()
+        self._pending_admission_pod: str | None = None
+        """The pod that last went through admission (``pendingAdmissionPod``, releases 1.22-1.31)."""
         self._background: set[asyncio.Task[None]] = set()
 
     # -- lifecycle (``Start``/``Stop``) ------------------------------------------------
 
     async def start(self) -> list[Path]:
         """Read the checkpoint, then clean the directory and serve Register; return the removed sockets."""
+        self._pending_admission_pod = None
         self.books = self.read_checkpoint()
         self._allocator = self._new_allocator()
         server = registration.RegistrationServer(
@@ -219,19 +224,31 @@ class ManagerImpl:
                 raise
             return dataclasses.replace(result, pre_start_called=called)
 
-    async def allocate_container(
-        self, *, pod_uid: str, container: manifest.ContainerSpec, resource: str
-    ) -> model.Allocation:
-        """Admit a pod's container for one resource of its limits (the pod side's call)."""
-        return await self.allocate(
-            pod_uid=pod_uid,
-            container=container.name,
-            resource=resource,
-            count=container.limits[resource],
-            numa_affinity=None,
-            kind=container.kind,
-            start=False,
-        )
+    async def allocate_container(self, *, pod_uid: str, container: manifest.ContainerSpec) -> None:
+        """Admit one container of a pod (``Allocate(pod, container)``) for every device resource it limits.
+
+        As upstream: the pod becomes the pending-admission pod, devices of
+        inactive pods are freed once (before the first device resource), one
+        allocation runs per resource, then the checkpoint is written.
+        """
+        self._pending_admission_pod = pod_uid
+        updated = False
+        for resource in sorted(container.limits):
+            if not self.is_device_plugin_resource(resource):
+                continue
+            if not updated:
+                self.update_allocated_devices()
+                updated = True
+            await self.allocate(
+                pod_uid=pod_uid,
+                container=container.name,
+                resource=resource,
+                count=container.limits[resource],
+                numa_affinity=None,
+                kind=container.kind,
+                start=False,
+            )
+        self.write_checkpoint()
 
     async def pre_start(self, *, pod_uid: str, container: str, resource: str) -> bool:
         """Run ``callPreStartContainerIfNeeded`` for one resource; tell whether it called the plugin."""
@@ -254,6 +271,8 @@ class ManagerImpl:
             return
         books = self.books
         active = self._active_pod_uids() | self._adhoc_pods
+        if self.rules.pending_admission_pod_is_active and self._pending_admission_pod is not None:
+            active.add(self._pending_admission_pod)
         gone = books.pod_devices.pods() - active
         if not gone:
             return
@@ -395,4 +414,5 @@ class ManagerImpl:
             pre_start_timeout=self._pre_start_timeout,
             sources_ready=self._sources_ready,
             container_running=self._container_running,
+            rules=self.rules,
         )

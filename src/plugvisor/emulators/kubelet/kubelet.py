@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -47,6 +48,7 @@ from plugvisor.emulators.kubelet import (
     podresources,
     podsource,
     registration,
+    versions,
     view,
 )
 from plugvisor.emulators.kubelet import gates as gates_
@@ -59,6 +61,21 @@ DEVICE_PLUGINS_DIR_NAME: Final = "device-plugins"
 
 DEFAULT_POD_UID: Final = "pod-0"
 DEFAULT_CONTAINER: Final = "container-0"
+
+POD_SOURCES_DELAY: Final = 0.1
+"""Seconds between serving Register and delivering the node's pods again at a start.
+
+A real kubelet starts its device manager (and serves Register) once the
+container runtime reports ready, and its sync loop only handles pods after its
+first runtime check, backing off 100 ms while the runtime is not yet up
+(``syncLoop`` in kubelet.go). A plugin that re-registers at once is therefore in
+time for the pods of a restarted node; this delay reproduces that order.
+"""
+
+
+def default_node_name() -> str:
+    """The kubelet's default node name: the host name, lower-cased (``nodeutil.GetHostname``)."""
+    return socket.gethostname().strip().lower() or manifest.DEFAULT_NODE_NAME
 
 
 class EmulatedKubelet:
@@ -81,6 +98,13 @@ class EmulatedKubelet:
     selects the kubelet generation for a second plugin of the same resource
     (``"per-name"``: v1.31-v1.35; ``"per-socket"``: the fix of PR #135437).
     ``gates`` holds the feature gates (defaults as upstream).
+
+    ``kubelet_version`` selects the release whose rules are played (see
+    :mod:`.versions`; default the newest): admission checks, manifest schema,
+    known feature gates. ``node_name`` (default: the host name) names static
+    pods ``<name>-<node name>`` as a real node does. ``pod_sources_delay`` is the
+    time between serving Register and re-admitting pods at a start
+    (:data:`POD_SOURCES_DELAY`).
     """
 
     def __init__(
@@ -103,7 +127,9 @@ class EmulatedKubelet:
         pod_resources_burst: int = podresources.DEFAULT_BURST,
         replacement: registration.Replacement = "per-name",
         gates: gates_.FeatureGates | None = None,
-        node_name: str = manifest.DEFAULT_NODE_NAME,
+        node_name: str | None = None,
+        kubelet_version: str = versions.DEFAULT_VERSION,
+        pod_sources_delay: float = POD_SOURCES_DELAY,
     ) -> None:
         self.socket_dir = Path(os.path.abspath(socket_dir))  # noqa: PTH100 - no symlink resolution
         self.socket_path = self.socket_dir / constants.KUBELET_SOCKET_NAME
@@ -111,8 +137,11 @@ class EmulatedKubelet:
         if replacement not in registration.REPLACEMENTS:
             raise ValueError(f"replacement must be one of {registration.REPLACEMENTS}, got {replacement!r}")
         self.replacement: registration.Replacement = replacement
+        self.rules = versions.rules_for(kubelet_version)
         self.gates = gates if gates is not None else _default_gates()
-        self.node_name = node_name
+        self.rules.check_gates(self.gates)
+        self.node_name = node_name if node_name is not None else default_node_name()
+        self.pod_sources_delay = pod_sources_delay
         self.checkpoint_path = self.socket_dir / constants.CHECKPOINT_NAME
         self.root = Path(os.path.abspath(root)) if root is not None else None  # noqa: PTH100
         self.pod_resources_socket: Path | None = None
@@ -153,6 +182,7 @@ class EmulatedKubelet:
             # Late-bound: the pods are created below, with this device manager.
             container_running=lambda pod_uid, container: self._pods.container_running(pod_uid, container),  # noqa: PLW0108
             active_pod_uids=lambda: self._pods.active_uids(),  # noqa: PLW0108
+            rules=self.rules,
         )
         self._pods = pods_.Pods(
             devices=self._devices, journal=self._journal, health_status=self.gates.resource_health_status
@@ -271,7 +301,7 @@ class EmulatedKubelet:
                 writer.start()
         if self.pods_dir is not None:
             # Watch before the first read: a file written meanwhile is never missed.
-            self._pod_watcher = podsource.DirectoryWatcher(self.pods_dir, self.sync_pods_dir)
+            self._pod_watcher = podsource.DirectoryWatcher(self.pods_dir, self._pods_dir_changed)
             self._pod_watcher.start()
         await self._initial_pod_sync()
         self._journal.event(
@@ -282,6 +312,9 @@ class EmulatedKubelet:
         )
 
     async def _initial_pod_sync(self) -> None:
+        if self.pod_sources_delay > 0:
+            # Register is served already: plugins that re-register at once are in time.
+            await asyncio.sleep(self.pod_sources_delay)
         async with self._pods_lock:
             if self.pods_dir is not None:
                 await self._apply_pods_dir()
@@ -289,6 +322,26 @@ class EmulatedKubelet:
                 await self._pods.sync(pod)
         self._sources_ready = True
         self._journal.changed()
+        if self.pods_dir is not None:
+            # Changes seen while the pods were being delivered were held back (see below).
+            await self.sync_pods_dir()
+
+    async def _pods_dir_changed(self) -> None:
+        """Apply the pods directory after a change; never let a failure stop the watcher.
+
+        Until the initial delivery is done the change is left to it: pods reach
+        admission only after Register has been served for a while.
+        """
+        if not self._sources_ready:
+            return
+        try:
+            await self.sync_pods_dir()
+        except Exception as error:  # a running kubelet never dies of a pod
+            self._journal.event(
+                model.EventKind.POD_INVALID,
+                f"failed to apply the pods directory {self.pods_dir}: {type(error).__name__}: {error}",
+                path=os.fspath(self.pods_dir) if self.pods_dir else None,
+            )
 
     def write_checkpoint(self) -> None:
         """Write ``kubelet_internal_checkpoint`` now (the kubelet's ``writeCheckpoint``)."""
@@ -450,11 +503,15 @@ class EmulatedKubelet:
         :class:`~plugvisor.emulators.kubelet.manifest.ManifestError` for a bad manifest.
         """
         if isinstance(pod, str):
-            spec = manifest.parse_manifest(pod, source=source, node_name=self.node_name)
+            spec = manifest.parse_manifest(
+                pod, source=source, node_name=self.node_name, kubelet_version=self.rules.version
+            )
         elif isinstance(pod, manifest.PodSpec):
             spec = pod
         else:
-            spec = manifest.parse_document(dict(pod), source=source, node_name=self.node_name)
+            spec = manifest.parse_document(
+                dict(pod), source=source, node_name=self.node_name, kubelet_version=self.rules.version
+            )
         async with self._pods_lock:
             record = await self._pods.add(spec)
         return self._pods.view(record)
@@ -501,7 +558,7 @@ class EmulatedKubelet:
     async def _apply_pods_dir(self) -> None:
         if self.pods_dir is None:
             return
-        found = podsource.scan(self.pods_dir, node_name=self.node_name)
+        found = podsource.scan(self.pods_dir, node_name=self.node_name, kubelet_version=self.rules.version)
         for key, message in found.invalid.items():
             if key not in self._reported_invalid:
                 self._reported_invalid.add(key)
@@ -569,6 +626,8 @@ class EmulatedKubelet:
                 "pods_view": os.fspath(self.pods_view_path) if self._pods_view else None,
                 "sources_ready": self._sources_ready,
                 "replacement": self.replacement,
+                "kubelet_version": self.rules.version,
+                "node_name": self.node_name,
                 "feature_gates": self.gates.enabled(),
             },
             resources=self.resources,

@@ -1,25 +1,27 @@
 """Pod manifests: the YAML a user would ``kubectl apply``, read the way a static-pod kubelet reads it.
 
-What is validated, and why (docs/kubelet.md repeats this for users):
+Validation runs in two steps, like a manifest that reaches a real kubelet:
 
-* Everything the device manager looks at is modelled and validated strictly:
-  ``apiVersion: v1``, ``kind: Pod``, ``metadata.name``/``namespace``/``uid``, every
-  container's ``name``, ``resources`` and (for init containers) ``restartPolicy``,
-  and the pod's ``restartPolicy``. Unknown keys *inside* a container entry or its
-  ``resources`` are errors, as with ``kubectl apply`` (strict field validation):
-  a misspelt ``limts`` would otherwise silently ask for no device at all.
-* Every other field Kubernetes defines for a Pod, a PodSpec or a Container is
-  accepted and ignored (``command``, ``volumes``, ``tolerations``, ...), so real
-  manifests load unchanged; a key Kubernetes does not define is an error.
-  ``metadata`` and ``status`` accept anything (labels, annotations, ...).
-* Extended resources follow the API server's rules: the quantity must be an
-  integer, and requests must equal limits (a request without a limit is
-  refused; a limit without a request implies the same request).
+1. **The Kubernetes object schema of the release played** (``--kubelet-version``),
+   shipped by the ``kubernetes-validate`` package, in strict mode: a field the
+   release does not define is an error (a misspelt ``limts`` would otherwise
+   silently ask for no device at all, and ``restartPolicy`` on an init container
+   is unknown to 1.26), and every type is checked. No hand-written field list
+   can drift from the API this way.
+2. **The API server's and the kubelet's own checks** that a schema cannot
+   express (``ValidatePod``): names are DNS-1123 labels/subdomains, quantities
+   parse and are not negative, extended resources are integers with requests
+   equal to limits (a request without a limit is refused; a limit without a
+   request implies the same request), container names are unique, only init
+   containers may set ``restartPolicy``.
 
-The UID of a pod without ``metadata.uid`` is derived from its content, its
-source and the node name, as the kubelet does for static pods: the same file
-gives the same UID across kubelet restarts (which is what lets checkpointed
-allocations find their pod again), and an edited file is a new pod.
+A **static pod** (a file in the pods directory) is renamed ``<name>-<node name>``
+as the kubelet's file source does, so PodResources and the pod status show the
+name a real node shows. The UID of a pod without ``metadata.uid`` is derived
+from its content, its source and the node name, as the kubelet does for static
+pods: the same file gives the same UID across kubelet restarts (which is what
+lets checkpointed allocations find their pod again), and an edited file is a new
+pod.
 """
 
 from __future__ import annotations
@@ -32,38 +34,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
+import kubernetes_validate
 import pydantic
 import yaml
 
-from plugvisor.emulators.kubelet import allocation
+from plugvisor.emulators.kubelet import allocation, names, versions
 
-_POD_FIELDS: Final = frozenset({"apiVersion", "kind", "metadata", "spec", "status"})
-
-_POD_SPEC_FIELDS: Final = frozenset(
-    {
-        "activeDeadlineSeconds", "affinity", "automountServiceAccountToken", "containers", "dnsConfig",
-        "dnsPolicy", "enableServiceLinks", "ephemeralContainers", "hostAliases", "hostIPC", "hostNetwork",
-        "hostPID", "hostUsers", "hostname", "hostnameOverride", "imagePullSecrets", "initContainers",
-        "nodeName", "nodeSelector", "os", "overhead", "preemptionPolicy", "priority", "priorityClassName",
-        "readinessGates", "resourceClaims", "resources", "restartPolicy", "runtimeClassName",
-        "schedulerName", "schedulingGates", "securityContext", "serviceAccount", "serviceAccountName",
-        "setHostnameAsFQDN", "shareProcessNamespace", "subdomain", "terminationGracePeriodSeconds",
-        "tolerations", "topologySpreadConstraints", "volumes",
-    }
-)  # fmt: skip
-
-_CONTAINER_FIELDS: Final = frozenset(
-    {
-        "args", "command", "env", "envFrom", "image", "imagePullPolicy", "lifecycle", "livenessProbe",
-        "name", "ports", "readinessProbe", "resizePolicy", "resources", "restartPolicy",
-        "restartPolicyRules", "securityContext", "startupProbe", "stdin", "stdinOnce",
-        "terminationMessagePath", "terminationMessagePolicy", "tty", "volumeDevices", "volumeMounts",
-        "workingDir",
-    }
-)  # fmt: skip
-
-_DNS1123_LABEL: Final = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
-_DNS1123_SUBDOMAIN: Final = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 _QUANTITY: Final = re.compile(
     r"([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))(Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E|[eE][+-]?[0-9]+)?"
 )
@@ -85,14 +61,11 @@ class ManifestError(ValueError):
     """A manifest that Kubernetes would refuse; ``str()`` names the file and every problem."""
 
 
-class _Strict(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid", populate_by_name=True)
+class _Resources(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="allow", populate_by_name=True)
 
-
-class _Resources(_Strict):
     limits: dict[str, int | float | str] = {}
     requests: dict[str, int | float | str] = {}
-    claims: list[dict[str, Any]] = []
 
 
 class _Container(pydantic.BaseModel):
@@ -102,13 +75,6 @@ class _Container(pydantic.BaseModel):
     image: str
     resources: _Resources = _Resources()
     restart_policy: Literal["Always"] | None = pydantic.Field(default=None, alias="restartPolicy")
-
-    @pydantic.model_validator(mode="after")
-    def _known_fields_only(self) -> _Container:
-        unknown = sorted(set(self.model_extra or {}) - _CONTAINER_FIELDS)
-        if unknown:
-            raise ValueError(f"unknown field(s) {', '.join(map(repr, unknown))}")
-        return self
 
 
 class _Metadata(pydantic.BaseModel):
@@ -125,13 +91,6 @@ class _Spec(pydantic.BaseModel):
     containers: list[_Container] = pydantic.Field(min_length=1)
     init_containers: list[_Container] = pydantic.Field(default=[], alias="initContainers")
     restart_policy: RestartPolicy = pydantic.Field(default="Always", alias="restartPolicy")
-
-    @pydantic.model_validator(mode="after")
-    def _known_fields_only(self) -> _Spec:
-        unknown = sorted(set(self.model_extra or {}) - _POD_SPEC_FIELDS)
-        if unknown:
-            raise ValueError(f"unknown field(s) {', '.join(map(repr, unknown))}")
-        return self
 
 
 class _Pod(pydantic.BaseModel):
@@ -200,28 +159,34 @@ def _quantity(value: int | float | str) -> decimal.Decimal:
 
 def _is_extended(resource: str) -> bool:
     """Extended resources, as the API server sees them: a domain, not kubernetes.io, not quota."""
-    return "/" in resource and "kubernetes.io/" not in resource and not resource.startswith("requests.")
+    return not names.is_native_resource(resource) and not resource.startswith("requests.")
+
+
+def _invalid(where: str, value: object, message: str) -> str:
+    """``field.Invalid(...).Error()``: the path, the value under ``%q``, the reason."""
+    return f"{where}: Invalid value: {names.go_quote(str(value))}: {message}"
 
 
 def _container_spec(  # noqa: PLR0912 - one branch per API validation rule, in the API's order
     container: _Container, path: str, kind: allocation.ContainerKind
 ) -> ContainerSpec:
     problems: list[str] = []
-    if not _DNS1123_LABEL.fullmatch(container.name) or len(container.name) > 63:
-        problems.append(f"{path}.name: Invalid value: {container.name!r}: must be a DNS-1123 label")
+    for message in names.dns1123_label_errors(container.name):
+        problems.append(_invalid(f"{path}.name", container.name, message))
     limits: dict[str, int] = {}
     resources = container.resources
     for section, values in (("limits", resources.limits), ("requests", resources.requests)):
         for resource, raw in values.items():
+            where = f"{path}.resources.{section}[{resource}]"
             try:
                 quantity = _quantity(raw)
             except ValueError as error:
-                problems.append(f"{path}.resources.{section}[{resource}]: Invalid value: {raw!r}: {error}")
+                problems.append(_invalid(where, raw, str(error)))
                 continue
-            if _is_extended(resource) and quantity != quantity.to_integral_value():
-                problems.append(
-                    f"{path}.resources.{section}[{resource}]: Invalid value: {raw!r}: must be an integer"
-                )
+            if quantity < 0:
+                problems.append(_invalid(where, raw, "must be greater than or equal to 0"))
+            elif _is_extended(resource) and quantity != quantity.to_integral_value():
+                problems.append(_invalid(where, raw, "must be an integer"))
             elif _is_extended(resource) and section == "limits":
                 limits[resource] = int(quantity)
     for resource, raw in resources.requests.items():
@@ -239,8 +204,11 @@ def _container_spec(  # noqa: PLR0912 - one branch per API validation rule, in t
                 continue  # already reported
             if not equal:
                 problems.append(
-                    f"{path}.resources.requests[{resource}]: Invalid value: {str(raw)!r}: must be equal to "
-                    f"{resource} limit of {resources.limits[resource]}"
+                    _invalid(
+                        f"{path}.resources.requests[{resource}]",
+                        raw,
+                        f"must be equal to {resource} limit of {resources.limits[resource]}",
+                    )
                 )
     if problems:
         raise ManifestError("; ".join(problems))
@@ -251,9 +219,28 @@ def _format_validation_error(error: pydantic.ValidationError) -> str:
     parts = []
     for item in error.errors():
         where = ".".join(str(part) for part in item["loc"]) or "(document)"
-        message = "unknown field" if item["type"] == "extra_forbidden" else item["msg"]
-        parts.append(f"{where}: {message}")
+        parts.append(f"{where}: {item['msg']}")
     return "; ".join(parts)
+
+
+def _schema_problem(document: dict[str, Any], version: str) -> str | None:
+    """Validate against the strict object schema of ``version``; return the problem, if any.
+
+    ``kubernetes-validate`` ships the OpenAPI-derived JSON schemas of every
+    Kubernetes release; strict mode refuses properties the release does not
+    define.
+    """
+    try:
+        kubernetes_validate.validate(document, version, strict=True)
+    except kubernetes_validate.ValidationError as error:
+        where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in error.path)
+        return f"{where.lstrip('.') or '(document)'}: {error.message} (Kubernetes {version} Pod schema)"
+    return None
+
+
+def static_pod_name(name: str, node_name: str) -> str:
+    """The name the kubelet gives a pod from its manifest directory: ``<name>-<node name>``."""
+    return f"{name}-{node_name.lower()}"
 
 
 def derive_uid(document: Mapping[str, Any], *, source: str | None, node_name: str) -> str:
@@ -265,30 +252,42 @@ def derive_uid(document: Mapping[str, Any], *, source: str | None, node_name: st
     return hasher.hexdigest()
 
 
-def parse_document(  # noqa: PLR0912 - one branch per validation rule; splitting hides the order
-    document: object, *, source: str | None = None, node_name: str = DEFAULT_NODE_NAME
+def parse_document(
+    document: object,
+    *,
+    source: str | None = None,
+    node_name: str = DEFAULT_NODE_NAME,
+    kubelet_version: str = versions.DEFAULT_VERSION,
+    static: bool = False,
 ) -> PodSpec:
-    """Validate one decoded manifest; raise :class:`ManifestError` with every problem found."""
+    """Validate one decoded manifest; raise :class:`ManifestError` with every problem found.
+
+    ``static`` marks a pod from the manifest directory: it is renamed
+    ``<name>-<node name>`` as the kubelet's file source does.
+    """
     where = f"{source}: " if source else ""
     if not isinstance(document, dict):
         raise ManifestError(f"{where}not a Pod manifest: expected a mapping, got {type(document).__name__}")
     if document.get("kind") != "Pod":
         raise ManifestError(f"{where}not a Pod: kind is {document.get('kind')!r}")
-    unknown = sorted(set(document) - _POD_FIELDS)
-    if unknown:
-        raise ManifestError(f"{where}unknown field(s) {', '.join(map(repr, unknown))}")
+    if document.get("apiVersion") != "v1":
+        raise ManifestError(f"{where}apiVersion: expected 'v1' for a Pod, got {document.get('apiVersion')!r}")
+    problem = _schema_problem(document, versions.check_version(kubelet_version))
+    if problem is not None:
+        raise ManifestError(where + problem)
     try:
         pod = _Pod.model_validate(document)
     except pydantic.ValidationError as error:
         raise ManifestError(f"{where}{_format_validation_error(error)}") from None
     metadata = pod.metadata
-    problems: list[str] = []
-    if not _DNS1123_SUBDOMAIN.fullmatch(metadata.name) or len(metadata.name) > 253:
-        problems.append(f"metadata.name: Invalid value: {metadata.name!r}: must be a DNS-1123 subdomain")
-    if not _DNS1123_LABEL.fullmatch(metadata.namespace) or len(metadata.namespace) > 63:
-        problems.append(
-            f"metadata.namespace: Invalid value: {metadata.namespace!r}: must be a DNS-1123 label"
-        )
+    name = static_pod_name(metadata.name, node_name) if static else metadata.name
+    problems: list[str] = [
+        _invalid("metadata.name", name, message) for message in names.dns1123_subdomain_errors(name)
+    ]
+    problems.extend(
+        _invalid("metadata.namespace", metadata.namespace, message)
+        for message in names.dns1123_label_errors(metadata.namespace)
+    )
     init: list[ContainerSpec] = []
     app: list[ContainerSpec] = []
     for index, container in enumerate(pod.spec.init_containers):
@@ -310,14 +309,14 @@ def parse_document(  # noqa: PLR0912 - one branch per validation rule; splitting
             app.append(_container_spec(container, f"spec.containers[{index}]", allocation.ContainerKind.APP))
         except ManifestError as error:
             problems.append(str(error))
-    names = [container.name for container in (*init, *app)]
-    duplicates = sorted({name for name in names if names.count(name) > 1})
+    container_names = [container.name for container in (*init, *app)]
+    duplicates = sorted({name for name in container_names if container_names.count(name) > 1})
     if duplicates:
         problems.append(f"spec.containers: Duplicate value: {', '.join(map(repr, duplicates))}")
     if problems:
         raise ManifestError(where + "; ".join(problems))
     return PodSpec(
-        name=metadata.name,
+        name=name,
         namespace=metadata.namespace,
         uid=metadata.uid or derive_uid(document, source=source, node_name=node_name),
         restart_policy=pod.spec.restart_policy,
@@ -327,7 +326,14 @@ def parse_document(  # noqa: PLR0912 - one branch per validation rule; splitting
     )
 
 
-def parse_manifest(text: str, *, source: str | None = None, node_name: str = DEFAULT_NODE_NAME) -> PodSpec:
+def parse_manifest(
+    text: str,
+    *,
+    source: str | None = None,
+    node_name: str = DEFAULT_NODE_NAME,
+    kubelet_version: str = versions.DEFAULT_VERSION,
+    static: bool = False,
+) -> PodSpec:
     """Parse one YAML (or JSON) Pod manifest; raise :class:`ManifestError` when it is not a valid Pod."""
     where = f"{source}: " if source else ""
     try:
@@ -336,4 +342,6 @@ def parse_manifest(text: str, *, source: str | None = None, node_name: str = DEF
         raise ManifestError(f"{where}not valid YAML: {error}") from None
     if len(documents) != 1:
         raise ManifestError(f"{where}expected exactly one Pod document, found {len(documents)}")
-    return parse_document(documents[0], source=source, node_name=node_name)
+    return parse_document(
+        documents[0], source=source, node_name=node_name, kubelet_version=kubelet_version, static=static
+    )

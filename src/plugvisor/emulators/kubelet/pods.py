@@ -260,15 +260,7 @@ class Pods:
         devices = self._devices
         try:
             for container in pod.spec.all_containers():
-                updated = False
-                for resource in sorted(container.limits):
-                    if not devices.is_device_plugin_resource(resource):
-                        continue
-                    if not updated:
-                        devices.update_allocated_devices()
-                        updated = True
-                    await devices.allocate_container(pod_uid=pod.uid, container=container, resource=resource)
-                devices.write_checkpoint()
+                await devices.allocate_container(pod_uid=pod.uid, container=container)
         except errors.AllocationError as error:
             pod.phase = PodPhase.FAILED
             pod.reason = error.reason
@@ -276,6 +268,10 @@ class Pods:
             for record in pod.containers.values():
                 if record.state is ContainerState.WAITING:
                     record.reason, record.message = None, None
+                elif record.state is ContainerState.RUNNING:
+                    # A rejected pod is terminal: the kubelet kills whatever of it still runs
+                    # (after a restart, containers the runtime kept running).
+                    self._terminate(pod, record, exit_code=137, reason="Killed")
             self._journal.event(
                 model.EventKind.POD_REJECTED,
                 f"pod {pod.spec.full_name} rejected: {pod.reason}: {pod.message}",
@@ -318,10 +314,7 @@ class Pods:
                 if devices.books.pod_devices.container_devices(pod.uid, spec.name, resource) is None:
                     needs_reallocate = True
             if needs_reallocate:
-                for resource in sorted(spec.limits):
-                    if devices.is_device_plugin_resource(resource):
-                        await devices.allocate_container(pod_uid=pod.uid, container=spec, resource=resource)
-                devices.write_checkpoint()
+                await devices.allocate_container(pod_uid=pod.uid, container=spec)
         except errors.KubeletError as error:
             record.state = ContainerState.WAITING
             record.reason = errors.CREATE_CONTAINER_CONFIG_ERROR

@@ -43,8 +43,8 @@ class ScanResult:
     """Path to error message."""
 
 
-def scan(directory: Path, *, node_name: str) -> ScanResult:
-    """Read every non-hidden regular file of ``directory`` as a Pod manifest."""
+def scan(directory: Path, *, node_name: str, kubelet_version: str) -> ScanResult:
+    """Read every non-hidden regular file of ``directory`` as a static Pod manifest."""
     result = ScanResult()
     if not directory.is_dir():
         return result
@@ -58,7 +58,9 @@ def scan(directory: Path, *, node_name: str) -> ScanResult:
             result.invalid[source] = f"{source}: cannot read: {error}"
             continue
         try:
-            result.pods[source] = manifest.parse_manifest(text, source=source, node_name=node_name)
+            result.pods[source] = manifest.parse_manifest(
+                text, source=source, node_name=node_name, kubelet_version=kubelet_version, static=True
+            )
         except manifest.ManifestError as error:
             digest = hashlib.sha256(text.encode()).hexdigest()[:12]
             result.invalid[source + "#" + digest] = str(error)

@@ -23,11 +23,17 @@ from plugvisor.common.hostpaths import HostPaths
 from plugvisor.deviceplugin.devices import Device, Health, Mount
 from plugvisor.deviceplugin.runtime import DevicePluginRuntime, PluginConfig
 from plugvisor.deviceplugin.snapshot import Snapshot
-from plugvisor.emulators.kubelet import EmulatedKubelet
+from plugvisor.emulators.kubelet import EmulatedKubelet, versions
 from plugvisor.emulators.kubelet.gates import FeatureGates
 
 RESOURCE = "example.com/resource"
 GRACE = 0.3
+NODE_NAME = "e2e-node"
+
+
+def static(name: str) -> str:
+    """A static pod's name on this node, as the kubelet names pods from its manifest directory."""
+    return f"{name}-{NODE_NAME}"
 
 
 class SampleDevices:
@@ -128,13 +134,17 @@ async def make_node(
     async def make(**options: object) -> AsyncIterator[Node]:
         state = node_root / "state"
         state.mkdir(exist_ok=True)
-        options.setdefault("gates", FeatureGates(kubelet_pod_resources_get=True))
+        version = str(options.get("kubelet_version", versions.DEFAULT_VERSION))
+        # PodResources Get where the release has it (1.27 on).
+        has_get = "KubeletPodResourcesGet" in versions.rules_for(version).feature_gates
+        options.setdefault("gates", FeatureGates(kubelet_pod_resources_get=has_get))
         kubelet = EmulatedKubelet(
             node_root / "device-plugins",
             grace_period=GRACE,
             dial_timeout=2.0,
             pods_dir=node_root / "pods",
             pod_resources_burst=1000,
+            node_name=NODE_NAME,
             **options,  # type: ignore[arg-type]
         )
         await kubelet.start()

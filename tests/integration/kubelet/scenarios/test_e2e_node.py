@@ -24,7 +24,7 @@ from plugvisor.emulators.kubelet import EmulatedKubelet, PluginMethod, StubDevic
 from plugvisor.emulators.kubelet.gates import FeatureGates
 from plugvisor.emulators.kubelet.pods import PodPhase
 
-from .conftest import RESOURCE, Node, busybox_pod
+from .conftest import RESOURCE, Node, busybox_pod, static
 
 
 async def pod_devices(kubelet: EmulatedKubelet) -> dict[tuple[str, str], list[str]]:
@@ -42,11 +42,13 @@ async def pod_devices(kubelet: EmulatedKubelet) -> dict[tuple[str, str], list[st
 
 async def add(node: Node, name: str, **options: object) -> None:
     (node.pods_dir / f"{name}.yaml").write_text(busybox_pod(name, **options))  # type: ignore[arg-type]
-    await node.kubelet.wait_for(lambda k: (p := k.pod(name)) is not None and p.phase is not PodPhase.PENDING)
+    await node.kubelet.wait_for(
+        lambda k: (p := k.pod(static(name))) is not None and p.phase is not PodPhase.PENDING
+    )
 
 
 def device_of(node: Node, name: str) -> tuple[str, ...]:
-    status = node.kubelet.pod(name)
+    status = node.kubelet.pod(static(name))
     assert status is not None
     return status.container(name).devices.get(RESOURCE, ())
 
@@ -61,7 +63,7 @@ class TestDevicePlugin:
             await add(node, "pod1")
             (dev,) = device_of(node, "pod1")
             assert dev.startswith("Dev-")
-            assert await pod_devices(node.kubelet) == {("pod1", "pod1"): [dev]}
+            assert await pod_devices(node.kubelet) == {(static("pod1"), "pod1"): [dev]}
 
     async def test_02_can_make_a_cdi_device_accessible_in_a_container(self, make_node) -> None:
         async with make_node() as node:
@@ -69,7 +71,7 @@ class TestDevicePlugin:
             await node.wait_counts(2, 2)
             await add(node, "pod1")
             (dev,) = device_of(node, "pod1")
-            runtime = node.kubelet.pod("pod1").container("pod1").runtime  # type: ignore[union-attr]
+            runtime = node.kubelet.pod(static("pod1")).container("pod1").runtime  # type: ignore[union-attr]
             assert runtime is not None and runtime.cdi_devices == (f"{RESOURCE}=CDI-{dev}",)
             assert [m.host_path for m in runtime.mounts] == [f"/tmp/{dev}"]
 
@@ -79,13 +81,13 @@ class TestDevicePlugin:
             await node.wait_counts(2, 2)
             await add(node, "pod1")
             first = device_of(node, "pod1")
-            await node.kubelet.restart_container("pod1", "pod1")
+            await node.kubelet.restart_container(static("pod1"), "pod1")
             assert device_of(node, "pod1") == first
             await add(node, "pod2")
             assert device_of(node, "pod2") != first
             assert await pod_devices(node.kubelet) == {
-                ("pod1", "pod1"): list(first),
-                ("pod2", "pod2"): list(device_of(node, "pod2")),
+                (static("pod1"), "pod1"): list(first),
+                (static("pod2"), "pod2"): list(device_of(node, "pod2")),
             }
 
     @pytest.mark.parametrize(
@@ -98,16 +100,18 @@ class TestDevicePlugin:
             node.start_plugin()
             await node.wait_counts(2, 2)
             await add(node, "pod1")
-            before = node.kubelet.pod("pod1")
+            before = node.kubelet.pod(static("pod1"))
             if container_restart:
-                await node.kubelet.restart_container("pod1", "pod1")
+                await node.kubelet.restart_container(static("pod1"), "pod1")
             await node.kubelet.restart()
             await node.kubelet.wait_for(lambda k: k.resource(RESOURCE).registered)  # type: ignore[union-attr]
             await node.wait_counts(2, 2)
-            after = node.kubelet.pod("pod1")
+            after = node.kubelet.pod(static("pod1"))
             assert after is not None and before is not None
             assert (after.uid, after.phase) == (before.uid, PodPhase.RUNNING)
-            assert await pod_devices(node.kubelet) == {("pod1", "pod1"): list(device_of(node, "pod1"))}
+            assert await pod_devices(node.kubelet) == {
+                (static("pod1"), "pod1"): list(device_of(node, "pod1"))
+            }
             assert device_of(node, "pod1") == before.container("pod1").devices[RESOURCE]
 
     async def test_06_does_not_admit_a_succeeded_pod_again_after_kubelet_restart(self, make_node) -> None:
@@ -115,13 +119,13 @@ class TestDevicePlugin:
             node.start_plugin()
             await node.wait_counts(2, 2)
             await add(node, "pod1", restart_policy="Never")
-            await node.kubelet.exit_container("pod1", "pod1", exit_code=0)
-            assert node.kubelet.pod("pod1").phase is PodPhase.SUCCEEDED  # type: ignore[union-attr]
+            await node.kubelet.exit_container(static("pod1"), "pod1", exit_code=0)
+            assert node.kubelet.pod(static("pod1")).phase is PodPhase.SUCCEEDED  # type: ignore[union-attr]
             await node.stop_plugin()
             await node.wait_counts(0, 2)
             allocations = node.kubelet.calls_for(RESOURCE).count(PluginMethod.ALLOCATE)
             await node.kubelet.restart()
-            assert node.kubelet.pod("pod1").phase is PodPhase.SUCCEEDED  # type: ignore[union-attr]
+            assert node.kubelet.pod(static("pod1")).phase is PodPhase.SUCCEEDED  # type: ignore[union-attr]
             assert node.kubelet.calls_for(RESOURCE).count(PluginMethod.ALLOCATE) == allocations
 
     async def test_07_keeps_assignments_after_the_device_plugin_restarted(self, make_node) -> None:
@@ -148,8 +152,8 @@ class TestDevicePlugin:
             await node.kubelet.restart()
             node.start_plugin()
             await node.wait_counts(2, 2)
-            assert node.kubelet.pod("pod1").phase is PodPhase.RUNNING  # type: ignore[union-attr]
-            assert await pod_devices(node.kubelet) == {("pod1", "pod1"): list(first)}
+            assert node.kubelet.pod(static("pod1")).phase is PodPhase.RUNNING  # type: ignore[union-attr]
+            assert await pod_devices(node.kubelet) == {(static("pod1"), "pod1"): list(first)}
 
     async def test_09_orphaned_pods_deleted_while_the_kubelet_is_down(self, make_node) -> None:
         async with make_node() as node:
@@ -176,35 +180,54 @@ class TestDevicePlugin:
                 f"  containers:\n  - {{name: regular-1, image: busybox, {limits}}}\n"
             )
             await node.kubelet.wait_for(
-                lambda k: (p := k.pod("p")) is not None and p.phase is PodPhase.RUNNING
+                lambda k: (p := k.pod(static("p"))) is not None and p.phase is PodPhase.RUNNING
             )
-            status = node.kubelet.pod("p")
+            status = node.kubelet.pod(static("p"))
             assert status is not None
             init, sidecar, app = (
                 status.container(n).devices[RESOURCE] for n in ("init-1", "restartable-init-2", "regular-1")
             )
             assert init == sidecar and app != init
             assert await pod_devices(node.kubelet) == {
-                ("p", "restartable-init-2"): list(sidecar),
-                ("p", "regular-1"): list(app),
+                (static("p"), "restartable-init-2"): list(sidecar),
+                (static("p"), "regular-1"): list(app),
             }
 
-    async def test_11_node_reboot_before_the_plugin_registers_fails_admission(self, make_node) -> None:
-        async with make_node() as node:
+    @pytest.mark.parametrize("version", ["1.29", "1.35"])
+    async def test_11_node_reboot_before_the_plugin_registers_fails_admission(
+        self, make_node, version
+    ) -> None:
+        """Kubelet 1.29 and 1.35 (kubernetes#116376): the pod fails admission, its devices unhealthy."""
+        async with make_node(kubelet_version=version) as node:
             node.start_plugin()
             await node.wait_counts(2, 2)
             await add(node, "pod1")
             (dev,) = device_of(node, "pod1")
             await node.stop_plugin()
             await node.kubelet.restart(reboot=True)
-            status = node.kubelet.pod("pod1")
+            status = node.kubelet.pod(static("pod1"))
             assert status is not None and (status.phase, status.reason) == (
                 PodPhase.FAILED,
                 "UnexpectedAdmissionError",
             )
+            assert "no healthy devices present; cannot allocate unhealthy devices" in (status.message or "")
             # The assignment stays in the checkpoint until the rejected pod is collected.
             entries = checkpoint.read(node.kubelet.checkpoint_path).pod_device_entries or []
             assert [(e.pod_uid, list((e.device_ids or {})[-1])) for e in entries] == [(status.uid, [dev])]
+
+    async def test_11_before_the_fix_the_pod_starts_without_its_plugin(self, make_node) -> None:
+        """Kubelet 1.26 (issue #109595, the bug #116376 fixed): the checkpointed device is reused as is."""
+        async with make_node(kubelet_version="1.26") as node:
+            node.start_plugin()
+            await node.wait_counts(2, 2)
+            await add(node, "pod1")
+            (dev,) = device_of(node, "pod1")
+            await node.stop_plugin()
+            await node.kubelet.restart(reboot=True)
+            status = node.kubelet.pod(static("pod1"))
+            assert status is not None and status.phase is PodPhase.RUNNING
+            assert status.container("pod1").devices[RESOURCE] == (dev,)
+            assert node.kubelet.resource(RESOURCE).allocatable == 0  # type: ignore[union-attr]
 
 
 class TestDevicePluginFailures:
@@ -237,9 +260,9 @@ class TestDevicePluginFailures:
             await add(node, "pod1")
             node.set_health("Dev-1", healthy=False)
             await node.wait_counts(0, 1)
-            assert node.kubelet.pod("pod1").phase is PodPhase.RUNNING  # type: ignore[union-attr]
+            assert node.kubelet.pod(static("pod1")).phase is PodPhase.RUNNING  # type: ignore[union-attr]
             (node.pods_dir / "pod1.yaml").unlink()
-            await node.kubelet.wait_for(lambda k: k.pod("pod1") is None)
+            await node.kubelet.wait_for(lambda k: k.pod(static("pod1")) is None)
             await node.wait_counts(0, 1)
 
     async def test_15_four_devices_toggling_health(self, make_node) -> None:
@@ -302,7 +325,7 @@ class TestDevicePluginFailures:
             await add(node, "pod1")
 
             def health(k: EmulatedKubelet) -> str:
-                status = k.pod("pod1").container("pod1").allocated_resources_status  # type: ignore[union-attr]
+                status = k.pod(static("pod1")).container("pod1").allocated_resources_status  # type: ignore[union-attr]
                 assert status is not None
                 return status[0].resources[0].health
 
@@ -325,7 +348,7 @@ class TestDevicePluginMultiple:
             await node.wait_counts(2, 2)
             assert node.kubelet.resource(RESOURCE).registered  # type: ignore[union-attr]
             await add(node, "pod1")
-            assert node.kubelet.pod("pod1").phase is PodPhase.RUNNING  # type: ignore[union-attr]
+            assert node.kubelet.pod(static("pod1")).phase is PodPhase.RUNNING  # type: ignore[union-attr]
 
     async def test_21_the_same_rollout_on_an_old_kubelet_drops_to_zero(self, make_node) -> None:
         async with make_node(replacement="per-name") as node:
@@ -351,7 +374,7 @@ class TestDevicePluginMultiple:
             await node.stop_plugin("dp1")
             await node.wait_counts(2, 2)
             await add(node, "pod1")
-            assert node.kubelet.pod("pod1").phase is PodPhase.RUNNING  # type: ignore[union-attr]
+            assert node.kubelet.pod(static("pod1")).phase is PodPhase.RUNNING  # type: ignore[union-attr]
 
     async def test_23_the_second_instance_changes_its_mind(self, make_node) -> None:
         async with make_node(replacement="per-socket") as node:
@@ -363,7 +386,7 @@ class TestDevicePluginMultiple:
             await node.wait_counts(2, 2)
             assert node.kubelet.resource(RESOURCE).registered  # type: ignore[union-attr]
             await add(node, "pod1")
-            assert node.kubelet.pod("pod1").phase is PodPhase.RUNNING  # type: ignore[union-attr]
+            assert node.kubelet.pod(static("pod1")).phase is PodPhase.RUNNING  # type: ignore[union-attr]
 
 
 class BlockingStub(StubDevicePlugin):
