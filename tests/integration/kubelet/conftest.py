@@ -22,9 +22,10 @@ def socket_dir() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="/tmp/pvk-"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
-    for sibling in (".kubelet.json", ".pods.json"):
+    for sibling in (".kubelet.json", ".pods.json", ".kubelet.sock"):
         Path(f"{path}{sibling}").unlink(missing_ok=True)
     shutil.rmtree(f"{path}.pod-resources", ignore_errors=True)
+    shutil.rmtree(f"{path}.plugins_registry", ignore_errors=True)
 
 
 @pytest.fixture

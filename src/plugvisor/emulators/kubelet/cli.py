@@ -10,7 +10,8 @@ can follow it with ``grep``; the full state is in the JSON view files.
 ``--pods PODS_DIR`` makes it a node that runs pods: drop a Pod manifest in the
 directory and it is admitted (Allocate, PreStartContainer), remove the file and
 the pod terminates; ``<DIR>.pods.json`` shows their status. PodResources v1 is
-served on ``<root>/pod-resources/kubelet.sock`` (see ``--root``).
+served on ``<root>/pod-resources/kubelet.sock`` (see ``--root``), and the plugin
+watcher registers device plugins whose sockets appear in ``<root>/plugins_registry``.
 """
 
 from __future__ import annotations
@@ -149,6 +150,14 @@ def _parse_gates(ctx: click.Context, param: click.Parameter, value: str | None) 
     "DeviceManagerDeallocate=true.",
 )
 @click.option(
+    "--plugins-registry",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="The plugin watcher's directory (plugin-watcher registration) "
+    "[default: <root>/plugins_registry, else <DIR>.plugins_registry beside DIR].",
+)
+@click.option("--no-plugin-watcher", is_flag=True, help="Do not watch a plugins_registry directory.")
+@click.option(
     "--kubelet-version",
     default=versions.DEFAULT_VERSION,
     show_default=True,
@@ -173,6 +182,8 @@ def kubelet_command(  # noqa: PLR0917 - click passes every option positionally
     pods_view_path: Path | None,
     replacement: registration.Replacement,
     feature_gates: gates.FeatureGates,
+    plugins_registry: Path | None,
+    no_plugin_watcher: bool,
     kubelet_version: str,
     node_name: str | None,
 ) -> None:
@@ -203,6 +214,8 @@ def kubelet_command(  # noqa: PLR0917 - click passes every option positionally
         "replacement": replacement,
         "gates": feature_gates,
         "kubelet_version": rules.version,
+        "plugin_watcher": not no_plugin_watcher,
+        "plugins_registry": plugins_registry,
         "node_name": node_name,
     }
     try:

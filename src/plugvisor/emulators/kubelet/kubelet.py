@@ -45,6 +45,7 @@ from plugvisor.emulators.kubelet import (
     manifest,
     model,
     nodestatus,
+    pluginwatcher,
     podresources,
     podsource,
     registration,
@@ -130,6 +131,9 @@ class EmulatedKubelet:
         node_name: str | None = None,
         kubelet_version: str = versions.DEFAULT_VERSION,
         pod_sources_delay: float = POD_SOURCES_DELAY,
+        plugin_watcher: bool = True,
+        plugins_registry: Path | None = None,
+        plugin_watcher_period: float = pluginwatcher.RECONCILE_PERIOD,
     ) -> None:
         self.socket_dir = Path(os.path.abspath(socket_dir))  # noqa: PTH100 - no symlink resolution
         self.socket_path = self.socket_dir / constants.KUBELET_SOCKET_NAME
@@ -153,6 +157,15 @@ class EmulatedKubelet:
             )
             _check_socket_path(self.pod_resources_socket)
         self.pods_dir = pods_dir
+        self.plugins_registry: Path | None = None
+        if plugin_watcher:
+            self.plugins_registry = (
+                Path(os.path.abspath(plugins_registry))  # noqa: PTH100
+                if plugins_registry is not None
+                else self._default_plugins_registry()
+            )
+        self._plugin_watcher_period = plugin_watcher_period
+        self._plugin_watcher: pluginwatcher.PluginWatcher | None = None
         self.view_path = view_path if view_path is not None else view.default_view_path(self.socket_dir)
         self.pods_view_path = (
             pods_view_path
@@ -199,6 +212,14 @@ class EmulatedKubelet:
             self._journal.add_listener(self._view.mark_dirty)
             self._pods_view = view.ViewWriter(self.pods_view_path, self.pods_document)
             self._journal.add_listener(self._pods_view.mark_dirty)
+
+    def _default_plugins_registry(self) -> Path:
+        """``<root>/plugins_registry``; beside DIR (``<DIR>.plugins_registry``) when there is no root."""
+        if self.root is not None:
+            return self.root / constants.PLUGINS_REGISTRY_DIR_NAME
+        if self.socket_dir.name == DEVICE_PLUGINS_DIR_NAME:
+            return self.socket_dir.parent / constants.PLUGINS_REGISTRY_DIR_NAME
+        return self.socket_dir.with_name(f"{self.socket_dir.name}.{constants.PLUGINS_REGISTRY_DIR_NAME}")
 
     def _default_pod_resources_socket(self) -> Path:
         if self.root is not None:
@@ -296,6 +317,16 @@ class EmulatedKubelet:
             await pod_resources_server.start()
             self._pod_resources_server = pod_resources_server
         self._node_status.sync()
+        if self.plugins_registry is not None:
+            # The plugin manager starts with the device manager's handler registered.
+            watcher = pluginwatcher.PluginWatcher(
+                self.plugins_registry,
+                handler=lambda: self._devices.server,
+                journal=self._journal,
+                reconcile_period=self._plugin_watcher_period,
+            )
+            await watcher.start()
+            self._plugin_watcher = watcher
         for writer in (self._view, self._pods_view):
             if writer is not None:
                 writer.start()
@@ -357,6 +388,9 @@ class EmulatedKubelet:
             return
         self._running = False
         self._node_status.stop()
+        if self._plugin_watcher is not None:
+            await self._plugin_watcher.stop()
+            self._plugin_watcher = None
         if self._pod_watcher is not None:
             await self._pod_watcher.stop()
             self._pod_watcher = None
@@ -623,6 +657,7 @@ class EmulatedKubelet:
                 if self.pod_resources_socket
                 else None,
                 "pods_dir": os.fspath(self.pods_dir) if self.pods_dir else None,
+                "plugins_registry": os.fspath(self.plugins_registry) if self.plugins_registry else None,
                 "pods_view": os.fspath(self.pods_view_path) if self._pods_view else None,
                 "sources_ready": self._sources_ready,
                 "replacement": self.replacement,

@@ -96,6 +96,12 @@ class RegistrationRecord:
     received_at: float
     finished_at: float
     generation: int
+    via: str = "kubelet.sock"
+    """``kubelet.sock`` (a Register call) or ``plugins_registry`` (found by the plugin watcher).
+
+    For the plugin watcher, ``endpoint`` is the full socket path and ``version``
+    the plugin's supported versions, comma-separated.
+    """
 
 
 class PluginMethod(enum.StrEnum):
@@ -152,6 +158,9 @@ class EventKind(enum.StrEnum):
     PLUGIN_INSTANCE_ENDED = "plugin_instance_ended"
     PLUGIN_RESUMED = "plugin_resumed"
     PLUGIN_CALL_FAILED = "plugin_call_failed"
+    PLUGIN_SOCKET_FOUND = "plugin_socket_found"
+    PLUGIN_SOCKET_REMOVED = "plugin_socket_removed"
+    PLUGIN_DEREGISTERED = "plugin_deregistered"
 
 
 @dataclass(frozen=True, slots=True)

@@ -235,6 +235,48 @@ class RegistrationServer(api_pb2_grpc.RegistrationServicer):
             return str(error)
         return None
 
+    # -- the plugin watcher's DevicePlugin handler (handler.go) ------------------------
+
+    def validate_plugin(self, name: str, versions: list[str]) -> str | None:
+        """``ValidatePlugin``: a supported version and an extended resource name, else the kubelet's text."""
+        if not any(version in constants.SUPPORTED_VERSIONS for version in versions):
+            return (
+                f"manager version, {constants.VERSION}, is not among plugin supported versions "
+                f"{names.go_list(versions)}"
+            )
+        if not names.is_extended_resource_name(name):
+            return f"invalid name of device plugin socket: the ResourceName {names.go_quote(name)} is invalid"
+        return None
+
+    async def register_plugin(self, name: str, endpoint: str) -> None:
+        """``RegisterPlugin``: connect the client at ``endpoint`` (a full socket path), as Register does.
+
+        Raises :class:`~plugvisor.emulators.kubelet.client.ConnectError` with the
+        kubelet's text when the dial or GetDevicePluginOptions fails.
+        """
+        await self._connect_client(name, endpoint)
+
+    async def deregister_plugin(self, name: str, endpoint: str) -> None:
+        """``DeRegisterPlugin``: disconnect the resource's client (per-socket: the one at ``endpoint``)."""
+        if self.replacement == "per-socket":
+            plugin_client = self.instances.get(name, {}).get(endpoint)
+            if plugin_client is None:
+                return
+            del self.instances[name][endpoint]
+            if self.clients.get(name) is plugin_client:
+                self._restore_current(name, None)
+                if self.instances.get(name):
+                    successor = list(self.instances[name].values())[-1]
+                    self.clients[name] = successor
+                    await plugin_client.close()
+                    self._handler.plugin_resumed(name, successor)
+                    return
+            await plugin_client.disconnect()
+            return
+        plugin_client = self.clients.pop(name, None)
+        if plugin_client is not None:
+            await plugin_client.disconnect()
+
     async def _connect_client(self, name: str, socket_path: str) -> None:
         adapter = _InstanceHandler(self, self._handler)
         plugin_client = client_.PluginClient(

@@ -13,9 +13,12 @@ GetPreferredAllocation behaviour. Every request received is recorded.
 
 Differences from upstream's Stub, on purpose: the default Allocate answers one
 empty container response per container request (upstream's default answers an
-empty response, which the kubelet rejects); it does not serve the plugin-watcher
-``pluginregistration`` service, and it does not re-register by itself - tests
-decide when to call :meth:`StubDevicePlugin.register`.
+empty response, which the kubelet rejects), and it does not re-register by
+itself - tests decide when to call :meth:`StubDevicePlugin.register`. Like
+upstream's, it also serves the plugin-watcher ``pluginregistration.Registration``
+service on the same socket (``GetInfo`` from settable fields, every
+``NotifyRegistrationStatus`` recorded), so the same stub can be placed in
+``plugins_registry``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ import grpc
 from google.protobuf import message as message_
 
 from plugvisor.api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from plugvisor.api.pluginregistration.v1 import api_pb2 as reg_pb2
+from plugvisor.api.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from plugvisor.common import constants
 from plugvisor.emulators.kubelet import model, unixserver
 
@@ -100,15 +105,30 @@ class StubDevicePlugin(api_pb2_grpc.DevicePluginServicer):
         self._changed = asyncio.Condition()
         self._open_streams = 0
         self._server: grpc.aio.Server | None = None
+        self.info_type = constants.DEVICE_PLUGIN_TYPE
+        """What GetInfo answers (plugin watcher): the type, ..."""
+        self.info_name: str | None = None
+        """... the name (``None``: the resource name), ..."""
+        self.info_endpoint = ""
+        """... the endpoint (empty: this very socket), ..."""
+        self.info_versions: tuple[str, ...] = constants.SUPPORTED_VERSIONS
+        """... and the supported versions."""
+        self.registration_statuses: list[tuple[bool, str]] = []
+        """Every NotifyRegistrationStatus received: ``(plugin_registered, error)``."""
+        self.status_changed = asyncio.Event()
+        """Set at every NotifyRegistrationStatus (clear it to wait for the next)."""
 
     # -- lifecycle -------------------------------------------------------------------
 
     async def start(self) -> None:
         """Remove a stale socket of ours, then serve; the socket exists when this returns."""
         self.socket_path.unlink(missing_ok=True)
-        self._server = await unixserver.serve(
-            self.socket_path, lambda server: api_pb2_grpc.add_DevicePluginServicer_to_server(self, server)
-        )
+
+        def add(server: grpc.aio.Server) -> None:
+            api_pb2_grpc.add_DevicePluginServicer_to_server(self, server)
+            reg_grpc.add_RegistrationServicer_to_server(_WatcherRegistration(self), server)
+
+        self._server = await unixserver.serve(self.socket_path, add)
 
     async def stop(self) -> None:
         """Stop serving: open streams are cut and the socket disappears."""
@@ -243,3 +263,28 @@ class StubDevicePlugin(api_pb2_grpc.DevicePluginServicer):
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.stop()
+
+
+class _WatcherRegistration(reg_grpc.RegistrationServicer):
+    """The plugin-watcher side of the stub: ``GetInfo`` and ``NotifyRegistrationStatus``."""
+
+    def __init__(self, stub: StubDevicePlugin) -> None:
+        self._stub = stub
+
+    async def GetInfo(self, request: reg_pb2.InfoRequest, context: _Context) -> reg_pb2.PluginInfo:
+        del request, context
+        stub = self._stub
+        return reg_pb2.PluginInfo(
+            type=stub.info_type,
+            name=stub.info_name if stub.info_name is not None else stub.resource_name,
+            endpoint=stub.info_endpoint,
+            supported_versions=list(stub.info_versions),
+        )
+
+    async def NotifyRegistrationStatus(
+        self, request: reg_pb2.RegistrationStatus, context: _Context
+    ) -> reg_pb2.RegistrationStatusResponse:
+        del context
+        self._stub.registration_statuses.append((request.plugin_registered, request.error))
+        self._stub.status_changed.set()
+        return reg_pb2.RegistrationStatusResponse()

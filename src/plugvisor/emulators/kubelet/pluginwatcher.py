@@ -1,0 +1,390 @@
+"""The kubelet's plugin watcher on ``plugins_registry``, with its DevicePlugin handler.
+
+Besides ``Register`` on ``kubelet.sock``, the kubelet accepts device plugins
+through its plugin manager (``pkg/kubelet/pluginmanager``): a plugin puts a unix
+socket into ``<root>/plugins_registry/`` serving ``pluginregistration.Registration``,
+and the kubelet dials back. This module follows the upstream parts one by one:
+
+* **the watcher** (``pluginwatcher/plugin_watcher.go``): creates the directory
+  (0755), walks it and every subdirectory at start, and watches them: a *created*
+  entry (inotify create or moved-in) whose name does not start with ``.`` and that
+  is a unix socket is added to the desired state with a fresh timestamp (so a
+  re-created socket is a new plugin); a new subdirectory is walked and watched; a
+  *removed* entry leaves the desired state (a socket moved away is not noticed,
+  as upstream: fsnotify reports it as a rename, which the watcher ignores);
+* **the reconciler** (``reconciler/reconciler.go``): unregisters plugins no longer
+  desired, or desired with a newer timestamp (re-created), then registers the
+  desired ones not registered with their timestamp; a failed registration is
+  retried with exponential back-off (0.5 s doubling to 2 min 2 s, goroutinemap's);
+* **the register operation** (``operationexecutor/operation_generator.go``):
+  blocking dial (10 s), ``GetInfo`` (1 s), the handler for ``PluginInfo.type``
+  (only ``DevicePlugin`` here), an empty endpoint meaning the registry socket
+  itself, ``ValidatePlugin``, ``RegisterPlugin``, and ``NotifyRegistrationStatus``
+  (5 s) telling the plugin the outcome, with upstream's error texts;
+* **the DevicePlugin handler** (``devicemanager/plugin/v1beta1/handler.go``):
+  ``ValidatePlugin`` checks the supported versions and the resource name;
+  ``RegisterPlugin`` connects to ``PluginInfo.endpoint`` as a full socket path
+  and continues exactly as ``Register`` (dial, GetDevicePluginOptions, endpoint,
+  ListAndWatch); ``DeRegisterPlugin`` disconnects the client (all devices
+  unhealthy, grace period started).
+
+Upstream reconciles once a second; here a reconciliation also runs at every
+watcher event, so a test does not wait for the next tick (``reconcile_period``
+keeps the periodic pass, which drives the retries).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final, Protocol
+
+import grpc
+from asyncinotify import Inotify, Mask
+
+from plugvisor.api.pluginregistration.v1 import api_pb2 as reg_pb2
+from plugvisor.api.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+from plugvisor.common import constants
+from plugvisor.emulators.kubelet import client as client_
+from plugvisor.emulators.kubelet import errors, journal, model
+
+DIAL_TIMEOUT: Final = 10.0
+"""``dialTimeoutDuration``."""
+GET_INFO_TIMEOUT: Final = 1.0
+"""GetInfo's own deadline in the register operation."""
+NOTIFY_TIMEOUT: Final = 5.0
+"""``notifyTimeoutDuration``."""
+RECONCILE_PERIOD: Final = 1.0
+"""The reconciler's ``loopSleepDuration``."""
+INITIAL_BACKOFF: Final = 0.5
+MAX_BACKOFF: Final = 122.0
+"""goroutinemap's exponential back-off for a failing operation: 500 ms doubling to 2 min 2 s."""
+DIRECTORY_MODE: Final = 0o755
+
+_MASK: Final = Mask.CREATE | Mask.MOVED_TO | Mask.DELETE | Mask.DELETE_SELF
+
+
+class PluginHandler(Protocol):
+    """**Protocol:** ``cache.PluginHandler`` for type ``DevicePlugin`` (the device manager's server)."""
+
+    def validate_plugin(self, name: str, versions: list[str]) -> str | None:
+        """Return the validation error text, or ``None`` when the plugin is acceptable."""
+
+    async def register_plugin(self, name: str, endpoint: str) -> None:
+        """Connect the plugin; raise :class:`~plugvisor.emulators.kubelet.client.ConnectError` on failure."""
+
+    async def deregister_plugin(self, name: str, endpoint: str) -> None:
+        """Disconnect the plugin registered under ``name`` at ``endpoint``."""
+
+
+class RegistrationFailedError(Exception):
+    """A register operation failed; the text is upstream's (``RegisterPlugin error -- ...``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RegisteredPlugin:
+    """The actual state of one registered plugin (``cache.PluginInfo``)."""
+
+    socket_path: str
+    timestamp: int
+    name: str
+    endpoint: str
+
+
+@dataclass(slots=True)
+class _Backoff:
+    not_before: float
+    delay: float
+
+
+class PluginWatcher:
+    """Watches a ``plugins_registry`` directory and registers the device plugins found there."""
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        handler: Callable[[], PluginHandler | None],
+        journal: journal.Journal,
+        dial_timeout: float = DIAL_TIMEOUT,
+        reconcile_period: float = RECONCILE_PERIOD,
+    ) -> None:
+        self.directory = directory
+        self._handler = handler
+        self._journal = journal
+        self._dial_timeout = dial_timeout
+        self._reconcile_period = reconcile_period
+        self.desired: dict[str, int] = {}
+        """Socket path -> timestamp of its latest creation (the desired state of the world)."""
+        self.actual: dict[str, RegisteredPlugin] = {}
+        """Socket path -> what was registered (the actual state of the world)."""
+        self._ticks = itertools.count(1)
+        self._backoff: dict[str, _Backoff] = {}
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._inotify: Inotify | None = None
+        self._watches: dict[str, object] = {}
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Create the directory, walk it, watch it, and start reconciling."""
+        self.directory.mkdir(mode=DIRECTORY_MODE, parents=True, exist_ok=True)
+        self._inotify = Inotify()
+        self._traverse(self.directory)
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._watch(self._inotify), name=f"plugin watcher {self.directory}"),
+            loop.create_task(self._reconcile_loop(), name="plugin reconciler"),
+        ]
+
+    async def stop(self) -> None:
+        """Stop watching and reconciling; registered plugins are left to the device manager's stop."""
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._inotify is not None:
+            self._inotify.close()
+            self._inotify = None
+
+    # -- the watcher -----------------------------------------------------------------
+
+    def _traverse(self, directory: Path) -> None:
+        """Watch ``directory`` and its subdirectories; every socket found counts as created."""
+        assert self._inotify is not None
+        try:
+            self._watches[os.fspath(directory)] = self._inotify.add_watch(directory, _MASK)
+        except OSError as error:
+            self._journal.event(
+                model.EventKind.REGISTRATION_FAILED,
+                f"failed to watch {directory}, err: {error.strerror}",
+                path=os.fspath(directory),
+            )
+            return
+        for root, dirs, files in os.walk(directory):
+            for name in dirs:
+                path = Path(root) / name
+                with contextlib.suppress(OSError):
+                    self._watches[os.fspath(path)] = self._inotify.add_watch(path, _MASK)
+            for name in files:
+                path = Path(root) / name
+                if _is_socket(path):
+                    self._created(path)
+
+    def _created(self, path: Path) -> None:
+        """``handleCreateEvent``: hidden names ignored, directories walked, sockets desired anew."""
+        if path.name.startswith("."):
+            return
+        try:
+            mode = path.stat().st_mode
+        except OSError:
+            return
+        if stat.S_ISDIR(mode):
+            self._traverse(path)
+            return
+        if not stat.S_ISSOCK(mode):
+            return
+        socket_path = os.fspath(path)
+        self.desired[socket_path] = next(self._ticks)
+        self._backoff.pop(socket_path, None)
+        self._journal.event(
+            model.EventKind.PLUGIN_SOCKET_FOUND, f"plugin socket {socket_path} found", path=socket_path
+        )
+        self._wake.set()
+
+    def _removed(self, path: Path) -> None:
+        """``handleDeleteEvent``: the socket leaves the desired state."""
+        socket_path = os.fspath(path)
+        if self.desired.pop(socket_path, None) is not None:
+            self._journal.event(
+                model.EventKind.PLUGIN_SOCKET_REMOVED,
+                f"plugin socket {socket_path} removed",
+                path=socket_path,
+            )
+        self._backoff.pop(socket_path, None)
+        self._wake.set()
+
+    async def _watch(self, inotify: Inotify) -> None:
+        while True:
+            event = await inotify.get()
+            if event.path is None:
+                continue
+            path = Path(os.fsdecode(event.path))
+            if event.mask & (Mask.CREATE | Mask.MOVED_TO):
+                self._created(path)
+            elif event.mask & (Mask.DELETE | Mask.DELETE_SELF):
+                self._removed(path)
+
+    # -- the reconciler ----------------------------------------------------------------
+
+    async def _reconcile_loop(self) -> None:
+        while True:
+            self._wake.clear()
+            await self.reconcile()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self._reconcile_period)
+
+    async def reconcile(self) -> None:
+        """One pass: unregistrations first, then registrations (``reconciler.reconcile``)."""
+        handler = self._handler()
+        if handler is None:
+            return
+        for socket_path, registered in list(self.actual.items()):
+            wanted = self.desired.get(socket_path)
+            if wanted is None or wanted != registered.timestamp:
+                del self.actual[socket_path]
+                await handler.deregister_plugin(registered.name, registered.endpoint)
+                self._journal.event(
+                    model.EventKind.PLUGIN_DEREGISTERED,
+                    f"{registered.name}: plugin at {socket_path} deregistered",
+                    resource=registered.name,
+                    path=socket_path,
+                )
+        now = asyncio.get_running_loop().time()
+        for socket_path, timestamp in list(self.desired.items()):
+            current = self.actual.get(socket_path)
+            if current is not None and current.timestamp == timestamp:
+                continue
+            backoff = self._backoff.get(socket_path)
+            if backoff is not None and now < backoff.not_before:
+                continue
+            try:
+                await self._register(handler, socket_path, timestamp)
+            except RegistrationFailedError as failure:
+                delay = INITIAL_BACKOFF if backoff is None else min(backoff.delay * 2, MAX_BACKOFF)
+                self._backoff[socket_path] = _Backoff(not_before=now + delay, delay=delay)
+                self._journal.event(
+                    model.EventKind.REGISTRATION_FAILED,
+                    str(failure),
+                    path=socket_path,
+                    retry_in=delay,
+                )
+            else:
+                self._backoff.pop(socket_path, None)
+
+    # -- the register operation ----------------------------------------------------------
+
+    async def _register(self, handler: PluginHandler, socket_path: str, timestamp: int) -> None:
+        received_at = self._journal.clock()
+        async with grpc.aio.insecure_channel(
+            "unix:" + socket_path, options=[("grpc.use_local_subchannel_pool", 1)]
+        ) as channel:
+            try:
+                await asyncio.wait_for(channel.channel_ready(), self._dial_timeout)
+            except TimeoutError:
+                raise RegistrationFailedError(
+                    f"RegisterPlugin error -- dial failed at socket {socket_path}, "
+                    f"err: failed to dial socket {socket_path}, err: {errors.GO_DEADLINE_EXCEEDED}"
+                ) from None
+            plugin = reg_grpc.RegistrationStub(channel)
+            try:
+                info = await plugin.GetInfo(reg_pb2.InfoRequest(), timeout=GET_INFO_TIMEOUT)
+            except grpc.aio.AioRpcError as error:
+                raise RegistrationFailedError(
+                    "RegisterPlugin error -- failed to get plugin info using RPC GetInfo at socket "
+                    f"{socket_path}, err: {errors.go_rpc_error(error)}"
+                ) from None
+            if info.type != constants.DEVICE_PLUGIN_TYPE:
+                message = (
+                    f"RegisterPlugin error -- no handler registered for plugin type: {info.type} "
+                    f"at socket {socket_path}"
+                )
+                await self._notify(plugin, socket_path, registered=False, error=message)
+                raise RegistrationFailedError(message)
+            endpoint = info.endpoint or socket_path
+            versions = list(info.supported_versions)
+            record = _Record(self._journal, info.name, endpoint, versions, received_at)
+            problem = handler.validate_plugin(info.name, versions)
+            if problem is not None:
+                record.done(problem)
+                await self._notify(
+                    plugin,
+                    socket_path,
+                    registered=False,
+                    error=f"RegisterPlugin error -- plugin validation failed with err: {problem}",
+                )
+                raise RegistrationFailedError(
+                    "RegisterPlugin error -- pluginHandler.ValidatePluginFunc failed"
+                )
+            # Recorded before the handler runs, so that a removal meanwhile becomes a deregistration.
+            self.actual[socket_path] = RegisteredPlugin(socket_path, timestamp, info.name, endpoint)
+            try:
+                await handler.register_plugin(info.name, endpoint)
+            except client_.ConnectError as error:
+                record.done(str(error))
+                message = f"RegisterPlugin error -- plugin registration failed with err: {error}"
+                await self._notify(plugin, socket_path, registered=False, error=message)
+                raise RegistrationFailedError(message) from None
+            record.done(None)
+            await self._notify(plugin, socket_path, registered=True, error="")
+
+    async def _notify(
+        self, plugin: reg_grpc.RegistrationAsyncStub, socket_path: str, *, registered: bool, error: str
+    ) -> None:
+        """``notifyPlugin``: tell the plugin the outcome; a failure to tell is itself the error."""
+        try:
+            await plugin.NotifyRegistrationStatus(
+                reg_pb2.RegistrationStatus(plugin_registered=registered, error=error), timeout=NOTIFY_TIMEOUT
+            )
+        except grpc.aio.AioRpcError as failure:
+            raise RegistrationFailedError(
+                f"RegisterPlugin error -- failed to send registration status at socket {socket_path}, "
+                f"err: {error}: {errors.go_rpc_error(failure)}"
+            ) from None
+
+
+class _Record:
+    """Journal one plugin-watcher registration like a Register call (``via="plugins_registry"``)."""
+
+    def __init__(
+        self, journal_: journal.Journal, name: str, endpoint: str, versions: list[str], received_at: float
+    ) -> None:
+        self._journal = journal_
+        self._name, self._endpoint, self._versions = name, endpoint, versions
+        self._received_at = received_at
+
+    def done(self, error: str | None) -> None:
+        self._journal.registration(
+            model.RegistrationRecord(
+                resource=self._name,
+                endpoint=self._endpoint,
+                version=",".join(self._versions),
+                requested_options=None,
+                accepted=error is None,
+                error=error,
+                received_at=self._received_at,
+                finished_at=self._journal.clock(),
+                generation=self._journal.generation,
+                via="plugins_registry",
+            )
+        )
+        if error is None:
+            self._journal.event(
+                model.EventKind.REGISTERED,
+                f"{self._name} registered at {self._endpoint} (plugin watcher)",
+                resource=self._name,
+                endpoint=self._endpoint,
+                via="plugins_registry",
+            )
+        else:
+            self._journal.event(
+                model.EventKind.REGISTRATION_FAILED,
+                error,
+                resource=self._name,
+                endpoint=self._endpoint,
+                via="plugins_registry",
+            )
+
+
+def _is_socket(path: Path) -> bool:
+    try:
+        return stat.S_ISSOCK(path.stat().st_mode)
+    except OSError:
+        return False
