@@ -18,10 +18,12 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import structlog
 
+from plugvisor.common import constants
 from plugvisor.common.exitcodes import EXIT_CONFIGURATION, EXIT_FAILURE, EXIT_KUBELET_RESTARTED, EXIT_OK
 from plugvisor.common.hostpaths import HostPaths
 from plugvisor.common.monitoring import Owners
@@ -38,8 +40,11 @@ from plugvisor.deviceplugin.release import PodResourcesWatch, Releases, default_
 from plugvisor.deviceplugin.server import PluginServer
 from plugvisor.deviceplugin.snapshot import Snapshot
 from plugvisor.deviceplugin.watch import DeviceWatcher
+from plugvisor.deviceplugin.watcherregistration import WatcherRegistrar
 
 KubeletRestartPolicy = Literal["reregister", "exit"]
+RegistrationMode = Literal["kubelet-sock", "plugin-watcher"]
+REGISTRATION_MODES: tuple[RegistrationMode, ...] = ("kubelet-sock", "plugin-watcher")
 
 
 class KubeletRestartedError(Exception):
@@ -54,6 +59,13 @@ class PluginConfig:
     registers again in process; ``"exit"`` ends the run with
     :data:`EXIT_KUBELET_RESTARTED` so that a supervisor owning restarts starts a
     new process at once.
+
+    ``registration``: ``"kubelet-sock"`` (default) calls Register on
+    ``kubelet.sock`` and handles kubelet restarts as above; ``"plugin-watcher"``
+    serves the socket in ``plugins_registry`` (default: beside the kubelet
+    directory, ``<kubelet_dir>/../plugins_registry``) and lets the kubelet dial
+    back, on its restarts too (see :mod:`.watcherregistration`; the restart policy
+    then does not apply).
     """
 
     resource: str
@@ -62,6 +74,15 @@ class PluginConfig:
     register_timeout: float = 30.0
     on_kubelet_restart: KubeletRestartPolicy = "reregister"
     monitoring: MonitorConfig = field(default_factory=MonitorConfig)
+    registration: RegistrationMode = "kubelet-sock"
+    plugins_registry: Path | None = None
+
+    @property
+    def registry_dir(self) -> Path:
+        """Where the plugin-watcher socket goes: ``plugins_registry``, or the kubelet's default beside DIR."""
+        if self.plugins_registry is not None:
+            return self.plugins_registry
+        return self.paths.kubelet_dir.parent / constants.PLUGINS_REGISTRY_DIR_NAME
 
     def __post_init__(self) -> None:
         problem = extended_resource_name_problem(self.resource)
@@ -71,6 +92,10 @@ class PluginConfig:
             raise ConfigurationError(f"rescan interval must be positive, got {self.rescan_interval}")
         if self.register_timeout <= 0:
             raise ConfigurationError(f"register timeout must be positive, got {self.register_timeout}")
+        if self.registration not in REGISTRATION_MODES:
+            raise ConfigurationError(
+                f"registration must be 'kubelet-sock' or 'plugin-watcher', got {self.registration!r}"
+            )
         if self.on_kubelet_restart not in ("reregister", "exit"):
             raise ConfigurationError(
                 f"on_kubelet_restart must be 'reregister' or 'exit', got {self.on_kubelet_restart!r}"
@@ -193,6 +218,9 @@ class DevicePluginRuntime:
 
     async def _serve_and_register(self, registrar: Registrar) -> None:
         await self.watcher.first_scan_done.wait()
+        if self.config.registration == "plugin-watcher":
+            await self._serve_for_plugin_watcher()
+            return
         reason = "start"
         number = 0
         while True:
@@ -233,6 +261,36 @@ class DevicePluginRuntime:
             self.status.send(KUBELET_RESTART=reason)
             if self.config.on_kubelet_restart == "exit":
                 raise KubeletRestartedError(reason)
+
+    async def _serve_for_plugin_watcher(self) -> None:
+        """Serve in ``plugins_registry`` and count every time the kubelet dials back (restarts included)."""
+        registrar = WatcherRegistrar(self.config.resource)
+        proposed = self.server.proposed_handler()
+        registry = self.config.registry_dir
+        registry.mkdir(parents=True, exist_ok=True)
+        endpoint = PluginEndpoint(
+            self.server,
+            registry,
+            self.config.resource,
+            extra_handlers=(registrar.handler(), *((proposed,) if proposed is not None else ())),
+        )
+        await endpoint.start()
+        self.endpoint = endpoint
+        reason = "start"
+        number = 0
+        while True:
+            verdict = await registrar.wait_registered()
+            number += 1
+            metrics.PLUGIN_REGISTRATIONS.labels(self.config.resource).inc()
+            self.registrations.publish(Registration(number, endpoint.name, verdict.seconds, reason))
+            devices = self.snapshot.value.devices
+            self.status.send(
+                REGISTERED=number,
+                ENDPOINT=endpoint.name,
+                DEVICES=f"{len(devices.healthy_ids)}/{len(devices)}",
+            )
+            self._log.info("registered", via="plugin-watcher", number=number, seconds=verdict.seconds)
+            reason = "kubelet dialled back"
 
     async def _report_devices(self) -> None:
         seen = -1

@@ -125,6 +125,20 @@ def _finite(param: click.Parameter, value: float) -> float:
     "so that a supervisor restarts the process.",
 )
 @click.option(
+    "--registration",
+    type=click.Choice(["kubelet-sock", "plugin-watcher"]),
+    default="kubelet-sock",
+    show_default=True,
+    help="kubelet-sock: call Register on kubelet.sock (and re-register after kubelet restarts); "
+    "plugin-watcher: serve in the kubelet's plugins_registry and let the kubelet dial back.",
+)
+@click.option(
+    "--plugins-registry",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="The kubelet's plugins_registry directory [default: beside --kubelet-dir].",
+)
+@click.option(
     "--rescan-interval",
     type=click.FloatRange(min=0.05, max=86400),
     callback=lambda _ctx, param, value: _finite(param, value),
@@ -180,6 +194,8 @@ def plugin_command(
     options_file: Path | None,
     options_json: str | None,
     on_kubelet_restart: str,
+    registration: str,
+    plugins_registry: Path | None,
     rescan_interval: float,
     metrics_listen: str | None,
     monitor_dir: Path | None,
@@ -241,6 +257,8 @@ def plugin_command(
                 pod_resources_interval=pod_resources_interval,
                 telemetry_interval=telemetry_interval,
             ),
+            registration="plugin-watcher" if registration == "plugin-watcher" else "kubelet-sock",
+            plugins_registry=plugins_registry.absolute() if plugins_registry is not None else None,
         )
         source = plugin_kind.build(options, host, resource=resource_name)
     except ConfigurationError as exc:

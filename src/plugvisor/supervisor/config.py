@@ -153,6 +153,8 @@ class ResourceConfig(pydantic.BaseModel):
 
     name: str
     kind: Annotated[str, pydantic.StringConstraints(min_length=1)]
+    registration: Literal["kubelet-sock", "plugin-watcher"] = "kubelet-sock"
+    """How the child registers: Register on kubelet.sock, or a plugins_registry socket the kubelet dials."""
 
     @pydantic.field_validator("name")
     @classmethod
@@ -369,6 +371,8 @@ def child_specs(
             json.dumps(resource.options, sort_keys=True, separators=(",", ":")),
             "--on-kubelet-restart",
             policy,
+            "--registration",
+            resource.registration,
             "--log-format",
             log_format,
             "--log-level",

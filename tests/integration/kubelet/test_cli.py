@@ -165,10 +165,7 @@ class TestANegativeExtendedResourceLimit:
                 "  - {name: c, image: i, resources: {limits: {example.com/good: -1}}}\n"
             )
             line = kubelet.wait_for_line("event='pod_invalid'")
-            assert (
-                'limits[example.com/good]: Invalid value: "-1": must be greater than or equal to 0'
-                in line
-            )
+            assert 'limits[example.com/good]: Invalid value: "-1": must be greater than or equal to 0' in line
             (pods_dir / "web.yaml").write_text(
                 "apiVersion: v1\nkind: Pod\nmetadata: {name: web}\nspec:\n"
                 "  containers: [{name: c, image: i}]\n"

@@ -41,6 +41,18 @@ class TestParseConfig:
         assert args[args.index("--kubelet-dir") + 1] == "/tmp/pv-dp"
         assert specs["example.com/fuse"].argv()[:3] == [sys.executable, "-m", "plugvisor"]
 
+    def test_each_resource_chooses_its_registration_mode(self):
+        """``registration`` is the framework's, not the kind's: it goes to --registration, not the options."""
+        document = GOOD.replace("    count: 10\n", "    count: 10\n    registration: plugin-watcher\n")
+        specs = config_.child_specs(config_.parse_config(yaml.safe_load(document), source="node.yaml"))
+        fuse, serial = specs["example.com/fuse"].args, specs["example.com/serial"].args
+        assert fuse[fuse.index("--registration") + 1] == "plugin-watcher"
+        assert "registration" not in json.loads(fuse[fuse.index("--options-json") + 1])
+        assert serial[serial.index("--registration") + 1] == "kubelet-sock"
+        assert "resources[0].registration: Input should be 'kubelet-sock' or 'plugin-watcher'" in errors_of(
+            "resources: [{name: a.com/b, kind: generic, paths: [/x], registration: watcher}]"
+        )
+
     def test_defaults_are_the_kubelets_directory_and_no_metrics(self):
         """Only ``resources`` is required."""
         config = config_.parse_config(

@@ -1,0 +1,140 @@
+"""Both registration modes against the emulated kubelet: kubelet.sock Register and the plugin watcher.
+
+Each mode must survive the same things: a kubelet restart (kubelet-sock: the plugin notices
+and registers again on a fresh socket; plugin-watcher: the kubelet dials the same socket
+back) and a SIGKILLed plugin process (a new process registers again), with health changes
+streamed in between.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from plugvisor.common.hostpaths import HostPaths
+from plugvisor.deviceplugin import metrics
+from plugvisor.deviceplugin.runtime import DevicePluginRuntime, PluginConfig
+from plugvisor.emulators.kubelet import EmulatedKubelet
+from plugvisor.plugins.kinds import get_kind
+
+RESOURCE = "example.com/serial"
+MODES = ["kubelet-sock", "plugin-watcher"]
+
+
+def counts(allocatable: int, capacity: int):
+    def check(kubelet: EmulatedKubelet) -> bool:
+        view = kubelet.resource(RESOURCE)
+        return view is not None and (view.allocatable, view.capacity) == (allocatable, capacity)
+
+    return check
+
+
+@pytest.fixture
+def node(short_dir: Path) -> Path:
+    (short_dir / "root" / "dev").mkdir(parents=True)
+    for name in ("ttyUSB0", "ttyUSB1"):
+        (short_dir / "root" / "dev" / name).touch()
+    return short_dir
+
+
+def registry_paths(node: Path) -> tuple[Path, Path]:
+    """The kubelet's layout: <root>/device-plugins and <root>/plugins_registry."""
+    return node / "kubelet" / "device-plugins", node / "kubelet" / "plugins_registry"
+
+
+async def registration_number(runtime: DevicePluginRuntime, number: int):
+    """Wait until the runtime has published its ``number``-th registration; return it."""
+    async with asyncio.timeout(20):
+        while (latest := runtime.registrations.value) is None or latest.number < number:
+            await runtime.registrations.wait_newer(runtime.registrations.version)
+    return latest
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_plugin_registers_streams_health_and_survives_a_kubelet_restart(node: Path, mode) -> None:
+    kubelet_dir, registry = registry_paths(node)
+    async with EmulatedKubelet(kubelet_dir, grace_period=30) as kubelet:
+        assert kubelet.plugins_registry == registry
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "plugvisor", "plugin", "generic",
+            "--host-root", str(node / "root"), "--kubelet-dir", str(kubelet_dir),
+            "--resource", RESOURCE, "--path", "/dev/ttyUSB*", "--registration", mode,
+            stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            await kubelet.wait_for(counts(2, 2), timeout=20)
+            (record,) = kubelet.registrations
+            assert record.via == ("plugins_registry" if mode == "plugin-watcher" else "kubelet.sock")
+            (node / "root/dev/ttyUSB1").unlink()
+            await kubelet.wait_for(counts(1, 1), what="the removed device streamed")
+            await kubelet.restart()
+            await kubelet.wait_for(
+                lambda k: counts(1, 1)(k) and k.resource(RESOURCE).registered and len(k.registrations) == 2,
+                timeout=20,
+                what="registered again after the kubelet restart",
+            )
+            assert [r.generation for r in kubelet.registrations] == [1, 2]
+            if mode == "plugin-watcher":
+                # The kubelet dialled the same socket back: the plugin did nothing.
+                assert kubelet.registrations[0].endpoint == kubelet.registrations[1].endpoint
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            _, stderr = await asyncio.wait_for(proc.communicate(), 15)
+        assert proc.returncode == 0, stderr.decode()
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_killed_plugin_process_comes_back_registered(node: Path, mode) -> None:
+    kubelet_dir, _ = registry_paths(node)
+    argv = [
+        sys.executable, "-m", "plugvisor", "plugin", "generic",
+        "--host-root", str(node / "root"), "--kubelet-dir", str(kubelet_dir),
+        "--resource", RESOURCE, "--path", "/dev/ttyUSB*", "--registration", mode,
+    ]  # fmt: skip
+    async with EmulatedKubelet(kubelet_dir, grace_period=30) as kubelet:
+        first = await asyncio.create_subprocess_exec(*argv, stderr=asyncio.subprocess.DEVNULL)
+        await kubelet.wait_for(counts(2, 2), timeout=20)
+        first.send_signal(signal.SIGKILL)
+        await first.wait()
+        await kubelet.wait_for(counts(0, 2), what="the killed plugin's stream ended: allocatable 0")
+        second = await asyncio.create_subprocess_exec(*argv, stderr=asyncio.subprocess.PIPE)
+        try:
+            await kubelet.wait_for(counts(2, 2), timeout=20, what="the new process registered")
+            assert [r.accepted for r in kubelet.registrations][-1]
+        finally:
+            second.send_signal(signal.SIGTERM)
+            _, stderr = await asyncio.wait_for(second.communicate(), 15)
+        assert second.returncode == 0, stderr.decode()
+
+
+async def test_in_process_the_registrations_cell_and_metric_count_the_kubelets_dial_backs(node: Path) -> None:
+    """plugin-watcher: each kubelet registration of the plugin is published and counted."""
+    kubelet_dir, registry = registry_paths(node)
+    paths = HostPaths(root=node / "root", kubelet_dir=kubelet_dir)
+    config = PluginConfig(RESOURCE, paths, registration="plugin-watcher")
+    assert config.registry_dir == registry
+    kind = get_kind("generic")
+    source = kind.build(
+        kind.options_model.model_validate({"paths": ["/dev/ttyUSB*"]}), paths, resource=RESOURCE
+    )
+    runtime = DevicePluginRuntime(config, source)
+    before = metrics.PLUGIN_REGISTRATIONS.labels(RESOURCE)._value.get()
+    stop = asyncio.Event()
+    async with EmulatedKubelet(kubelet_dir, grace_period=30) as kubelet:
+        task = asyncio.create_task(runtime.run(stop))
+        try:
+            first = await registration_number(runtime, 1)
+            assert (first.number, first.reason) == (1, "start")
+            await kubelet.restart()
+            second = await registration_number(runtime, 2)
+            assert second.reason == "kubelet dialled back"
+            assert second.endpoint == first.endpoint
+            assert metrics.PLUGIN_REGISTRATIONS.labels(RESOURCE)._value.get() == before + 2
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 15)
+    assert not list(registry.glob("plugvisor-*.sock")), "the plugin left its registry socket behind"
