@@ -228,8 +228,10 @@ class PluginWatcher:
         while True:
             self._wake.clear()
             await self.reconcile()
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancellation.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self._reconcile_period)
+                async with asyncio.timeout(self._reconcile_period):
+                    await self._wake.wait()
 
     async def reconcile(self) -> None:
         """One pass: unregistrations first, then registrations (``reconciler.reconcile``)."""
@@ -277,7 +279,8 @@ class PluginWatcher:
             "unix:" + socket_path, options=[("grpc.use_local_subchannel_pool", 1)]
         ) as channel:
             try:
-                await asyncio.wait_for(channel.channel_ready(), self._dial_timeout)
+                async with asyncio.timeout(self._dial_timeout):
+                    await channel.channel_ready()
             except TimeoutError:
                 raise RegistrationFailedError(
                     f"RegisterPlugin error -- dial failed at socket {socket_path}, "

@@ -95,8 +95,11 @@ class DirectoryWatcher:
             while True:
                 await inotify.get()
                 while True:  # drain a burst of events before reading the directory
+                    # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a
+                    # cancellation that arrives as the read completes, and stop() would hang.
                     try:
-                        await asyncio.wait_for(inotify.get(), QUIET_PERIOD)
+                        async with asyncio.timeout(QUIET_PERIOD):
+                            await inotify.get()
                     except TimeoutError:
                         break
                 await self._on_change()
