@@ -194,7 +194,15 @@ class EmulatedBackend:
                 self._plugvisor("lab", "watch", str(node.lab_root)), node.home / "lab.log"
             )
             node.kubelet = self._spawn(
-                self._plugvisor("kubelet", "--dir", str(node.kubelet_dir), "--pods", str(node.pods_dir)),
+                self._plugvisor(
+                    "kubelet",
+                    "--dir",
+                    str(node.kubelet_dir),
+                    "--pods",
+                    str(node.pods_dir),
+                    "--node-name",
+                    node.worker.name,
+                ),
                 node.home / "kubelet.log",
             )
             wait_until(
@@ -273,8 +281,10 @@ class EmulatedBackend:
 
     def pod(self, name: str) -> PodView | None:
         node = self.nodes[self.pod_nodes[name]]
+        # A static pod is named <name>-<node name>, as a real kubelet names it.
+        static_name = f"{name}-{node.worker.name.lower()}"
         for pod in self._view(node, "pods")["pods"]:
-            if pod["metadata"]["name"] != name:
+            if pod["metadata"]["name"] != static_name:
                 continue
             status = pod["status"]
             (container,) = status["containerStatuses"]
