@@ -343,8 +343,9 @@ class EmulatedKubelet:
         )
 
     async def _initial_pod_sync(self) -> None:
-        if self.pod_sources_delay > 0:
-            # Register is served already: plugins that re-register at once are in time.
+        if self.pod_sources_delay > 0 and (self.pods_dir is not None or self._pods.active()):
+            # Register is served already: plugins that re-register at once are in time for the
+            # pods. (A node with no pod source and no pods has nothing to deliver: no wait.)
             await asyncio.sleep(self.pod_sources_delay)
         async with self._pods_lock:
             if self.pods_dir is not None:
