@@ -172,7 +172,12 @@ class _Server:
             os.environ.clear()
             os.environ.update(env)
             sys.argv = ["plugvisor", *args]
-            gc.unfreeze()
+            # The fork server's objects stay frozen here too: unfrozen, they would join the
+            # oldest generation, and the child's first full collection would write to every
+            # one of them, copying the pages it shares with the fork server (measured: each
+            # child's PSS 17 -> 24 MB after one full collection; unchanged when they stay
+            # frozen). Preloaded objects that become garbage here are still freed by
+            # reference counting; only cycles among them would wait for the process's exit.
             code = _run_plugin_command(args)
         except BaseException:
             traceback.print_exc()
@@ -228,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         server.send(op="ready", pid=os.getpid(), error=f"{threads} threads after preload: forking is unsafe")
         return
     # Objects that exist now are shared by every child; keep the collector from touching
-    # (and so copying) their pages.
+    # (and so copying) their pages, here and in every child (which never unfreezes them).
     gc.collect()
     gc.freeze()
     server.send(op="ready", pid=os.getpid(), threads=threads)
