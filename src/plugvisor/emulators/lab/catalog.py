@@ -16,6 +16,12 @@ from plugvisor.emulators.lab.pci import Identity
 
 GpuFlavor = Literal["nvidia", "intel", "amd"]
 
+BarSpec = tuple[int, int, bool]
+"""``(BAR index, size in bytes, prefetchable)``; the lab makes every BAR 64-bit."""
+
+MiB = 2**20
+GiB = 2**30
+
 
 @dataclass(frozen=True, slots=True)
 class GpuModel:
@@ -34,6 +40,7 @@ class GpuModel:
     asic: str = ""
     partitions: bool = False
     """Whether the driver exposes compute/memory partition attributes (MI300)."""
+    bars: tuple[BarSpec, ...] = ((0, 16 * MiB, False), (1, 64 * GiB, True), (3, 32 * MiB, True))
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +54,7 @@ class DflFpgaModel:
     interface_id: str
     bitstream_id: str
     flavor: Literal["dfl"] = "dfl"
+    bars: tuple[BarSpec, ...] = ((0, 512 * 1024, True), (2, 128 * 1024, True))
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +69,8 @@ class XilinxFpgaModel:
     """The default shell name (``rom.*/VBNV``)."""
     timestamp: str
     flavor: Literal["xilinx"] = "xilinx"
+    mgmt_bars: tuple[BarSpec, ...] = ((0, 32 * MiB, False), (2, 128 * 1024, False))
+    user_bars: tuple[BarSpec, ...] = ((0, 32 * MiB, False), (2, 256 * 1024, False), (4, 256 * MiB, True))
 
 
 FpgaModel = DflFpgaModel | XilinxFpgaModel
@@ -81,6 +91,23 @@ class NicModel:
     speed_mbps: int
     oui: str
     link_speed: str
+    rdma: RdmaModel | None = None
+    """The RDMA (RoCE) device its driver registers per function, if any."""
+    pf_bars: tuple[BarSpec, ...] = ((0, 32 * MiB, True), (3, 64 * 1024, True))
+    vf_bars: tuple[BarSpec, ...] = ((0, 128 * 1024, True), (3, 16 * 1024, True))
+    """Per VF; the PF's SR-IOV BARs hold ``sriov_totalvfs`` of each."""
+
+
+@dataclass(frozen=True, slots=True)
+class RdmaModel:
+    """What the RDMA stack shows for one function of an RDMA-capable NIC (``mlx5_N``)."""
+
+    prefix: str
+    hca_type: str
+    fw_ver: str
+    board_id: str
+    rate: str
+    """``ports/1/rate`` as the kernel prints it at the port's speed."""
 
 
 GPUS: Final[dict[str, GpuModel]] = {
@@ -94,6 +121,7 @@ GPUS: Final[dict[str, GpuModel]] = {
             driver="nvidia",
             link_speed="32.0 GT/s PCIe",
             vbios="96.00.74.00.01",
+            bars=((0, 16 * MiB, False), (1, 128 * GiB, True), (3, 32 * MiB, True)),
         ),
         GpuModel(
             key="nvidia-a100",
@@ -112,6 +140,7 @@ GPUS: Final[dict[str, GpuModel]] = {
             driver="i915",
             link_speed="16.0 GT/s PCIe",
             lmem_bytes=16 * 2**30,
+            bars=((0, 16 * MiB, False), (2, 16 * GiB, True)),
         ),
         GpuModel(
             key="intel-max-1100",
@@ -121,6 +150,7 @@ GPUS: Final[dict[str, GpuModel]] = {
             driver="i915",
             link_speed="32.0 GT/s PCIe",
             lmem_bytes=48 * 2**30,
+            bars=((0, 16 * MiB, False), (2, 64 * GiB, True)),
         ),
         GpuModel(
             key="amd-mi210",
@@ -132,6 +162,7 @@ GPUS: Final[dict[str, GpuModel]] = {
             gfx_target_version=90010,
             simd_count=416,
             asic="aldebaran",
+            bars=((0, 64 * GiB, True), (2, 2 * MiB, True), (5, 512 * 1024, False)),
         ),
         GpuModel(
             key="amd-mi300x",
@@ -143,6 +174,7 @@ GPUS: Final[dict[str, GpuModel]] = {
             gfx_target_version=90402,
             simd_count=1216,
             asic="ip discovery",
+            bars=((0, 256 * GiB, True), (2, 2 * MiB, True), (5, 512 * 1024, False)),
             partitions=True,
         ),
     )
@@ -206,6 +238,15 @@ NICS: Final[dict[str, NicModel]] = {
             speed_mbps=200000,
             oui="0c:42:a1",
             link_speed="16.0 GT/s PCIe",
+            rdma=RdmaModel(
+                prefix="mlx5_",
+                hca_type="MT4123",
+                fw_ver="20.39.1002",
+                board_id="MT_0000000222",
+                rate="200 Gb/sec (4X HDR)",
+            ),
+            pf_bars=((0, 32 * MiB, True),),
+            vf_bars=((0, 1 * MiB, True),),
         ),
     )
 }

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from plugvisor.emulators.lab import errors, fpga, gpu, hwmon, kinds, nic, pci
+from plugvisor.emulators.lab import errors, fpga, gpu, hwmon, kinds, nic, pci, rdma
 from plugvisor.emulators.lab.state import DeviceState, LabState
 
 
@@ -36,6 +36,7 @@ class FaultKind(StrEnum):
     VFS_RESET = nic.VFS_RESET
     OVERHEAT = hwmon.OVERHEAT
     LINK_DEGRADED = pci.LINK_DEGRADED
+    RDMA_PORT_DOWN = rdma.PORT_DOWN
 
 
 _AER = {FaultKind.AER_FATAL: 0, FaultKind.AER_NONFATAL: 1, FaultKind.AER_CORRECTABLE: 2}

@@ -7,16 +7,19 @@ that drifted from the state: every link relative and resolving inside the root,
 and matching ``sriov_numvfs``, ``driver`` and ``iommu_group`` links answered by
 their back-links, and every device node matched by ``sys/dev/char`` and
 ``dev/char`` entries with the same numbers (and the same ``st_rdev`` for real
-nodes). Tests assert an empty report; a person can run ``plugvisor lab check``.
+nodes), RDMA devices, ports and verbs nodes that agree, NUMA ``meminfo`` and CPU links
+in kernel form, and PCI ``resource``/``local_cpus`` that agree with their siblings. Tests
+assert an empty report; a person can run ``plugvisor lab check``.
 """
 
 # Paths here are strings joined to a root, as a plugin with a host-root prefix handles them.
-# ruff: noqa: PTH110, PTH114, PTH115, PTH116, PTH117, PTH118, PTH119, PTH123, PTH207
+# ruff: noqa: PTH110, PTH112, PTH114, PTH115, PTH116, PTH117, PTH118, PTH119, PTH120, PTH123, PTH207
 
 from __future__ import annotations
 
 import glob
 import os
+import re
 import stat
 
 
@@ -77,6 +80,101 @@ def _pci(root: str) -> list[str]:
             if os.path.realpath(f"{group}/devices/{bdf}") != dev:
                 problems.append(f"{bdf}: iommu group {os.path.basename(group)} does not list the device")
         problems += _sriov(bdf, dev)
+        problems += _attributes(bdf, dev)
+    return problems
+
+
+_RESOURCE_LINE = re.compile(r"^0x[0-9a-f]{16} 0x[0-9a-f]{16} 0x[0-9a-f]{16}$")
+_PORT_STATE = re.compile(r"^[0-5]: (NOP|DOWN|INIT|ARMED|ACTIVE|ACTIVE_DEFER)$")
+_GID = re.compile(r"^[0-9a-f]{4}(:[0-9a-f]{4}){7}$")
+_MEMINFO = re.compile(r"^Node (\d+) ([A-Za-z_()]+):\s+(\d+)( kB)?$")
+
+
+def _cpus(cpulist: str) -> set[int]:
+    cpus: set[int] = set()
+    for part in filter(None, cpulist.split(",")):
+        low, _, high = part.partition("-")
+        cpus.update(range(int(low), int(high or low) + 1))
+    return cpus
+
+
+def _mask_cpus(mask: str) -> set[int]:
+    value = int(mask.replace(",", ""), 16)
+    return {i for i in range(value.bit_length()) if value >> i & 1}
+
+
+def _attributes(bdf: str, dev: str) -> list[str]:
+    """``resource`` lines and ``resourceN`` sizes agree; ``local_cpus`` is ``local_cpulist`` as a mask."""
+    problems = []
+    if os.path.exists(f"{dev}/resource"):
+        lines = _read(f"{dev}/resource").splitlines()
+        bridge = os.path.exists(f"{dev}/secondary_bus_number")
+        if len(lines) != (17 if bridge else 13) or not all(_RESOURCE_LINE.match(x) for x in lines):
+            problems.append(f"{bdf}: resource is not {17 if bridge else 13} lines of three 0x%016llx fields")
+        for path in glob.glob(f"{dev}/resource[0-9]"):
+            if not int(lines[int(path[-1])].split()[2], 16):
+                problems.append(f"{bdf}: {os.path.basename(path)} exists but its resource line is empty")
+    if os.path.exists(f"{dev}/local_cpus") and _mask_cpus(_read(f"{dev}/local_cpus")) != _cpus(
+        _read(f"{dev}/local_cpulist")
+    ):
+        problems.append(f"{bdf}: local_cpus and local_cpulist name different CPUs")
+    return problems
+
+
+def _rdma(root: str) -> list[str]:
+    """IB devices hang off a PCI function, ports and GIDs read in kernel format, verbs nodes name them."""
+    problems = []
+    for link in sorted(glob.glob(f"{root}/sys/class/infiniband/*")):
+        name = os.path.basename(link)
+        ib = os.path.realpath(link)
+        if not os.path.islink(link) or os.path.basename(os.path.dirname(ib)) != "infiniband":
+            problems.append(f"sys/class/infiniband/{name}: not a link to <pci function>/infiniband/{name}")
+            continue
+        for port in glob.glob(f"{ib}/ports/*"):
+            if not _PORT_STATE.match(_read(f"{port}/state")):
+                problems.append(f"{name}: port {os.path.basename(port)} state {_read(f'{port}/state')!r}")
+            for gid in glob.glob(f"{port}/gids/*"):
+                if not _GID.match(_read(gid)):
+                    problems.append(f"{name}: gid {os.path.basename(gid)} is not eight 4-digit groups")
+    verbs = sorted(glob.glob(f"{root}/sys/class/infiniband_verbs/uverbs*"))
+    for link in verbs:
+        uverbs = os.path.realpath(link)
+        ibdev = _read(f"{uverbs}/ibdev")
+        fn = os.path.dirname(os.path.dirname(uverbs))
+        if not os.path.isdir(f"{fn}/infiniband/{ibdev}"):
+            problems.append(
+                f"{os.path.basename(link)}: ibdev {ibdev} is not an IB device of its PCI function"
+            )
+        if not os.path.exists(f"{root}/dev/infiniband/{os.path.basename(link)}"):
+            problems.append(f"{os.path.basename(link)}: no dev/infiniband/{os.path.basename(link)}")
+    if verbs and not os.path.exists(f"{root}/dev/infiniband/rdma_cm"):
+        problems.append("dev/infiniband/rdma_cm is missing while verbs devices exist")
+    return problems
+
+
+def _numa(root: str) -> list[str]:
+    """Each node's ``meminfo`` parses as the kernel prints it and its ``cpuM`` links match ``cpulist``."""
+    problems = []
+    for node in sorted(glob.glob(f"{root}/sys/devices/system/node/node[0-9]*")):
+        n = int(os.path.basename(node)[4:])
+        if not os.path.exists(f"{node}/meminfo"):
+            problems.append(f"node{n}: no meminfo")
+            continue
+        keys = {}
+        for line in _read(f"{node}/meminfo").splitlines():
+            m = _MEMINFO.match(line)
+            if m is None or int(m.group(1)) != n:
+                problems.append(f"node{n}/meminfo: line {line!r} is not 'Node {n} Key: value'")
+                continue
+            keys[m.group(2)] = int(m.group(3))
+        if keys.get("MemTotal", 0) <= 0 or keys.get("MemFree", -1) > keys.get("MemTotal", 0):
+            problems.append(f"node{n}/meminfo: MemTotal/MemFree missing or inconsistent")
+        linked = {int(os.path.basename(c)[3:]) for c in glob.glob(f"{node}/cpu[0-9]*")}
+        if linked != _cpus(_read(f"{node}/cpulist")):
+            problems.append(f"node{n}: cpuM links disagree with cpulist")
+        for pages in glob.glob(f"{node}/hugepages/hugepages-*kB/*_hugepages"):
+            if not _read(pages).isdigit():
+                problems.append(f"{os.path.relpath(pages, root)}: not a page count")
     return problems
 
 
@@ -128,4 +226,4 @@ def _nodes(root: str) -> list[str]:
 def problems(root: str | os.PathLike[str]) -> list[str]:
     """Return every way the tree under ``root`` would mislead a real reader (empty when faithful)."""
     real = os.path.realpath(root)
-    return _links(real) + _pci(real) + _nodes(real)
+    return _links(real) + _pci(real) + _nodes(real) + _rdma(real) + _numa(real)

@@ -25,7 +25,12 @@ ALL_F = "f" * 32
 
 
 def _function(
-    state: LabState, dev: DeviceState, fn: FunctionState, ident: pci.Identity, **extra: str
+    state: LabState,
+    dev: DeviceState,
+    fn: FunctionState,
+    ident: pci.Identity,
+    bars: tuple[catalog.BarSpec, ...],
+    **extra: str,
 ) -> pci.Function:
     fallen = FALLEN_OFF_BUS in dev.faults
     return pci.Function(
@@ -42,6 +47,9 @@ def _function(
         link_degraded=pci.LINK_DEGRADED in dev.faults,
         multifunction=len(dev.functions) > 1,
         extra=extra,
+        bars=pci.assign_bars(fn.address, bars),
+        nr_cpus=state.nr_cpus,
+        msi_vectors=2,
     )
 
 
@@ -61,7 +69,7 @@ def _platform_device(spec: Spec, path: str, *, driver: str, major: int, minor: i
 def _render_dfl(state: LabState, dev: DeviceState, model: DflFpgaModel) -> Spec:
     spec: Spec = {}
     fn = dev.primary
-    pci.render_function(spec, _function(state, dev, fn, model.identity))
+    pci.render_function(spec, _function(state, dev, fn, model.identity, model.bars))
     if FALLEN_OFF_BUS in dev.faults:
         return spec
     assert dev.fpga_index is not None
@@ -109,9 +117,12 @@ def _render_xilinx(state: LabState, dev: DeviceState, model: XilinxFpgaModel) ->
     mgmt, user = dev.functions
     fallen = FALLEN_OFF_BUS in dev.faults
     inst = instance(mgmt)
-    pci.render_function(spec, _function(state, dev, mgmt, model.mgmt, mgmt_pf="", instance=str(inst)))
     pci.render_function(
-        spec, _function(state, dev, user, model.user, user_pf="", instance=str(instance(user)))
+        spec, _function(state, dev, mgmt, model.mgmt, model.mgmt_bars, mgmt_pf="", instance=str(inst))
+    )
+    pci.render_function(
+        spec,
+        _function(state, dev, user, model.user, model.user_bars, user_pf="", instance=str(instance(user))),
     )
     if fallen:
         return spec

@@ -240,6 +240,9 @@ def render(state: LabState, dev: DeviceState) -> Spec:
             config_readable=not fallen,
             link_degraded=pci.LINK_DEGRADED in dev.faults,
             extra=extra,
+            bars=pci.assign_bars(fn.address, model.bars),
+            nr_cpus=state.nr_cpus,
+            msi_vectors=4,
         ),
     )
     if model.flavor == "amd":

@@ -19,11 +19,18 @@ XCLMGMT: Final = 237
 DFL_FME: Final = 238
 DFL_PORT: Final = 239
 VFIO: Final = 242
+UVERBS: Final = 231
+"""``IB_UVERBS_MAJOR``: fixed, with minors from ``IB_UVERBS_BASE_MINOR`` (192) up."""
 
 NVIDIACTL_MINOR: Final = 255
 NVIDIA_MODESET_MINOR: Final = 254
 VFIO_CONTAINER_MINOR: Final = 196
 RENDER_BASE: Final = 128
+UVERBS_BASE_MINOR: Final = 192
+RDMA_CM_MINOR: Final = 58
+"""``rdma_cm`` is a misc device with a dynamic minor; the lab uses one value consistently."""
+VHOST_NET_MINOR: Final = 238
+TUN_MINOR: Final = 200
 
 NAMES: Final[dict[int, str]] = {
     MISC: "misc",
@@ -35,5 +42,6 @@ NAMES: Final[dict[int, str]] = {
     DFL_FME: "dfl-fme",
     DFL_PORT: "dfl-port",
     VFIO: "vfio",
+    UVERBS: "infiniband_verbs",
 }
 """How each major appears in ``proc/devices``."""

@@ -14,7 +14,7 @@ import hashlib
 import posixpath
 from typing import Any
 
-from plugvisor.emulators.lab import catalog, kinds, majors, pci
+from plugvisor.emulators.lab import catalog, kinds, majors, pci, rdma
 from plugvisor.emulators.lab.pci import Bdf
 from plugvisor.emulators.lab.profiles import NicGroup, Profile
 from plugvisor.emulators.lab.spec import Dir, Spec, add_link, add_node, text, virtual_device
@@ -37,6 +37,10 @@ def set_vf_states(state: LabState, pf: DeviceState, count: int) -> None:
     for vf in state.vfs_of(pf.name):
         del state.devices[vf.name]
     pf.num_vfs = count
+    rdma_model = catalog.NICS[pf.model].rdma
+    with_rdma = rdma_model is not None and pf.vf_driver != VFIO_DRIVER
+    taken = {d.rdma_index for d in state.devices.values() if d.rdma_index is not None}
+    free = (n for n in range(1 << 16) if n not in taken)
     parent = posixpath.dirname(pf.primary.path)
     assert pf.vf_group_base is not None and pf.ifindex is not None
     for i in range(count):
@@ -63,6 +67,7 @@ def set_vf_states(state: LabState, pf: DeviceState, count: int) -> None:
             ifindex=pf.ifindex * 1000 + i,
             parent=pf.name,
             vf_index=i,
+            rdma_index=next(free) if with_rdma else None,
         )
 
 
@@ -121,17 +126,22 @@ def render_pf(state: LabState, dev: DeviceState) -> Spec:
             link_degraded=pci.LINK_DEGRADED in dev.faults,
             multifunction=address.function > 0 or _ports(state, dev) > 1,
             extra=extra,
+            bars=pf_bars(dev),
+            nr_cpus=state.nr_cpus,
+            msi_vectors=4,
         ),
     )
-    _netdev(
-        spec,
-        fn.path,
-        dev,
-        up=LINK_DOWN not in dev.faults,
-        speed_mbps=model.speed_mbps,
-        dev_port=0,
-    )
+    up = LINK_DOWN not in dev.faults
+    _netdev(spec, fn.path, dev, up=up, speed_mbps=model.speed_mbps, dev_port=0)
+    if model.rdma is not None and dev.rdma_index is not None:
+        rdma.render(spec, fn.path, model.rdma, dev, link_up=up)
     return spec
+
+
+def pf_bars(pf: DeviceState) -> tuple[pci.Bar, ...]:
+    """A PF's BARs, its SR-IOV BARs sized for ``sriov_totalvfs`` VFs."""
+    model = catalog.NICS[pf.model]
+    return pci.assign_bars(pf.primary.address, model.pf_bars, model.vf_bars, pf.total_vfs or 0)
 
 
 def _ports(state: LabState, dev: DeviceState) -> int:
@@ -160,6 +170,9 @@ def render_vf(state: LabState, dev: DeviceState) -> Spec:
             iommu_group=fn.iommu_group,
             link_speed=model.link_speed,
             aer=dev.aer,
+            bars=pci.vf_bars(pf_bars(pf), dev.vf_index, pf.total_vfs or 0),
+            nr_cpus=state.nr_cpus,
+            msi_vectors=2,
         ),
     )
     add_link(spec, f"{fn.path}/physfn", pf.primary.path)
@@ -175,6 +188,8 @@ def render_vf(state: LabState, dev: DeviceState) -> Spec:
     elif dev.netdev:
         up = LINK_DOWN not in dev.faults and LINK_DOWN not in pf.faults
         _netdev(spec, fn.path, dev, up=up, speed_mbps=model.speed_mbps, dev_port=0)
+        if model.rdma is not None and dev.rdma_index is not None:
+            rdma.render(spec, fn.path, model.rdma, dev, link_up=up)
     return spec
 
 
@@ -248,7 +263,9 @@ class _NicKind:
             )
 
     def number(self, state: LabState, dev: DeviceState, counters: dict[str, int]) -> None:
-        return
+        if dev.kind is DeviceKind.NIC_PF and catalog.NICS[dev.model].rdma is not None:
+            dev.rdma_index = counters.get("rdma", 0)
+            counters["rdma"] = dev.rdma_index + 1
 
     def finish(self, state: LabState, dev: DeviceState) -> None:
         if dev.kind is DeviceKind.NIC_PF:
@@ -272,15 +289,30 @@ class _NicKind:
         return model.pf if dev.kind is DeviceKind.NIC_PF else model.vf
 
     def faults(self, dev: DeviceState) -> tuple[str, ...]:
+        port = (rdma.PORT_DOWN,) if dev.rdma_index is not None else ()
         if dev.kind is DeviceKind.NIC_PF:
-            return (LINK_DOWN, VFS_RESET, pci.LINK_DEGRADED)
-        return (LINK_DOWN,) if dev.netdev else ()
+            return (LINK_DOWN, VFS_RESET, pci.LINK_DEGRADED, *port)
+        return ((LINK_DOWN,) if dev.netdev else ()) + port
 
     def shared(self, state: LabState, devices: list[DeviceState]) -> kinds.Shared:
         out = kinds.Shared()
         pfs = [d for d in devices if d.kind is DeviceKind.NIC_PF]
         if pfs:
+            # Every NIC node has the kernel's tun and vhost-net misc devices (SR-IOV configs ask for them).
             out.spec["sys/class/net"] = Dir()
+            out.majors.add(majors.MISC)
+            virtual_device(
+                out.spec, "sys/devices/virtual/misc/tun", majors.MISC, majors.TUN_MINOR, "dev/net/tun"
+            )
+            virtual_device(
+                out.spec,
+                "sys/devices/virtual/misc/vhost-net",
+                majors.MISC,
+                majors.VHOST_NET_MINOR,
+                "dev/vhost-net",
+            )
+        if any(d.rdma_index is not None for d in devices):
+            out.majors |= rdma.shared(out.spec)
         out.drivers = {d.vf_driver for d in pfs if d.vf_driver}
         if VFIO_DRIVER in out.drivers:
             out.majors.add(majors.VFIO)

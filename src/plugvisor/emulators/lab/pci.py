@@ -93,6 +93,94 @@ class Identity:
 
 
 @dataclass(frozen=True, slots=True)
+class Bar:
+    """An assigned memory BAR: index (0-5, 7-12 for SR-IOV BARs), start address, size."""
+
+    index: int
+    start: int
+    size: int
+    prefetch: bool
+
+
+IOV_BASE = 7
+"""``PCI_IOV_RESOURCES``: resource lines 7-12 are the SR-IOV BARs (after six BARs and the ROM)."""
+_ENDPOINT_RESOURCES = 13
+"""``PCI_BRIDGE_RESOURCES``: lines an endpoint's ``resource`` has (BARs, ROM, SR-IOV BARs)."""
+_BRIDGE_RESOURCES = 17
+"""``PCI_NUM_RESOURCES``: a bridge adds its four windows."""
+_IORESOURCE_MEM = 0x200
+_IORESOURCE_PREFETCH = 0x2000
+_IORESOURCE_SIZEALIGN = 0x40000
+_IORESOURCE_MEM_64 = 0x100000
+_BAR_MEM_TYPE_64 = 0x4
+_BAR_MEM_PREFETCH = 0x8
+
+
+def bar_flags(bar: Bar) -> int:
+    """The ``struct resource`` flags the kernel prints for a 64-bit memory BAR (low byte: its own bits)."""
+    flags = _IORESOURCE_MEM | _IORESOURCE_SIZEALIGN | _IORESOURCE_MEM_64 | _BAR_MEM_TYPE_64
+    if bar.prefetch:
+        flags |= _IORESOURCE_PREFETCH | _BAR_MEM_PREFETCH
+    return flags
+
+
+def assign_bars(
+    bdf: Bdf,
+    bars: tuple[tuple[int, int, bool], ...],
+    iov: tuple[tuple[int, int, bool], ...] = (),
+    vfs: int = 0,
+) -> tuple[Bar, ...]:
+    """Give a function's BARs addresses the way firmware would: naturally aligned, no overlaps.
+
+    Each (bus, function) owns a 64 GiB-aligned window high in the 64-bit space, big enough for
+    the largest BARs of the catalog; SR-IOV BARs (``iov``, per-VF sizes times ``vfs``) follow
+    the function's own. VFs take their BARs from their PF's SR-IOV BARs (:func:`vf_bars`).
+    """
+    window = (1 << 48) + (bdf.bus << 40) + (bdf.function << 36)
+    wanted = [(index, size, pref) for index, size, pref in bars]
+    wanted += [(IOV_BASE + index, size * vfs, pref) for index, size, pref in iov if vfs]
+    out: list[Bar] = []
+    cursor = window
+    for index, size, pref in sorted(wanted, key=lambda b: -b[1]):
+        align = 1 << (size - 1).bit_length() if index < IOV_BASE else size // max(vfs, 1)
+        cursor = -(-cursor // align) * align
+        out.append(Bar(index, cursor, size, pref))
+        cursor += size
+    return tuple(sorted(out, key=lambda b: b.index))
+
+
+def vf_bars(pf: tuple[Bar, ...], vf_index: int, total_vfs: int) -> tuple[Bar, ...]:
+    """A VF's BARs: slice ``vf_index`` of each of its PF's SR-IOV BARs."""
+    out = []
+    for bar in pf:
+        if bar.index >= IOV_BASE and total_vfs:
+            size = bar.size // total_vfs
+            out.append(Bar(bar.index - IOV_BASE, bar.start + vf_index * size, size, bar.prefetch))
+    return tuple(out)
+
+
+def cpumask(cpulist: str, nr_cpus: int) -> str:
+    """``local_cpus``/``cpumap``: the kernel's ``%*pb`` of ``cpulist`` over ``nr_cpus`` bits.
+
+    32-bit hex chunks, most significant first, comma-separated; the first chunk only as wide as
+    the bits it holds (``0000,00000000,00ffffff,ffffffff`` for CPUs 0-55 of 112).
+    """
+    mask = 0
+    for part in cpulist.split(","):
+        low, _, high = part.partition("-")
+        for cpu in range(int(low), int(high or low) + 1):
+            mask |= 1 << cpu
+    chunks = []
+    first = nr_cpus % 32 or 32
+    top = -(-nr_cpus // 32) * 32 - 32
+    width = -(-first // 4)
+    for start in range(top, -1, -32):
+        chunks.append(f"{(mask >> start) & 0xFFFFFFFF:0{width}x}")
+        width = 8
+    return ",".join(chunks)
+
+
+@dataclass(frozen=True, slots=True)
 class Function:
     """Everything needed to render one PCI function's directory and links."""
 
@@ -116,6 +204,11 @@ class Function:
     multifunction: bool = False
     extra: dict[str, str] = field(default_factory=dict)
     """More attributes of this function (``sriov_*``, ``user_pf``, ...)."""
+    bars: tuple[Bar, ...] = ()
+    nr_cpus: int = 0
+    """CPUs of the whole node (the width of ``local_cpus``); 0 derives it from ``cpulist``."""
+    msi_vectors: int = 0
+    """MSI-X vectors the driver allocated (``msi_irqs/<irq>``); 0 with no driver."""
 
 
 def config_space(fn: Function) -> bytes:
@@ -148,6 +241,12 @@ def config_space(fn: Function) -> bytes:
         body[0x18:0x1B] = bytes(fn.bridge_buses)
     else:
         body[0x2C:0x30] = struct.pack("<HH", ident.subsystem_vendor, ident.subsystem_device)
+    for bar in fn.bars:
+        if bar.index < IOV_BASE - 1:
+            # A 64-bit memory BAR takes two registers: low dword with its type bits, then the high dword.
+            low = (bar.start & 0xFFFFFFF0) | _BAR_MEM_TYPE_64 | (_BAR_MEM_PREFETCH if bar.prefetch else 0)
+            at = 0x10 + 4 * bar.index
+            body[at : at + 8] = struct.pack("<II", low, bar.start >> 32)
     return bytes(body)
 
 
@@ -215,9 +314,64 @@ def render_function(spec: Spec, fn: Function) -> None:
     if fn.bridge_buses:
         spec[f"{p}/secondary_bus_number"] = text(fn.bridge_buses[1])
         spec[f"{p}/subordinate_bus_number"] = text(fn.bridge_buses[2])
+    _more(spec, fn)
     for name, value in fn.extra.items():
         spec[f"{p}/{name}"] = File(f"{value}\n".encode(), 0o644 if name in WRITABLE else 0o444)
     _links(spec, fn)
+
+
+def _more(spec: Spec, fn: Function) -> None:
+    """The attributes lspci, ghw, hwloc and DPDK read beyond the IDs: resources, CPUs, power, MSI, ASPM."""
+    p = fn.path
+    lines = _BRIDGE_RESOURCES if fn.bridge_buses else _ENDPOINT_RESOURCES
+    by_index = {bar.index: bar for bar in fn.bars}
+    rows = []
+    for i in range(lines):
+        bar = by_index.get(i)
+        if bar is None:
+            rows.append(f"0x{0:016x} 0x{0:016x} 0x{0:016x}")
+        else:
+            rows.append(f"0x{bar.start:016x} 0x{bar.start + bar.size - 1:016x} 0x{bar_flags(bar):016x}")
+    spec[f"{p}/resource"] = File(("\n".join(rows) + "\n").encode())
+    for bar in fn.bars:
+        if bar.index < IOV_BASE and fn.config_readable:
+            # On a real node mmap()able and st_size is the BAR's size. The lab writes them empty: a sparse
+            # file of that size (128 GiB for an H100) is materialized in full by anything that copies the
+            # tree (shutil.copytree, tar, container build contexts). Sizes are in ``resource``.
+            spec[f"{p}/resource{bar.index}"] = File(b"", 0o600)
+            if bar.prefetch:
+                spec[f"{p}/resource{bar.index}_wc"] = File(b"", 0o600)
+    last = max((int(x.partition("-")[2] or x) for x in fn.cpulist.split(",")), default=0)
+    spec[f"{p}/local_cpus"] = text(cpumask(fn.cpulist, fn.nr_cpus or last + 1))
+    spec[f"{p}/driver_override"] = File(b"(null)\n", 0o644)
+    spec[f"{p}/power_state"] = text("D0" if fn.config_readable else "D3cold")
+    spec[f"{p}/broken_parity_status"] = File(b"0\n", 0o644)
+    spec[f"{p}/consistent_dma_mask_bits"] = text(64)
+    spec[f"{p}/msi_bus"] = File(b"1\n", 0o644)
+    spec[f"{p}/reset_method"] = File(b"flr bus\n" if not fn.bridge_buses else b"pm bus\n", 0o644)
+    power = f"{p}/power"
+    spec[f"{power}/control"] = File(b"on\n", 0o644)
+    spec[f"{power}/runtime_status"] = text("active" if fn.driver else "unsupported")
+    spec[f"{power}/runtime_enabled"] = text("forbidden")
+    spec[f"{power}/runtime_active_time"] = text(0)
+    spec[f"{power}/runtime_suspended_time"] = text(0)
+    spec[f"{power}/runtime_usage"] = text(1 if fn.driver else 0)
+    spec[f"{power}/async"] = File(b"enabled\n", 0o644)
+    if fn.driver and fn.msi_vectors:
+        spec[f"{p}/msi_irqs"] = Dir()
+        base = 64 + (fn.iommu_group or 0) * 4
+        kind = "msi" if fn.bridge_buses else "msix"
+        for irq in range(base, base + fn.msi_vectors):
+            spec[f"{p}/msi_irqs/{irq}"] = text(kind)
+    if not fn.bridge_buses:
+        for name, value in (
+            ("clkpm", 0),
+            ("l0s_aspm", 0),
+            ("l1_aspm", 1),
+            ("l1_1_aspm", 0),
+            ("l1_2_aspm", 0),
+        ):
+            spec[f"{p}/link/{name}"] = File(f"{value}\n".encode(), 0o644)
 
 
 def _links(spec: Spec, fn: Function) -> None:

@@ -46,22 +46,109 @@ def _bridges(spec: Spec, state: LabState) -> None:
                 iommu_group=bridge.iommu_group,
                 link_speed="32.0 GT/s PCIe",
                 bridge_buses=bridge.buses,
+                nr_cpus=state.nr_cpus,
+                msi_vectors=1,
             ),
         )
         spec[bridge.path] = Dir()
 
 
+_MEMINFO_KEYS = (
+    "MemTotal", "MemFree", "MemUsed", "SwapCached", "Active", "Inactive", "Active(anon)", "Inactive(anon)",
+    "Active(file)", "Inactive(file)", "Unevictable", "Mlocked", "Dirty", "Writeback", "FilePages", "Mapped",
+    "AnonPages", "Shmem", "KernelStack", "PageTables", "SecPageTables", "NFS_Unstable", "Bounce",
+    "WritebackTmp", "KReclaimable", "Slab", "SReclaimable", "SUnreclaim", "AnonHugePages",
+    "ShmemHugePages", "ShmemPmdMapped", "FileHugePages", "FilePmdMapped",
+)  # fmt: skip
+"""The ``kB`` lines of ``node<N>/meminfo``, in the order ``drivers/base/node.c`` prints them."""
+
+
+def _node_meminfo(node: int, total_kb: int, hugepages: dict[int, int]) -> bytes:
+    """``nodeN/meminfo``: ``Node N Key:`` padded to the kernel's column, ``%8lu kB``; huge pages ``%5u``."""
+    reserved = sum(size * pages for size, pages in hugepages.items())
+    used = reserved + total_kb // 50
+    values = dict.fromkeys(_MEMINFO_KEYS, 0)
+    values.update(MemTotal=total_kb, MemFree=total_kb - used, MemUsed=used, Slab=total_kb // 200)
+    values.update(SUnreclaim=total_kb // 400, SReclaimable=total_kb // 400, KReclaimable=total_kb // 400)
+    lines = [f"Node {node} {key + ':':<15} {value:8d} kB" for key, value in values.items()]
+    default = hugepages.get(2048, 0)
+    lines += [
+        f"Node {node} HugePages_Total: {default:5d}",
+        f"Node {node} HugePages_Free:  {default:5d}",
+        f"Node {node} HugePages_Surp:  {0:5d}",
+    ]
+    return ("\n".join(lines) + "\n").encode()
+
+
+def _proc_meminfo(total_kb: int, hugepages: dict[int, int]) -> bytes:
+    """``/proc/meminfo`` for the whole node (the lines readers such as ghw take totals from)."""
+    reserved = sum(size * pages for size, pages in hugepages.items())
+    free = total_kb - reserved - total_kb // 50
+    default = hugepages.get(2048, 0)
+    rows = [
+        ("MemTotal", f"{total_kb:8d} kB"),
+        ("MemFree", f"{free:8d} kB"),
+        ("MemAvailable", f"{free:8d} kB"),
+        ("SwapTotal", f"{0:8d} kB"),
+        ("SwapFree", f"{0:8d} kB"),
+        ("HugePages_Total", f"{default:5d}"),
+        ("HugePages_Free", f"{default:5d}"),
+        ("HugePages_Rsvd", f"{0:5d}"),
+        ("HugePages_Surp", f"{0:5d}"),
+        ("Hugepagesize", f"{2048:8d} kB"),
+        ("Hugetlb", f"{reserved:8d} kB"),
+    ]
+    return "".join(f"{key + ':':<15} {value}\n" for key, value in rows).encode()
+
+
 def _numa(spec: Spec, state: LabState) -> None:
+    """NUMA nodes and CPUs as ``drivers/base/node.c`` and ``cpu.c`` show them, memory as the profile says."""
     base = "sys/devices/system/node"
+    cpus = "sys/devices/system/cpu"
+    profile = state.profile
     last = len(state.numa_nodes) - 1
     span = "0" if last == 0 else f"0-{last}"
-    for name in ("online", "possible", "has_cpu", "has_normal_memory"):
+    for name in ("online", "possible", "has_cpu", "has_memory", "has_normal_memory"):
         spec[f"{base}/{name}"] = text(span)
+    per_node = profile.cpus_per_numa_node
+    count = per_node * len(state.numa_nodes)
+    for name in ("online", "possible", "present"):
+        spec[f"{cpus}/{name}"] = text("0" if count == 1 else f"0-{count - 1}")
+    total_kb = profile.memory_per_numa_node_gib * 2**20
+    hugepages = profile.hugepages_per_numa_node.sizes()
     for node in state.numa_nodes:
         d = f"{base}/node{node.id}"
         spec[f"{d}/cpulist"] = text(node.cpulist)
+        spec[f"{d}/cpumap"] = text(pci.cpumask(node.cpulist, count))
         distances = " ".join("10" if other.id == node.id else "21" for other in state.numa_nodes)
         spec[f"{d}/distance"] = text(distances)
+        spec[f"{d}/meminfo"] = File(_node_meminfo(node.id, total_kb, hugepages))
+        for size, pages in hugepages.items():
+            h = f"{d}/hugepages/hugepages-{size}kB"
+            spec[f"{h}/nr_hugepages"] = File(f"{pages}\n".encode(), 0o644)
+            spec[f"{h}/free_hugepages"] = text(pages)
+            spec[f"{h}/surplus_hugepages"] = text(0)
+        for cpu in range(node.id * per_node, (node.id + 1) * per_node):
+            c = f"{cpus}/cpu{cpu}"
+            spec[f"{c}/online"] = File(b"1\n", 0o644)
+            spec[f"{c}/topology/physical_package_id"] = text(node.id)
+            spec[f"{c}/topology/die_id"] = text(0)
+            spec[f"{c}/topology/core_id"] = text(cpu - node.id * per_node)
+            spec[f"{c}/topology/thread_siblings_list"] = text(cpu)
+            spec[f"{c}/topology/core_cpus_list"] = text(cpu)
+            spec[f"{c}/topology/core_siblings_list"] = text(node.cpulist)
+            spec[f"{c}/topology/package_cpus_list"] = text(node.cpulist)
+            add_link(spec, f"{d}/cpu{cpu}", c)
+            add_link(spec, f"{c}/node{node.id}", d)
+    for size, pages in hugepages.items():
+        g = f"sys/kernel/mm/hugepages/hugepages-{size}kB"
+        total = pages * len(state.numa_nodes)
+        spec[f"{g}/nr_hugepages"] = File(f"{total}\n".encode(), 0o644)
+        spec[f"{g}/nr_overcommit_hugepages"] = File(b"0\n", 0o644)
+        spec[f"{g}/free_hugepages"] = text(total)
+        spec[f"{g}/resv_hugepages"] = text(0)
+        spec[f"{g}/surplus_hugepages"] = text(0)
+    spec["proc/meminfo"] = File(_proc_meminfo(total_kb * len(state.numa_nodes), hugepages))
 
 
 def _device_nodes(spec: Spec, state: LabState) -> dict[int, str]:

@@ -78,7 +78,7 @@ class NicGroup(Placement):
 
 
 _NODE_PATH = r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*(/[A-Za-z0-9_][A-Za-z0-9_.+-]*)*$"
-_LAB_OWNED_DEV = ("char/", "dri/", "vfio/", "nvidia", "kfd", "dfl-", "xclmgmt")
+_LAB_OWNED_DEV = ("char/", "dri/", "vfio/", "nvidia", "kfd", "dfl-", "xclmgmt", "infiniband/")
 """``dev/`` names the lab's own devices write; a declared node may not take one."""
 
 
@@ -98,6 +98,17 @@ class DeviceNodeSpec(_Strict):
     """The class the kernel files it under (``misc`` for fuse and tun, ``tty`` for serial ports)."""
 
 
+class HugePages(_Strict):
+    """Huge pages reserved on each NUMA node, by page size (as ``hugepages-<size>kB`` names them)."""
+
+    pages_2m: Annotated[int, Field(ge=0, alias="2048kB")] = 0
+    pages_1g: Annotated[int, Field(ge=0, alias="1048576kB")] = 0
+
+    def sizes(self) -> dict[int, int]:
+        """Page size in kB -> pages."""
+        return {2048: self.pages_2m, 1048576: self.pages_1g}
+
+
 class Profile(_Strict):
     """A whole lab."""
 
@@ -105,6 +116,8 @@ class Profile(_Strict):
     description: str = ""
     numa_nodes: Annotated[int, Field(ge=1, le=8)] = 1
     cpus_per_numa_node: Annotated[int, Field(ge=1, le=1024)] = 16
+    memory_per_numa_node_gib: Annotated[int, Field(ge=1, le=65536, alias="memoryPerNumaNodeGiB")] = 64
+    hugepages_per_numa_node: HugePages = Field(default_factory=HugePages)
     gpus: list[GpuGroup] = []
     fpgas: list[FpgaGroup] = []
     nics: list[NicGroup] = []
@@ -140,6 +153,15 @@ def _cross_checks(profile: Profile) -> list[tuple[str, str]]:
             if group.numa_nodes == []:
                 problems.append((f"{section}[{i}].numaNodes", "expected at least one NUMA node"))
     problems += _model_checks(profile)
+    reserved = sum(size * pages for size, pages in profile.hugepages_per_numa_node.sizes().items())
+    if reserved > profile.memory_per_numa_node_gib * 2**20:
+        problems.append(
+            (
+                "hugepagesPerNumaNode",
+                f"{reserved // 2**20} GiB of huge pages do not fit in memoryPerNumaNodeGiB "
+                f"({profile.memory_per_numa_node_gib})",
+            )
+        )
     problems += _node_checks(profile)
     total = sum(g.count for _, items in groups for g in items) + len(profile.device_nodes)
     if total == 0:
@@ -190,6 +212,20 @@ def _node_checks(profile: Profile) -> list[tuple[str, str]]:
             )
         if number == (majors.MISC, majors.VFIO_CONTAINER_MINOR):
             problems.append((where, "10:196 is /dev/vfio/vfio, which the lab writes itself"))
+        nic_nodes = {
+            "net/tun": majors.TUN_MINOR,
+            "vhost-net": majors.VHOST_NET_MINOR,
+            "": majors.RDMA_CM_MINOR,
+        }
+        if profile.nics and (
+            node.path in nic_nodes or number in {(majors.MISC, m) for m in nic_nodes.values()}
+        ):
+            problems.append(
+                (
+                    where,
+                    "/dev/net/tun, /dev/vhost-net and rdma_cm (misc 200, 238, 58) come with the NICs",
+                )
+            )
     return problems
 
 

@@ -27,6 +27,8 @@ class File:
 
     content: bytes
     mode: int = 0o444
+    size: int = 0
+    """When larger than ``content``: the file's length, as a sparse hole (a BAR's ``resourceN``)."""
 
 
 @dataclass(frozen=True, slots=True)

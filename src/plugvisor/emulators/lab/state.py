@@ -135,6 +135,8 @@ class DeviceState(_Model):
     vf_group_base: int | None = None
     parent: str | None = None
     vf_index: int | None = None
+    rdma_index: int | None = None
+    """``N`` of the function's RDMA device (``mlx5_N``) and of its ``uverbsN`` node; None without RDMA."""
 
     @property
     def primary(self) -> FunctionState:
@@ -166,6 +168,11 @@ class LabState(_Model):
             raise errors.UsageError(
                 f"no device {name!r} in this lab; expected one of: {', '.join(known)} (or a VF, e.g. nic0vf0)"
             ) from None
+
+    @property
+    def nr_cpus(self) -> int:
+        """CPUs of the whole node (the width of every CPU mask)."""
+        return self.profile.cpus_per_numa_node * len(self.numa_nodes)
 
     def cpulist(self, numa_node: int) -> str:
         """Return the CPUs of a NUMA node."""

@@ -41,7 +41,8 @@ TOP_LEVEL = ("sys", "dev", "proc")
 _SYSFS_HINTS = frozenset({"firmware", "power", "fs", "hypervisor", "block"})
 _DEVFS_HINTS = frozenset({"pts", "shm", "mqueue", "hugepages", "stdin", "stdout", "stderr", "fd"})
 """Directories (or the ``/proc/self/fd`` links) a devfs has and a lab never writes."""
-_PROCFS_HINTS = frozenset({"self", "cpuinfo", "meminfo", "uptime", "mounts"})
+_PROCFS_HINTS = frozenset({"self", "cpuinfo", "uptime", "mounts"})
+"""(Not ``meminfo``: the lab writes one, for readers of NUMA memory.)"""
 _KERNEL_FILESYSTEMS = {"sysfs": "/sys", "devtmpfs": "/dev", "proc": "/proc", "devpts": "/dev"}
 """File system types only a kernel fills; a root on one of them is the real thing, bind-mounted or not."""
 _REAL_TREES = ("/sys", "/dev", "/proc")
@@ -283,6 +284,8 @@ class FakeTree:
             fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL, entry.mode)
             try:
                 os.write(fd, entry.content)
+                if entry.size > len(entry.content):
+                    os.ftruncate(fd, entry.size)
             finally:
                 os.close(fd)
         elif isinstance(entry, Link):
@@ -332,6 +335,8 @@ class FakeTree:
                     fd = os.open(name, flags, entry.mode, dir_fd=dir_fd)
                     try:
                         os.write(fd, entry.content)
+                        if entry.size > len(entry.content):
+                            os.ftruncate(fd, entry.size)
                     finally:
                         os.close(fd)
                 elif isinstance(entry, Link):
