@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import os
 import signal
 import sys
 
@@ -205,3 +206,65 @@ async def test_bad_options_exit_2_naming_the_field(make_lab, base):
     _, stderr = await asyncio.wait_for(proc.communicate(), 20)
     assert proc.returncode == 2
     assert "match.pfNames[0]" in stderr.decode()
+
+
+RDMA = "nvidia.com/rdma_vf"
+RDMA_ENV = "PCIDEVICE_NVIDIA_COM_RDMA_VF"
+
+
+class TestRdma:
+    @pytest.mark.parametrize(("is_rdma", "pf"), [(True, "nic1"), (False, "nic0")])
+    async def test_is_rdma_selects_the_vfs_with_an_rdma_device(self, make_lab, kubelet, running, is_rdma, pf):
+        """isRdma: true keeps the ConnectX-like VFs (each has an mlx5 device), false the E810-like ones."""
+        node = make_lab("dgx-like")
+        async with running(kubelet, node, KIND, {"match": {"isRdma": is_rdma}}, RDMA):
+            await kubelet.wait_for(lambda k: listed(k, RDMA) == sorted(vfs(node, pf)))
+
+    async def test_a_pod_gets_the_vf_its_uverbs_node_and_rdma_cm(self, make_lab, kubelet, running):
+        """The container gets the VF's verbs node and rdma_cm, the SR-IOV plugin's RDMA info, NCCL/UCX env."""
+        node = make_lab("dgx-like")
+        async with running(kubelet, node, KIND, {"match": {"isRdma": True}}, RDMA):
+            await kubelet.wait_for(lambda k: allocatable(k, RDMA) == 8)
+            status = await kubelet.add_pod(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "metadata": {"name": "trainer"},
+                    "spec": {
+                        "containers": [{"name": "app", "image": "x", "resources": {"limits": {RDMA: 1}}}]
+                    },
+                }
+            )
+        assert status.phase == "Running"
+        (app,) = status.containers
+        (bdf,) = app.devices[RDMA]
+        record = vfs(node)[bdf]
+        uverbs = [n for n in record.device_nodes if "/uverbs" in n.path]
+        assert len(uverbs) == 1
+        runtime = app.runtime
+        assert runtime is not None
+        assert sorted(d.container_path for d in runtime.devices) == sorted(
+            [uverbs[0].path, "/dev/infiniband/rdma_cm"]
+        )
+        assert all(d.host_path.startswith(str(node.root)) for d in runtime.devices)
+        envs = dict(runtime.envs)
+        assert envs[RDMA_ENV] == bdf
+        ibdev = os.listdir(f"{node.root}/sys/bus/pci/devices/{bdf}/infiniband")[0]
+        rdma = json.loads(envs[f"{RDMA_ENV}_INFO"])[bdf]["rdma"]
+        assert rdma == {"rdma_dev": ibdev, "uverbs": uverbs[0].path, "rdma_cm": "/dev/infiniband/rdma_cm"}
+        assert envs["NCCL_IB_HCA"] == f"={ibdev}"
+        assert envs["UCX_NET_DEVICES"] == f"{ibdev}:1"
+
+    async def test_rdma_port_down_makes_the_vf_unhealthy_and_heal_restores_it(
+        self, make_lab, kubelet, running, health_of
+    ):
+        """An RDMA port fault on one VF takes that VF (only) out of allocatable; heal brings it back."""
+        node = make_lab("dgx-like")
+        victim = node.device("nic1vf3").bdf
+        async with running(kubelet, node, KIND, {"match": {"isRdma": True}}, RDMA):
+            await kubelet.wait_for(lambda k: allocatable(k, RDMA) == 8)
+            node.fault("nic1vf3", "rdma-port-down")
+            await kubelet.wait_for(lambda k: allocatable(k, RDMA) == 7)
+            assert {b for b, h in health_of(kubelet, RDMA).items() if h == "Unhealthy"} == {victim}
+            node.heal("nic1vf3")
+            await kubelet.wait_for(lambda k: allocatable(k, RDMA) == 8)

@@ -41,6 +41,9 @@ class NicMatch(_Model):
     pf_names: list[PfName] | None = pydantic.Field(default=None, alias="pfNames")
     root_devices: list[PciAddress] | None = pydantic.Field(default=None, alias="rootDevices")
     pci_addresses: list[PciAddress] | None = pydantic.Field(default=None, alias="pciAddresses")
+    is_rdma: bool | None = pydantic.Field(default=None, alias="isRdma")
+    """``true``: only VFs with an RDMA device, handed out with their uverbs node and ``rdma_cm``;
+    ``false``: only VFs without one (the SR-IOV network device plugin's ``isRdma`` selector)."""
 
     def pf_ranges(self) -> dict[str, frozenset[int] | None] | None:
         """PF name -> allowed VF indexes (``None``: all), or ``None`` when not selecting by PF name."""

@@ -46,6 +46,21 @@ def env_name(resource: str) -> str:
     return "PCIDEVICE_" + _ENV_UNSAFE.sub("_", resource.upper())
 
 
+RDMA_CM: Final = "infiniband/rdma_cm"
+_ACTIVE: Final = "4: ACTIVE"
+
+
+@dataclass(frozen=True, slots=True)
+class RdmaDevice:
+    """A VF's RDMA device as the kernel's RDMA core shows it under the PCI function."""
+
+    name: str
+    """``mlx5_3``: what ``NCCL_IB_HCA`` and ``UCX_NET_DEVICES`` name."""
+    uverbs: str | None
+    """``uverbs3``: the verbs node in ``/dev/infiniband`` whose ``ibdev`` is ``name``."""
+    ports: tuple[Path, ...]
+
+
 @dataclass(frozen=True, slots=True)
 class PhysicalFunction:
     """A PF as its VFs need it: address, interface, link state and its own health problems."""
@@ -64,6 +79,8 @@ class ScannedVf:
     path: Path
     pf: PhysicalFunction
     problems: tuple[str, ...]
+    rdma: str | None = None
+    """The VF's RDMA device name (``mlx5_3``) when it has one: what the post-allocate hook reports."""
 
 
 class NicSource:
@@ -81,6 +98,7 @@ class NicSource:
         self._pf_ranges = match.pf_ranges()
         self._roots = None if match.root_devices is None else frozenset(match.root_devices)
         self._addresses = None if match.pci_addresses is None else frozenset(match.pci_addresses)
+        self._is_rdma = match.is_rdma
         self._aer = [k.value for k in options.aer_unhealthy]
         self._log = structlog.get_logger("plugvisor.plugins.nic").bind(resource=resource)
         self._problems = sysfs.ProblemLog(self._log)
@@ -172,6 +190,9 @@ class NicSource:
             return None
         if self._drivers is not None and vf.driver not in self._drivers:
             return None
+        rdma = self._rdma_device(vf.path) if self._is_rdma is not None else None
+        if self._is_rdma is not None and (rdma is not None) != self._is_rdma:
+            return None
         watch.add(vf.path)
         problems = list(pf.problems)
         problems += sysfs.aer_problems(vf.path, self._aer)
@@ -188,15 +209,13 @@ class NicSource:
                 control = self.paths.devfs / "vfio/vfio"
                 specs = [self._spec(control), self._spec(node)]
                 problems += self._node_problems(control, node)
+        if rdma is not None:
+            specs, rdma_problems = self._rdma_specs(rdma, specs, watch)
+            problems += rdma_problems
         if self.options.vf_link_health:
-            names = sysfs.list_dir(vf.path / "net")
-            if isinstance(names, list) and names:
-                watch.add(vf.path / "net" / names[0])
-                link = sysfs.netdev_link_problem(vf.path / "net" / names[0], f"VF {names[0]}")
-                if link is not None:
-                    problems.append(link)
+            problems += self._vf_link(vf.path, watch)
         self._problems.report(bdf, "; ".join(problems) or None)
-        found[bdf] = ScannedVf(vf.path, pf, tuple(problems))
+        found[bdf] = ScannedVf(vf.path, pf, tuple(problems), None if rdma is None else rdma.name)
         numa = None if self.options.exclude_topology else vf.numa_node
         return Device(
             bdf,
@@ -205,6 +224,59 @@ class NicSource:
             specs=specs,
             envs={self.env: bdf},
         )
+
+    def _vf_link(self, path: Path, watch: set[Path]) -> list[str]:
+        """The VF's own link, when ``vfLinkHealth`` asks for it."""
+        names = sysfs.list_dir(path / "net")
+        if not isinstance(names, list) or not names:
+            return []
+        watch.add(path / "net" / names[0])
+        link = sysfs.netdev_link_problem(path / "net" / names[0], f"VF {names[0]}")
+        return [] if link is None else [link]
+
+    def _rdma_device(self, fn: Path) -> RdmaDevice | None:
+        """The function's IB device (a directory under ``<fn>/infiniband``), its verbs node and ports."""
+        names = sysfs.list_dir(fn / "infiniband")
+        if not isinstance(names, list) or not names:
+            return None
+        name = sorted(names)[0]
+        uverbs = None
+        verbs = sysfs.list_dir(fn / "infiniband_verbs")
+        for entry in sorted(verbs) if isinstance(verbs, list) else ():
+            if (
+                entry.startswith("uverbs")
+                and sysfs.read_text(fn / "infiniband_verbs" / entry / "ibdev") == name
+            ):
+                uverbs = entry
+                break
+        ports = sysfs.list_dir(fn / "infiniband" / name / "ports")
+        port_dirs = (
+            tuple(fn / "infiniband" / name / "ports" / p for p in sorted(ports))
+            if isinstance(ports, list)
+            else ()
+        )
+        return RdmaDevice(name, uverbs, port_dirs)
+
+    def _rdma_specs(
+        self, rdma: RdmaDevice, specs: list[DeviceSpec], watch: set[Path]
+    ) -> tuple[list[DeviceSpec], list[str]]:
+        """Add the verbs node and ``rdma_cm`` to a VF's specs; a down port or missing node is a problem."""
+        problems: list[str] = []
+        control = self.paths.devfs / RDMA_CM
+        if rdma.uverbs is None:
+            problems.append(f"RDMA device {rdma.name} has no uverbs device")
+            nodes = [control]
+        else:
+            nodes = [self.paths.devfs / "infiniband" / rdma.uverbs, control]
+        problems += self._node_problems(*nodes)
+        if not rdma.ports:
+            problems.append(f"RDMA device {rdma.name} has no ports")
+        for port in rdma.ports:
+            watch.add(port)
+            state = sysfs.read_text(port / "state")
+            if state != _ACTIVE:
+                problems.append(f"RDMA {rdma.name} port {port.name} is {state}, not ACTIVE")
+        return [*specs, *(self._spec(n) for n in nodes)], problems
 
     def _node_problems(self, *nodes: Path) -> list[str]:
         found = ((node, sysfs.node_problem(node)) for node in nodes)
@@ -267,13 +339,32 @@ class NicSource:
     def post_allocate(self, allocation: ContainerAllocation, snapshot: Snapshot[Any]) -> ContainerAllocation:
         """Add ``<ENV>_INFO``: the network device-info JSON the SR-IOV plugin hands to CNI plugins."""
         info: dict[str, dict[str, Any]] = {}
+        scanned = snapshot.data if isinstance(snapshot.data, Mapping) else {}
+        rdma_names = {
+            bdf: vf.rdma for bdf, vf in scanned.items() if isinstance(vf, ScannedVf) and vf.rdma is not None
+        }
+        hcas: list[str] = []
         for bdf, device in snapshot.devices.items():
             entry: dict[str, Any] = {"generic": {"deviceID": bdf}}
-            vfio = [s.container_path for s in device.specs if s.container_path != "/dev/vfio/vfio"]
+            paths = [s.container_path for s in device.specs]
+            vfio = [p for p in paths if p.startswith("/dev/vfio/") and p != "/dev/vfio/vfio"]
             if vfio:
                 entry["vfio"] = {"dev-mount": vfio[0], "mount": "/dev/vfio/vfio"}
+            if bdf in rdma_names:
+                # The SR-IOV plugin's RDMA info: the nodes by kind, and the device's name.
+                entry["rdma"] = {"rdma_dev": rdma_names[bdf]}
+                for path in paths:
+                    key = "rdma_cm" if path.endswith("/rdma_cm") else "uverbs" if "/uverbs" in path else None
+                    if key:
+                        entry["rdma"][key] = path
+                hcas.append(rdma_names[bdf])
             info[bdf] = entry
         envs = dict(allocation.envs)
+        if hcas:
+            # What RDMA workloads read to pick their HCAs: NCCL (``=`` for exact names, so mlx5_1 never
+            # matches mlx5_10) and UCX (device:port).
+            envs["NCCL_IB_HCA"] = "=" + ",".join(sorted(hcas))
+            envs["UCX_NET_DEVICES"] = ",".join(f"{h}:1" for h in sorted(hcas))
         envs[f"{self.env}_INFO"] = json.dumps(info, sort_keys=True, separators=(",", ":"))
         return ContainerAllocation(
             specs=allocation.specs,
