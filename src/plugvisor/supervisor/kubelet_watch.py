@@ -47,23 +47,26 @@ class KubeletWatch:
         self._task = asyncio.get_running_loop().create_task(self._watch.run(), name="kubelet-watch")
 
     def _on_event(self, event: DirEvent) -> None:
+        if event.change is DirChange.FILE_REMOVED:
+            if is_plugvisor_socket(event.name):
+                self._on_socket_deleted(event.name)
+            return
+        if event.change not in (DirChange.KUBELET_SOCKET_CREATED, DirChange.EVENTS_LOST):
+            return
         socket = self._watch.kubelet_socket
         try:
-            inode: int | None = socket.stat().st_ino
-            changed: float | None = socket.stat().st_ctime
+            st = socket.stat()
         except OSError:
-            inode = changed = None
-        if event.change is DirChange.KUBELET_SOCKET_CREATED:
-            self._kubelet_inode = inode
-            self._log.info("kubelet_started", socket=str(socket))
-            self._on_kubelet_started(changed)
-        elif event.change is DirChange.EVENTS_LOST and inode is not None and inode != self._kubelet_inode:
-            # Events were dropped and kubelet.sock is not the one we knew: a start we did not see.
-            self._kubelet_inode = inode
-            self._log.info("kubelet_started", socket=str(socket), seen="after lost events")
-            self._on_kubelet_started(changed)
-        elif event.change is DirChange.FILE_REMOVED and is_plugvisor_socket(event.name):
-            self._on_socket_deleted(event.name)
+            inode: int | None = None
+            changed: float | None = None
+        else:
+            inode, changed = st.st_ino, st.st_ctime
+        if event.change is DirChange.EVENTS_LOST and (inode is None or inode == self._kubelet_inode):
+            return  # events were dropped, but kubelet.sock is the one we knew: no start to report
+        self._kubelet_inode = inode
+        seen = "after lost events" if event.change is DirChange.EVENTS_LOST else "created"
+        self._log.info("kubelet_started", socket=str(socket), seen=seen)
+        self._on_kubelet_started(changed)
 
     async def close(self) -> None:
         """Stop watching."""
