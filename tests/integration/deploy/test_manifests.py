@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from plugvisor.common.hostpaths import HostPaths
+from plugvisor.deviceplugin.release import default_pod_resources_socket
 from plugvisor.emulators.lab import Lab
 from plugvisor.plugins import kinds
 from plugvisor.supervisor.config import NodeConfig, parse_config
@@ -23,6 +24,7 @@ from plugvisor.supervisor.config import NodeConfig, parse_config
 from .conftest import KUBERNETES_VERSION, OVERLAYS, REPO, kind_config, objects, render
 
 KUBELET_DEVICE_PLUGINS = "/var/lib/kubelet/device-plugins"
+KUBELET_POD_RESOURCES = "/var/lib/kubelet/pod-resources"
 _GLOB = re.compile(r"[*?\[]")
 
 
@@ -175,6 +177,26 @@ def test_kubelet_dir_config_runtime_dir_and_probes_agree(overlay: str, name: str
     assert port["containerPort"] == config.metrics.port
     assert agent["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     assert agent["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+
+
+@pytest.mark.parametrize(("overlay", "name"), _agent_ids())
+def test_the_pod_resources_socket_the_agent_dials_is_the_kubelets_mounted_read_only(
+    overlay: str, name: str
+) -> None:
+    """Monitoring (on unless turned off) labels devices with their owners from PodResources; the socket it
+    dials, explicit or the default beside kubeletDir, lies in a read-only mount of the node's directory."""
+    ds = _daemonset(overlay, name)
+    config, _ = _node_config(overlay, ds)
+    if not config.monitoring.enabled:
+        pytest.skip(f"{name}: monitoring is off, nothing dials PodResources")
+    socket = config.monitoring.pod_resources_socket or default_pod_resources_socket(config.kubelet_dir)
+    agent, volumes = _container(ds), _volumes(ds)
+    mounts = {m["mountPath"]: m for m in agent["volumeMounts"]}
+    directory = posixpath.dirname(str(socket))
+    assert directory in mounts, f"{name}: {socket} is dialled but {directory} is not mounted"
+    mount = mounts[directory]
+    assert volumes[mount["name"]]["hostPath"]["path"] == KUBELET_POD_RESOURCES
+    assert mount.get("readOnly") is True, f"{name}: {directory} needs no write access"
 
 
 @pytest.mark.parametrize(("overlay", "name"), _agent_ids())
