@@ -15,6 +15,8 @@ import hashlib
 import os
 import re
 import secrets
+import socket
+import stat
 from pathlib import Path
 from typing import Final
 
@@ -56,3 +58,48 @@ def socket_path_problem(path: Path) -> str | None:
     if length > MAX_UNIX_SOCKET_PATH:
         return f"socket path {str(path)!r} is {length} bytes; unix sockets allow {MAX_UNIX_SOCKET_PATH}"
     return None
+
+
+def socket_answers(path: Path, timeout: float = 0.5) -> bool:
+    """Whether a process holds the unix socket at ``path``.
+
+    A connection refused or a missing file means nobody does; a timeout or a
+    full backlog means a process holds it and is slow to accept, which is not
+    dead (removing or replacing such a socket would cut a live plugin off).
+    """
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    probe.settimeout(timeout)
+    try:
+        probe.connect(os.fsencode(path))
+    except (ConnectionRefusedError, FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError:
+        return True
+    finally:
+        probe.close()
+    return True
+
+
+def live_instances(directory: Path, resource: str) -> list[Path]:
+    """The sockets of ``resource`` in ``directory`` that a process serves, oldest name first.
+
+    An unreadable or missing directory has none: this is a guard against a
+    second plugin for one resource, not a check that the directory works.
+    """
+    prefix = socket_prefix(resource) + "-"
+    try:
+        paths = sorted(directory.iterdir())
+    except OSError:
+        return []
+    live = []
+    for path in paths:
+        if not (path.name.startswith(prefix) and path.name.endswith(SOCKET_SUFFIX)):
+            continue
+        try:
+            if not stat.S_ISSOCK(path.lstat().st_mode):
+                continue
+        except OSError:
+            continue
+        if socket_answers(path):
+            live.append(path)
+    return live

@@ -28,6 +28,7 @@ from plugvisor.common import constants, monitoring
 from plugvisor.common.exitcodes import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
 from plugvisor.common.hostpaths import HostPaths, host_root_problem, kubelet_dir_problem
 from plugvisor.common.logs import configure_logging, log_options, quiet_grpc_core
+from plugvisor.common.sockets import live_instances
 from plugvisor.common.validation import describe
 from plugvisor.common.yamlfile import YamlFileError, read_yaml
 from plugvisor.plugins.kinds import UnknownKindError, get_kind
@@ -139,6 +140,12 @@ def _finite(param: click.Parameter, value: float) -> float:
     help="The kubelet's plugins_registry directory [default: beside --kubelet-dir].",
 )
 @click.option(
+    "--replace",
+    is_flag=True,
+    help="Take the resource over from another plugvisor plugin already serving it on this node (the agent's "
+    "children do); without it, such a plugin makes this one exit 2 naming its socket.",
+)
+@click.option(
     "--rescan-interval",
     type=click.FloatRange(min=0.05, max=86400),
     callback=lambda _ctx, param, value: _finite(param, value),
@@ -196,6 +203,7 @@ def plugin_command(
     on_kubelet_restart: str,
     registration: str,
     plugins_registry: Path | None,
+    replace: bool,
     rescan_interval: float,
     metrics_listen: str | None,
     monitor_dir: Path | None,
@@ -264,6 +272,7 @@ def plugin_command(
     except ConfigurationError as exc:
         click.echo(f"plugvisor plugin {kind}: {exc}", err=True)
         sys.exit(EXIT_USAGE)
+    _check_not_served(kind, resource_name, (host.kubelet_dir, config.registry_dir), replace=replace)
     on_ready = None
     if metrics_listen:
         _serve_metrics(metrics_listen)
@@ -299,6 +308,37 @@ def _check_host(kind: str, host: HostPaths, resource: str) -> None:
             path=str(host.sysfs / "bus/pci/devices"),
             meaning="no PCI device can be found under this host root; check --host-root",
         )
+
+
+def _check_not_served(kind: str, resource: str, directories: Sequence[Path], *, replace: bool) -> None:
+    """Exit 2 when another live plugvisor plugin serves ``resource`` here, unless told to replace it.
+
+    A second registration for a resource makes the kubelet follow the newer
+    plugin; kubelets before kubernetes#135437 then mark every device of the
+    resource unhealthy when either plugin stops, and none of them tells the
+    older plugin, which keeps running as if registered. A plugin started by hand
+    beside the agent (or twice) is an operator's slip that would silently take
+    a resource off the node later, so it is refused up front, naming the socket.
+    """
+    live = [path for directory in dict.fromkeys(directories) for path in live_instances(directory, resource)]
+    if not live:
+        return
+    if replace:
+        structlog.get_logger("plugvisor.plugin").warning(
+            "replacing_live_plugin",
+            resource=resource,
+            sockets=[str(path) for path in live],
+            meaning="the kubelet will follow this plugin; the other keeps running until stopped",
+        )
+        return
+    click.echo(
+        f"plugvisor plugin {kind}: {resource} is already served on this node by the plugin on "
+        f"{', '.join(str(path) for path in live)}; a second plugin for one resource makes the kubelet drop "
+        "the first, and an older kubelet marks every device unhealthy once either stops. Stop the other "
+        "(`plugvisor status` shows the agent's), or pass --replace to take the resource over.",
+        err=True,
+    )
+    sys.exit(EXIT_USAGE)
 
 
 def _serve_metrics(listen: str) -> None:

@@ -373,6 +373,9 @@ def child_specs(
             policy,
             "--registration",
             resource.registration,
+            # The agent owns its resources: a plugin started by hand for one of them is taken over
+            # (with a warning), where a plugin started by hand refuses to take over the agent's.
+            "--replace",
             "--log-format",
             log_format,
             "--log-level",

@@ -24,7 +24,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import stat
 import time
 from collections.abc import Callable, Mapping
@@ -36,7 +35,7 @@ import structlog
 from plugvisor.common import monitoring
 from plugvisor.common.constants import KUBELET_SOCKET_NAME
 from plugvisor.common.notify import STATUS_SOCKET_ENV
-from plugvisor.common.sockets import SOCKET_PREFIX, SOCKET_SUFFIX, socket_prefix
+from plugvisor.common.sockets import SOCKET_PREFIX, SOCKET_SUFFIX, socket_answers, socket_prefix
 from plugvisor.supervisor import signals, states
 from plugvisor.supervisor import status as status_
 from plugvisor.supervisor.backoff import BackoffPolicy
@@ -352,25 +351,10 @@ class Supervisor:
         }
 
 
-def _socket_is_live(path: Path) -> bool:
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    probe.settimeout(0.5)
-    try:
-        probe.connect(str(path))
-    except (ConnectionRefusedError, FileNotFoundError):
-        return False
-    except OSError:
-        # A timeout or a full backlog: a process holds it and is slow to accept; not dead.
-        return True
-    finally:
-        probe.close()
-    return True
-
-
 def remove_dead_socket(path: Path) -> bool:
     """Delete the unix socket at ``path`` unless a live process serves it; returns whether it did."""
     try:
-        if not stat.S_ISSOCK(path.lstat().st_mode) or _socket_is_live(path):
+        if not stat.S_ISSOCK(path.lstat().st_mode) or socket_answers(path):
             return False
         path.unlink()
     except OSError:

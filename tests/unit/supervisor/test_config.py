@@ -41,6 +41,11 @@ class TestParseConfig:
         assert args[args.index("--kubelet-dir") + 1] == "/tmp/pv-dp"
         assert specs["example.com/fuse"].argv()[:3] == [sys.executable, "-m", "plugvisor"]
 
+    def test_the_agents_children_take_their_resources_over_from_plugins_started_by_hand(self):
+        """A standalone plugin refuses a resource someone serves; the agent's children are its owners."""
+        specs = config_.child_specs(config_.parse_config(yaml.safe_load(GOOD), source="node.yaml"))
+        assert all("--replace" in spec.args for spec in specs.values())
+
     def test_each_resource_chooses_its_registration_mode(self):
         """``registration`` is the framework's, not the kind's: it goes to --registration, not the options."""
         document = GOOD.replace("    count: 10\n", "    count: 10\n    registration: plugin-watcher\n")
