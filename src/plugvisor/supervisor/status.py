@@ -22,6 +22,7 @@ from typing import Any, Final
 from plugvisor.common import monitoring
 
 STATE_FILE: Final = "state.json"
+STALE_STATE_FILE: Final = "state.stale.json"
 PID_FILE: Final = "supervisor.pid"
 REPORT_SOCKET: Final = "status.sock"
 METRICS_DIR: Final = "prometheus"
@@ -79,7 +80,13 @@ def _shape_problem(document: Any) -> str | None:  # noqa: PLR0911 - one return p
 
 
 def write_state(runtime_dir: Path, document: dict[str, Any]) -> None:
-    """Replace the state file atomically (readers never see half a file)."""
+    """Replace the state file atomically (readers never see half a file).
+
+    When the new state cannot be written (a full disk), the last one is renamed
+    to :data:`STALE_STATE_FILE` (a rename needs no space), so that readers show
+    it as what it is, the state as of its modification time, rather than as the
+    present; the next write that succeeds removes it.
+    """
     target = runtime_dir / STATE_FILE
     temporary = runtime_dir / f".{STATE_FILE}.{os.getpid()}"
     try:
@@ -90,13 +97,18 @@ def write_state(runtime_dir: Path, document: dict[str, Any]) -> None:
         # A half-written temporary file (a full disk) must not linger and hold the space.
         with contextlib.suppress(OSError):
             temporary.unlink()
+        with contextlib.suppress(OSError):
+            target.replace(runtime_dir / STALE_STATE_FILE)
         raise
+    with contextlib.suppress(FileNotFoundError):
+        (runtime_dir / STALE_STATE_FILE).unlink()
 
 
 def remove_state(runtime_dir: Path) -> None:
     """Remove the state file (the supervisor stopped)."""
-    with contextlib.suppress(FileNotFoundError):
-        (runtime_dir / STATE_FILE).unlink()
+    for name in (STATE_FILE, STALE_STATE_FILE):
+        with contextlib.suppress(FileNotFoundError):
+            (runtime_dir / name).unlink()
 
 
 def agent_holds_lock(runtime_dir: Path, pid: int) -> bool:
@@ -125,11 +137,19 @@ def agent_holds_lock(runtime_dir: Path, pid: int) -> bool:
 
 
 def read_state(runtime_dir: Path, *, now: float | None = None) -> dict[str, Any]:
-    """The running agent's state, with uptimes as of ``now``; raises :class:`NoAgentError`."""
+    """The running agent's state, with uptimes as of ``now``; raises :class:`NoAgentError`.
+
+    A state the agent could not replace (see :func:`write_state`) comes with
+    ``stale: {"written_at": <its modification time>}``; a fresh one with ``stale: null``.
+    """
     path = runtime_dir / STATE_FILE
+    stale_path = runtime_dir / STALE_STATE_FILE
+    if not path.exists() and stale_path.exists():
+        path = stale_path
     if path.exists() and not path.is_file():  # a FIFO would block the reader forever
         raise BadStateError(f"{path} is not a plugvisor agent state file: not a regular file")
     try:
+        written_at = path.stat().st_mtime
         document: dict[str, Any] = json.loads(path.read_text())
     except FileNotFoundError:
         raise NoAgentError(
@@ -145,6 +165,7 @@ def read_state(runtime_dir: Path, *, now: float | None = None) -> dict[str, Any]
     pid = document.get("supervisor", {}).get("pid")
     if not isinstance(pid, int) or not agent_holds_lock(runtime_dir, pid):
         raise NoAgentError(f"{path} is stale: no agent with PID {pid} holds {runtime_dir / PID_FILE}")
+    document["stale"] = {"written_at": written_at} if path == stale_path else None
     now = time.time() if now is None else now
     supervisor = document["supervisor"]
     if isinstance(supervisor.get("started_at"), int | float):
@@ -237,6 +258,14 @@ def render(document: dict[str, Any]) -> str:
         f"{registered}/{len(children)} resources registered, "
         f"{supervisor.get('kubelet_restarts', 0)} kubelet restarts seen, config {supervisor.get('config')}"
     ]
+    stale = document.get("stale")
+    if stale is not None:
+        written = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stale["written_at"]))
+        lines.insert(
+            0,
+            f"STALE: the agent could not write its state since {written} (no space left? its log says "
+            "state_write_failed); below is the state as of then",
+        )
     header = ("RESOURCE", "STATE", "PID", "UPTIME", "RESTARTS", "LAST EXIT", "DEVICES")
     rows = [header]
     for child in children:

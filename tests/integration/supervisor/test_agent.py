@@ -363,6 +363,9 @@ async def test_a_full_runtime_directory_does_not_stop_the_supervising(
         assert asyncio.get_running_loop().time() < deadline, agent.log()[-3000:]
         await asyncio.sleep(0.05)
     assert "metrics_kept_local" in agent.log()
+    status = run_status(node)
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert status.stdout.startswith("STALE: the agent could not write its state since"), status.stdout
     (full_disk_runtime_dir / "filler").unlink()
     await agent.wait_state(
         lambda c: (
@@ -372,7 +375,20 @@ async def test_a_full_runtime_directory_does_not_stop_the_supervising(
         )
     )
     assert "state_write_recovered" in agent.log()
+    status = run_status(node)
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert "STALE" not in status.stdout
+    assert not (node.runtime_dir / "state.stale.json").exists()
     assert await agent.stop() == 0
+
+
+def run_status(node) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "plugvisor", "status", "--runtime-dir", str(node.runtime_dir)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
 
 
 async def test_an_agent_started_on_a_full_runtime_directory_still_registers_everything(

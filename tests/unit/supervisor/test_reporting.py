@@ -1,5 +1,6 @@
 """What operators and scripts read: the state file, `plugvisor status`, metrics text, systemd datagrams."""
 
+import errno
 import json
 import os
 import socket
@@ -71,6 +72,35 @@ class TestStatusCommand:
         assert [c["resource"] for c in parsed["children"]] == ["example.com/gpu", "example.com/nic"]
         assert parsed["children"][0]["devices"] == {"healthy": 3, "total": 4}
         assert parsed["children"][0]["uptime"] >= 0
+
+    def test_a_state_the_agent_could_not_replace_is_shown_as_stale_until_a_write_works(
+        self, running, tmp_path, agent_lock, monkeypatch
+    ):
+        """A full disk keeps the last state: status says it is old and since when, and the JSON too."""
+        document = running.snapshot()
+        document["supervisor"]["pid"] = os.getpid()
+        status_.write_state(tmp_path, document)
+        os.utime(tmp_path / status_.STATE_FILE, (1_700_000_000, 1_700_000_000))
+        real_write_text = type(tmp_path).write_text
+
+        def no_space(path, *args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+        monkeypatch.setattr(type(tmp_path), "write_text", no_space)
+        with pytest.raises(OSError, match="No space"):
+            status_.write_state(tmp_path, document)
+        result = CliRunner().invoke(status_command, ["--runtime-dir", str(tmp_path)])
+        assert result.exit_code == 0, result.output
+        assert result.output.startswith("STALE: the agent could not write its state since 2023-11-")
+        parsed = json.loads(
+            CliRunner().invoke(status_command, ["--runtime-dir", str(tmp_path), "--json"]).output
+        )
+        assert parsed["stale"] == {"written_at": 1_700_000_000}
+        monkeypatch.setattr(type(tmp_path), "write_text", real_write_text)
+        status_.write_state(tmp_path, document)
+        result = CliRunner().invoke(status_command, ["--runtime-dir", str(tmp_path)])
+        assert "STALE" not in result.output
+        assert sorted(p.name for p in tmp_path.iterdir() if "state" in p.name) == [status_.STATE_FILE]
 
     def test_no_agent_and_a_stale_file_are_errors(self, running, tmp_path):
         """Without a live supervisor, status says so and exits 1."""
