@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+from bisect import bisect_left
+from collections.abc import Callable
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from prometheus_client import Counter, Gauge, Histogram, values
 
@@ -48,6 +50,46 @@ PLUGIN_REGISTRATIONS: Final = Counter(
     "Successful Register calls made by this plugin process (1 + one per kubelet restart).",
     ["resource"],
 )
+
+
+def observer(child: Histogram) -> Callable[[float], None]:
+    """``child.observe`` for the per-call path, with prometheus-client's per-call checks done once here.
+
+    ``Histogram.observe`` checks that the metric is a labelled child and walks the
+    buckets in a Python loop on every call; for a child (this function's argument)
+    the check always passes, and the bucket is one binary search away. The values
+    written are the very value objects ``observe`` writes (the sum, then one
+    bucket), so multiprocess mode and its fork handling work unchanged;
+    tests/unit/deviceplugin/test_metrics.py holds both paths to the same
+    exposition. Should a prometheus-client release lay its children out
+    differently, this falls back to ``child.observe``.
+    """
+    parts: Any = child
+    try:
+        bounds = tuple(float(b) for b in parts._upper_bounds)
+        add_sum = parts._sum.inc
+        add_bucket = [bucket.inc for bucket in parts._buckets]
+    except (AttributeError, TypeError):
+        return child.observe
+    if len(add_bucket) != len(bounds) or bounds[-1] != float("inf"):
+        return child.observe
+
+    def observe(amount: float) -> None:
+        add_sum(amount)
+        add_bucket[bisect_left(bounds, amount)](1)
+
+    return observe
+
+
+def incrementer(child: Counter) -> Callable[[float], None]:
+    """``child.inc`` for the per-call path, for amounts known to be non-negative (checked by the caller).
+
+    Like :func:`observer`: the same value object is written, without the
+    per-call checks; falls back to ``child.inc``.
+    """
+    parts: Any = child
+    inc = getattr(getattr(parts, "_value", None), "inc", None)
+    return inc if callable(inc) else child.inc
 
 
 MULTIPROCESS_FILE_BYTES: Final = 128 * 1024

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Final
 
@@ -159,6 +158,53 @@ def allocation_message(alloc: ContainerAllocation) -> api_pb2.ContainerAllocateR
     )
 
 
+class AllocateAnswer:
+    """A checked Allocate request's reply, and the device IDs it hands out (for releases and metrics)."""
+
+    __slots__ = ("ids", "response")
+
+    def __init__(self, response: api_pb2.AllocateResponse, ids: tuple[str, ...]) -> None:
+        self.response = response
+        self.ids = ids
+
+
+class AllocateAnswers:
+    """Allocate replies of one device-set version, by request (its encoding: each container's IDs, in order).
+
+    A lookup with another version than the table holds empties it first, so an
+    answer can only ever be served for the version it was checked and built
+    against; the table is bounded (oldest entry out first), since IDs come from
+    the network.
+    """
+
+    __slots__ = ("_answers", "_limit", "_version")
+
+    def __init__(self, limit: int = _RESPONSE_CACHE_SIZE) -> None:
+        self._answers: dict[bytes, AllocateAnswer] = {}
+        self._version = -1
+        self._limit = limit
+
+    def __len__(self) -> int:
+        return len(self._answers)
+
+    def get(self, version: int, key: bytes) -> AllocateAnswer | None:
+        """The answer kept for ``key`` at ``version``; None if there is none."""
+        if version != self._version:
+            self._answers.clear()
+            self._version = version
+        return self._answers.get(key)
+
+    def put(self, version: int, key: bytes, answer: AllocateAnswer) -> None:
+        """Keep ``answer`` for ``key`` at ``version`` (dropping every answer of another version)."""
+        answers = self._answers
+        if version != self._version:
+            answers.clear()
+            self._version = version
+        answers[key] = answer
+        if len(answers) > self._limit:
+            del answers[next(iter(answers))]
+
+
 class PluginServer(api_pb2_grpc.DevicePluginServicer):
     """Serves the five DevicePlugin RPCs for one resource.
 
@@ -191,16 +237,14 @@ class PluginServer(api_pb2_grpc.DevicePluginServicer):
         self.open_streams = 0
         # Label lookups resolved once: the Allocate path pays one observe and one inc.
         self._errors = metrics.RPC_ERRORS
-        self._allocated = metrics.ALLOCATED_DEVICES.labels(resource)
+        self._allocated = metrics.incrementer(metrics.ALLOCATED_DEVICES.labels(resource))
         self._streams = metrics.STREAMS.labels(resource)
-        self._allocate_seconds = metrics.RPC_SECONDS.labels(resource, "Allocate")
-        self._preferred_seconds = metrics.RPC_SECONDS.labels(resource, "GetPreferredAllocation")
-        self._pre_start_seconds = metrics.RPC_SECONDS.labels(resource, "PreStartContainer")
-        # Without a post-allocate hook a container's response depends only on the device set's
-        # version and the IDs, so it is built once (appending copies it into the reply).
-        self._responses: OrderedDict[tuple[int, tuple[str, ...]], api_pb2.ContainerAllocateResponse] = (
-            OrderedDict()
+        self._allocate_seconds = metrics.observer(metrics.RPC_SECONDS.labels(resource, "Allocate"))
+        self._preferred_seconds = metrics.observer(
+            metrics.RPC_SECONDS.labels(resource, "GetPreferredAllocation")
         )
+        self._pre_start_seconds = metrics.RPC_SECONDS.labels(resource, "PreStartContainer")
+        self._answers = AllocateAnswers()
 
     @property
     def options(self) -> api_pb2.DevicePluginOptions:
@@ -245,22 +289,45 @@ class PluginServer(api_pb2_grpc.DevicePluginServicer):
             self._streams.dec()
             self._log.info("list_and_watch_closed", streams=self.open_streams)
 
-    def _remember(self, key: tuple[int, tuple[str, ...]], message: api_pb2.ContainerAllocateResponse) -> None:
-        self._responses[key] = message
-        if len(self._responses) > _RESPONSE_CACHE_SIZE:
-            self._responses.popitem(last=False)
-
     async def _abort(self, context: Context, method: str, code: grpc.StatusCode, message: str) -> None:
         self._errors.labels(self.resource, method, code.name).inc()
         await context.abort(code, message)
 
     async def Allocate(self, request: api_pb2.AllocateRequest, context: Context) -> api_pb2.AllocateResponse:
-        """Hand out the requested devices, one response per container request, in order."""
+        """Hand out the requested devices, one response per container request, in order.
+
+        The kubelet asks for the same few ID lists again and again, so without a
+        post-allocate hook the whole answer (request checks passed, response built)
+        is kept per device-set version: a repeated request costs a dictionary
+        lookup, and a new version starts from an empty table, so a changed device
+        set is always checked and answered afresh.
+        """
         started = time.perf_counter()
-        version = self._snapshots.version
-        snapshot = self._snapshots.value
+        cell = self._snapshots
+        # The request's own encoding is its cheapest key: equal requests encode to equal bytes,
+        # while reading the IDs out of the message costs several times more.
+        key = request.SerializeToString()
+        answer = self._answers.get(cell.version, key)
+        if answer is None:
+            answer = await self._allocate(request, key, cell.version, cell.value, context)
+        if self._releases is not None:
+            self._releases.used(answer.ids)
+        self._allocated(len(answer.ids))
+        self._allocate_seconds(time.perf_counter() - started)
+        self._log.debug("allocated", devices=answer.ids)
+        return answer.response
+
+    async def _allocate(
+        self,
+        request: api_pb2.AllocateRequest,
+        key: bytes,
+        version: int,
+        snapshot: Snapshot[Any],
+        context: Context,
+    ) -> AllocateAnswer:
+        """Check and answer a request that has no answer kept for this version (remembered if it can be)."""
         devices = snapshot.devices
-        containers = [list(c.devices_ids) for c in request.container_requests]
+        containers = [tuple(c.devices_ids) for c in request.container_requests]
         try:
             allocation.check_allocate(containers, devices, resource=self.resource)
         except RequestError as err:
@@ -270,32 +337,24 @@ class PluginServer(api_pb2_grpc.DevicePluginServicer):
         post = self._hooks.post_allocate
         for ids in containers:
             if post is None:
-                key = (version, tuple(ids))
-                cached = self._responses.get(key)
-                if cached is None:
-                    cached = allocation_message(allocation.build_allocation(devices.subset(ids)))
-                    self._remember(key, cached)
-                response.container_responses.append(cached)
-                continue
-            chosen = snapshot.only(ids)
-            alloc = allocation.build_allocation(chosen.devices)
-            try:
-                alloc = post.post_allocate(alloc, chosen)
-            except Exception as exc:  # a hook bug must fail the call, not the server
-                self._log.exception("post_allocate_failed", devices=ids)
-                await self._abort(
-                    context,
-                    "Allocate",
-                    grpc.StatusCode.INTERNAL,
-                    f"post-allocate hook failed for {ids}: {exc}",
-                )
+                alloc = allocation.build_allocation(devices.subset(ids))
+            else:
+                chosen = snapshot.only(ids)
+                try:
+                    alloc = post.post_allocate(allocation.build_allocation(chosen.devices), chosen)
+                except Exception as exc:  # a hook bug must fail the call, not the server
+                    self._log.exception("post_allocate_failed", devices=ids)
+                    await self._abort(
+                        context,
+                        "Allocate",
+                        grpc.StatusCode.INTERNAL,
+                        f"post-allocate hook failed for {list(ids)}: {exc}",
+                    )
             response.container_responses.append(allocation_message(alloc))
-        if self._releases is not None:
-            self._releases.used(i for ids in containers for i in ids)
-        self._allocated.inc(sum(len(ids) for ids in containers))
-        self._allocate_seconds.observe(time.perf_counter() - started)
-        self._log.debug("allocated", devices=containers)
-        return response
+        answer = AllocateAnswer(response, tuple(i for ids in containers for i in ids))
+        if post is None:  # a hook may answer differently each time: only the framework's own answer is kept
+            self._answers.put(version, key, answer)
+        return answer
 
     async def GetPreferredAllocation(
         self, request: api_pb2.PreferredAllocationRequest, context: Context
@@ -327,7 +386,7 @@ class PluginServer(api_pb2_grpc.DevicePluginServicer):
             response.container_responses.append(
                 api_pb2.ContainerPreferredAllocationResponse(deviceIDs=chosen)
             )
-        self._preferred_seconds.observe(time.perf_counter() - started)
+        self._preferred_seconds(time.perf_counter() - started)
         return response
 
     def _prefer(self, available: list[str], must: list[str], size: int, snapshot: Snapshot[Any]) -> list[str]:

@@ -176,6 +176,17 @@ class TestAllocate:
         assert dict(again.container_responses[0].envs) == {"WIDGETS": "renamed"}
         assert list(again.container_responses[0].devices) == []
 
+    async def test_a_request_answered_before_is_refused_once_its_device_turns_unhealthy(self, serve):
+        served = await serve()
+        for _ in range(2):  # the second answer comes from the answers kept for this device set
+            assert (await served.stub.Allocate(allocate_request(["w2"]))).container_responses
+        sick = [d.with_health(Health.UNHEALTHY) if d.id == "w2" else d for d in widgets(4).values()]
+        served.cell.publish(Snapshot(sick))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await served.stub.Allocate(allocate_request(["w2"]))
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert '["w2"]' in info.value.details()
+
     async def test_unhealthy_devices_are_refused(self, serve):
         served = await serve(DeviceSet([Device("ok"), Device("sick", health=Health.UNHEALTHY)]))
         with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -298,9 +309,10 @@ class TestMetrics:
         allocated = sample("plugvisor_plugin_allocated_devices_total")
         errors = sample("plugvisor_plugin_rpc_errors_total", method="Allocate", code="NOT_FOUND")
         observed = sample("plugvisor_plugin_rpc_duration_seconds_count", method="Allocate")
-        await served.stub.Allocate(allocate_request(["w0", "w1"]))
+        for _ in range(2):  # the second is answered from the answers kept for this device set: it counts too
+            await served.stub.Allocate(allocate_request(["w0", "w1"]))
         with pytest.raises(grpc.aio.AioRpcError):
             await served.stub.Allocate(allocate_request(["ghost"]))
-        assert sample("plugvisor_plugin_allocated_devices_total") == allocated + 2
+        assert sample("plugvisor_plugin_allocated_devices_total") == allocated + 4
         assert sample("plugvisor_plugin_rpc_errors_total", method="Allocate", code="NOT_FOUND") == errors + 1
-        assert sample("plugvisor_plugin_rpc_duration_seconds_count", method="Allocate") == observed + 1
+        assert sample("plugvisor_plugin_rpc_duration_seconds_count", method="Allocate") == observed + 2
