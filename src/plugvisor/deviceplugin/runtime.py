@@ -360,6 +360,8 @@ def run_plugin(
         await runtime.run(stop)
 
     try:
+        # asyncio's own event loop: uvloop's gain on plugvisor's servicer stayed within the noise of a
+        # shared machine, for 2-3 MB more PSS per plugin process (bench/bench_servers.py; bench/README.md).
         asyncio.run(main())
     except (ConfigurationError, RegistrationRejectedError) as exc:
         log.error("cannot_run", error=str(exc))
