@@ -30,6 +30,11 @@ MAX_FILE_BYTES: Final = 1 << 20
 MAX_VALUES: Final = 100_000
 """Most values (scalars, lists, mappings) a document may hold once aliases are expanded."""
 
+MAX_DEPTH: Final = 100
+"""Deepest nesting of lists and mappings: a configuration nests a handful of levels. PyYAML composes
+nodes recursively, so a 2 KB file of brackets would otherwise end in a RecursionError (the C loader in a
+segmentation fault) instead of an error naming the file."""
+
 _MERGE_TAG: Final = "tag:yaml.org,2002:merge"
 
 
@@ -38,7 +43,22 @@ class YamlFileError(ValueError):
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, refusing a mapping that repeats a key."""
+    """PyYAML's safe loader, refusing a repeated key and nesting deeper than :data:`MAX_DEPTH`."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                mark = self.peek_event().start_mark  # type: ignore[no-untyped-call]
+                problem = f"nested more than {MAX_DEPTH} levels deep"
+                raise yaml.composer.ComposerError(None, None, problem, mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         if isinstance(node, yaml.MappingNode):

@@ -58,3 +58,17 @@ class TestReadYaml:
         lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]
         with pytest.raises(YamlFileError, match="more than 100000 values"):
             parse_yaml("\n".join(lines), source="bomb.yaml")
+
+    @pytest.mark.parametrize("opening", ["[", "{a: ", "- "])
+    def test_deep_nesting_is_an_error_naming_the_file_not_a_recursion_error(self, tmp_path, opening):
+        # 2 KB of brackets used to end in a RecursionError: a traceback, and an agent killed by SIGHUP.
+        depth = 5000
+        closing = {"[": "]", "{a: ": "}", "- ": ""}[opening]
+        text = opening * depth + "x" + closing * depth + "\n"  # "- - x" is a list in a list, block style
+        (tmp_path / "f.yaml").write_text(text)
+        message = error_of(tmp_path / "f.yaml")
+        assert message.startswith(f"{tmp_path / 'f.yaml'}: line ")
+        assert "nested more than 100 levels deep" in message
+
+    def test_nesting_a_configuration_uses_is_fine(self):
+        assert parse_yaml("a: " + "[" * 50 + "1" + "]" * 50 + "\n", source="s")["a"] is not None
