@@ -33,6 +33,15 @@ from plugvisor.deviceplugin.snapshot import Snapshot
 Context = grpc.aio.ServicerContext[Any, Any]
 
 _RESPONSE_CACHE_SIZE: Final = 1024
+_ANSWER_BYTES: Final = 4 << 20
+"""Most memory (estimated, see :meth:`AllocateAnswers.cost`) the Allocate answers of a plugin hold.
+
+A kubelet's request is one container asking for a few IDs: under a kilobyte kept, so the entry count
+bounds the table first. A request naming thousands of devices in a new order each time would otherwise
+keep megabytes per entry (1.7 MB for 20 000 IDs), gigabytes in all.
+"""
+_ID_BYTES: Final = 64
+"""What one handed-out ID costs in :attr:`AllocateAnswer.ids` (a str object and its tuple slot)."""
 SERVICE: Final = "v1beta1.DevicePlugin"
 
 
@@ -173,36 +182,62 @@ class AllocateAnswers:
 
     A lookup with another version than the table holds empties it first, so an
     answer can only ever be served for the version it was checked and built
-    against; the table is bounded (oldest entry out first), since IDs come from
-    the network.
+    against; the table is bounded by entries and by bytes (oldest entry out
+    first), since IDs come from the network, and an answer bigger than a
+    sixteenth of the byte bound is not kept at all.
     """
 
-    __slots__ = ("_answers", "_limit", "_version")
+    __slots__ = ("_answers", "_bytes", "_costs", "_limit", "_max_bytes", "_version")
 
-    def __init__(self, limit: int = _RESPONSE_CACHE_SIZE) -> None:
+    def __init__(self, limit: int = _RESPONSE_CACHE_SIZE, max_bytes: int = _ANSWER_BYTES) -> None:
         self._answers: dict[bytes, AllocateAnswer] = {}
+        self._costs: dict[bytes, int] = {}
+        self._bytes = 0
         self._version = -1
         self._limit = limit
+        self._max_bytes = max_bytes
 
     def __len__(self) -> int:
         return len(self._answers)
 
+    @property
+    def held_bytes(self) -> int:
+        """The estimated memory the kept answers hold."""
+        return self._bytes
+
+    @staticmethod
+    def cost(key: bytes, answer: AllocateAnswer) -> int:
+        """An answer's estimated memory: its key, its reply's encoding and its IDs."""
+        return len(key) + answer.response.ByteSize() + _ID_BYTES * len(answer.ids)
+
+    def _move_to(self, version: int) -> None:
+        self._answers.clear()
+        self._costs.clear()
+        self._bytes = 0
+        self._version = version
+
     def get(self, version: int, key: bytes) -> AllocateAnswer | None:
         """The answer kept for ``key`` at ``version``; None if there is none."""
         if version != self._version:
-            self._answers.clear()
-            self._version = version
+            self._move_to(version)
         return self._answers.get(key)
 
     def put(self, version: int, key: bytes, answer: AllocateAnswer) -> None:
         """Keep ``answer`` for ``key`` at ``version`` (dropping every answer of another version)."""
-        answers = self._answers
         if version != self._version:
-            answers.clear()
-            self._version = version
+            self._move_to(version)
+        cost = self.cost(key, answer)
+        if cost > self._max_bytes // 16:
+            return
+        answers, costs = self._answers, self._costs
+        self._bytes += cost - costs.pop(key, 0)
+        answers.pop(key, None)
         answers[key] = answer
-        if len(answers) > self._limit:
-            del answers[next(iter(answers))]
+        costs[key] = cost
+        while len(answers) > self._limit or self._bytes > self._max_bytes:
+            oldest = next(iter(answers))
+            del answers[oldest]
+            self._bytes -= costs.pop(oldest)
 
 
 class PluginServer(api_pb2_grpc.DevicePluginServicer):

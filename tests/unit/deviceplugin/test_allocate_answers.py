@@ -5,6 +5,8 @@ answer is served only for the version it was checked against, every call still
 counts (releases, metrics), and a post-allocate hook's answers are never kept.
 """
 
+import tracemalloc
+
 import grpc
 import pytest
 
@@ -91,6 +93,30 @@ class TestAnswerTable:
         assert table.get(0, b"1") is None
         assert table.get(0, b"4") is not None
 
+    def test_the_table_is_bounded_by_bytes_too(self):
+        table = AllocateAnswers(max_bytes=64_000)
+        ids = tuple(f"dev-{i}" for i in range(50))  # 3200 bytes of IDs, 4 KB or so per answer
+        for n in range(100):
+            table.put(0, b"%d" % n + b"x" * 500, AllocateAnswer(api_pb2.AllocateResponse(), ids))
+            assert table.held_bytes <= 64_000
+        assert 0 < len(table) < 20
+        assert table.get(0, b"99" + b"x" * 500) is not None  # the newest stays
+
+    def test_an_answer_too_big_to_keep_is_not_kept(self):
+        table = AllocateAnswers(max_bytes=64_000)
+        table.put(0, b"small", AllocateAnswer(api_pb2.AllocateResponse(), ("a",)))
+        table.put(0, b"x" * 5000, AllocateAnswer(api_pb2.AllocateResponse(), ("a",)))
+        assert table.get(0, b"x" * 5000) is None
+        assert table.get(0, b"small") is not None
+
+    def test_keeping_a_key_again_counts_it_once(self):
+        table = AllocateAnswers()
+        for _ in range(3):
+            table.put(0, b"key", AllocateAnswer(api_pb2.AllocateResponse(), ("a",)))
+        assert table.held_bytes == AllocateAnswers.cost(
+            b"key", AllocateAnswer(api_pb2.AllocateResponse(), ("a",))
+        )
+
 
 class TestAllocateKeepsAnswersPerVersion:
     async def test_a_repeated_request_gets_the_same_answer(self):
@@ -151,6 +177,24 @@ class TestAllocateKeepsAnswersPerVersion:
         for _ in range(3):
             await server.Allocate(request(["a"], ["b"]), Context())
         assert used.calls == [["a", "b"]] * 3
+
+    async def test_distinct_requests_for_thousands_of_devices_keep_little(self):
+        # A client naming every device in a new order each time: each answer is right, few are kept.
+        names = [f"d{i}" for i in range(3000)]
+        _, server = servicer(DeviceSet([device(name) for name in names]))
+        await server.Allocate(request(names), Context())
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            for shift in range(1, 50):
+                order = names[shift:] + names[:shift]
+                response = await server.Allocate(request(order), Context())
+                assert envs(response) == [{"VISIBLE": ",".join(order)}]
+            del response
+            grown = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        assert grown < 4 << 20  # each of these answers holds about 300 KB: 15 MB if all were kept
 
     async def test_a_post_allocate_hook_is_asked_every_time(self):
         class Counting:
