@@ -23,6 +23,7 @@ async def wait_for_log(agent, text: str, count: int) -> None:
         "a repeated key",
         "a kubeletDir that cannot be created",
         "a missing hostRoot",
+        "lists nested 1000 deep",
     ],
 )
 async def test_a_reload_the_node_cannot_run_keeps_the_running_configuration(node, kubelet, agents, breakage):
@@ -35,6 +36,11 @@ async def test_a_reload_the_node_cannot_run_keeps_the_running_configuration(node
     if breakage == "a byte that is not UTF-8":
         node.config_path.write_bytes(good.replace(b"/dev/fuse", b"/dev/f\xffuse"))
         expected = "is not UTF-8"
+    elif (
+        breakage == "lists nested 1000 deep"
+    ):  # PyYAML's recursive composer: a RecursionError killed the agent
+        node.config_path.write_bytes(good + b"extra: " + b"[" * 1000 + b"]" * 1000 + b"\n")
+        expected = "nested more than 100 levels deep"
     elif breakage == "a repeated key":
         node.config_path.write_bytes(good + b"hostRoot: /\n")
         expected = "duplicate key 'hostRoot'"
