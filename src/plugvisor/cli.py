@@ -11,10 +11,11 @@ import sys
 
 if sys.argv[1:2] == ["run"]:
     # First of all: the agent must stop cleanly even when told to while it is still
-    # importing (see plugvisor.supervisor.signals, which imports nothing heavy).
-    from plugvisor.supervisor import signals
+    # importing, and its fork server starts importing now, beside it (see
+    # plugvisor.supervisor.prestart, which imports nothing heavy).
+    from plugvisor.supervisor import prestart
 
-    signals.install()
+    prestart.begin(sys.argv[2:])
 
 import importlib
 from typing import Any, Final

@@ -38,7 +38,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -46,7 +45,7 @@ from typing import Any, Final, Protocol
 
 import structlog
 
-from plugvisor.supervisor import prctl
+from plugvisor.supervisor import prctl, prestart
 from plugvisor.supervisor.config import ChildSpec
 
 CHILD_DEATH_SIGNAL = signal.SIGTERM
@@ -287,6 +286,8 @@ class _Helper:
         self.started: asyncio.Task[None] | None = None
         self.ready_at: float | None = None
         self.lost = False
+        self.early = False
+        """Started before the agent validated its file (:mod:`.prestart`), and adopted."""
 
     def close_pipes(self) -> None:
         for stream in (self.proc.stdin, self.proc.stdout):
@@ -325,8 +326,11 @@ class ForkServerSpawner:
         preload_kinds: Sequence[str] = (),
         start_timeout: float = 60.0,
         spawn_timeout: float = 10.0,
+        prestarted: subprocess.Popen[bytes] | None = None,
     ):
+        """``prestarted``: a fork server already started for these kinds (:mod:`.prestart`) to adopt."""
         self._env = dict(env)
+        self._prestarted = prestarted
         self._preload = list(preload_kinds)
         self._start_timeout = start_timeout
         self._spawn_timeout = spawn_timeout
@@ -355,21 +359,24 @@ class ForkServerSpawner:
         except OSError as exc:
             raise SpawnError(f"cannot adopt the fork server's children: {exc}") from exc
         asyncio.get_running_loop().add_signal_handler(signal.SIGCHLD, self._on_sigchld)
-        helper = self._start_helper()
+        if self._prestarted is not None:
+            helper = self._watch_helper(self._prestarted)
+            helper.early = True
+            self._prestarted = None
+        else:
+            helper = self._start_helper()
         assert helper.started is not None
         await helper.started
         self._opened = True
 
     def _start_helper(self) -> _Helper:
-        argv = [sys.executable, "-m", "plugvisor.supervisor.forkserver", "--parent", str(os.getpid())]
-        for kind in self._preload:
-            argv += ["--preload-kind", kind]
         try:
-            proc = subprocess.Popen(
-                argv, env=self._env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True
-            )
+            proc = prestart.launch(self._env, self._preload)
         except OSError as exc:
             raise SpawnError(f"cannot start the fork server: {exc}") from exc
+        return self._watch_helper(proc)
+
+    def _watch_helper(self, proc: subprocess.Popen[bytes]) -> _Helper:
         self._reaper.track(proc)
         helper = _Helper(proc)
         self._helper = helper
@@ -398,7 +405,11 @@ class ForkServerSpawner:
         helper.ready_at = time.monotonic()
         self.preload_seconds = round(helper.ready_at - started, 3)
         _log.info(
-            "forkserver_ready", pid=helper.proc.pid, seconds=self.preload_seconds, n=self.helpers_started
+            "forkserver_ready",
+            pid=helper.proc.pid,
+            seconds=self.preload_seconds,
+            n=self.helpers_started,
+            early=helper.early,
         )
 
     def _on_readable(self, helper: _Helper) -> None:

@@ -28,15 +28,14 @@ import stat
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import IO, Any, Final
+from typing import IO, TYPE_CHECKING, Any, Final
 
 import structlog
 
 from plugvisor.common import monitoring
 from plugvisor.common.constants import KUBELET_SOCKET_NAME
-from plugvisor.common.notify import STATUS_SOCKET_ENV
 from plugvisor.common.sockets import SOCKET_PREFIX, SOCKET_SUFFIX, socket_answers, socket_prefix
-from plugvisor.supervisor import signals, states
+from plugvisor.supervisor import prestart, signals, states
 from plugvisor.supervisor import status as status_
 from plugvisor.supervisor.backoff import BackoffPolicy
 from plugvisor.supervisor.child import CAUSE_RELOAD, CAUSE_UNREGISTERED, Child
@@ -51,7 +50,10 @@ from plugvisor.supervisor.config import (
 from plugvisor.supervisor.kubelet_watch import KubeletWatch
 from plugvisor.supervisor.reports import ReportListener
 from plugvisor.supervisor.spawner import ExecSpawner, ForkServerSpawner, Spawner, SpawnError
-from plugvisor.supervisor.systemd import SYSTEMD_ENV, Notifier
+from plugvisor.supervisor.systemd import Notifier
+
+if TYPE_CHECKING:
+    from plugvisor.supervisor.metrics import Metrics
 
 HOUSEKEEPING_INTERVAL: Final = 1.0
 """The loop wakes at least this often even when nothing happens."""
@@ -448,10 +450,10 @@ class Agent:
         self.metrics_address: tuple[str, int] | None = None
         self._state_error: str | None = None
 
-    def _child_env(self, report_socket: Path, multiproc_dir: Path) -> dict[str, str]:
-        env = {key: value for key, value in self._env.items() if key not in SYSTEMD_ENV}
-        env[STATUS_SOCKET_ENV] = str(report_socket)
-        env["PROMETHEUS_MULTIPROC_DIR"] = str(multiproc_dir)
+    def _child_env(self) -> dict[str, str]:
+        env = prestart.child_env(
+            self._env, runtime_dir=self.runtime_dir, multiprocess_metrics=self.config.metrics is not None
+        )
         watch = self.config.monitoring
         if watch.enabled:
             env[monitoring.MONITOR_DIR_ENV] = str(self.runtime_dir / status_.MONITOR_DIR)
@@ -462,10 +464,19 @@ class Agent:
         return env
 
     def _make_spawner(self, env: Mapping[str, str]) -> Spawner:
+        early = prestart.take()
         if self.config.supervisor.spawner == "exec":
+            prestart.discard(early)
             return ExecSpawner(env)
         kinds = sorted({resource.kind for resource in self.config.resources})
-        return ForkServerSpawner(env, preload_kinds=kinds)
+        metrics = self.config.metrics is not None
+        if early is not None and not early.suits(
+            kinds, multiprocess_metrics=metrics, runtime_dir=self.runtime_dir
+        ):
+            _log.info("forkserver_prestart_discarded", started_for=early.preload_kinds, kinds=kinds)
+            prestart.discard(early)
+            early = None
+        return ForkServerSpawner(env, preload_kinds=kinds, prestarted=None if early is None else early.proc)
 
     def wake(self) -> None:
         """Have the loop look at its inputs now."""
@@ -525,22 +536,20 @@ class Agent:
         return spawner
 
     async def _run_locked(self, runtime_dir: Path) -> int:
-        # Imported here: prometheus-client is needed by the agent only, not by `status` or `export`.
-        from plugvisor.supervisor import metrics as metrics_  # noqa: PLC0415
-
         loop = asyncio.get_running_loop()
         removed = remove_stale_sockets(self.config.kubelet_dir)
         if removed:
             _log.info("stale_sockets_removed", sockets=removed)
         multiproc_dir = runtime_dir / status_.METRICS_DIR
         shutil.rmtree(multiproc_dir, ignore_errors=True)
-        multiproc_dir.mkdir(mode=0o755)
+        if self.config.metrics is not None:
+            multiproc_dir.mkdir(mode=0o755)
         monitor_dir = runtime_dir / status_.MONITOR_DIR
         shutil.rmtree(monitor_dir, ignore_errors=True)
         monitor_dir.mkdir(mode=0o755)
         report_path = runtime_dir / status_.REPORT_SOCKET
-        spawner = await self._open_spawner(self._child_env(report_path, multiproc_dir))
-        metrics: metrics_.Metrics | None = None
+        spawner = await self._open_spawner(self._child_env())
+        metrics: Metrics | None = None
         supervisor = Supervisor(
             self.config,
             spawner=spawner,
@@ -551,11 +560,6 @@ class Agent:
         )
         supervisor.config_source = None if self.config_path is None else str(self.config_path)
         self.supervisor = supervisor
-        metrics = metrics_.Metrics(
-            supervisor.snapshot,
-            multiproc_dir=multiproc_dir,
-            monitor_dir=monitor_dir if self.config.monitoring.enabled else None,
-        )
         async with contextlib.AsyncExitStack() as cleanup:
             # Undone in reverse order: children first (should anything have failed), the
             # fork server, then the files.
@@ -576,6 +580,14 @@ class Agent:
             watch.open()
             cleanup.push_async_callback(watch.close)
             if self.config.metrics is not None:
+                # Imported only then: without an endpoint the agent needs no prometheus-client.
+                from plugvisor.supervisor import metrics as metrics_  # noqa: PLC0415
+
+                metrics = metrics_.Metrics(
+                    supervisor.snapshot,
+                    multiproc_dir=multiproc_dir,
+                    monitor_dir=monitor_dir if self.config.monitoring.enabled else None,
+                )
                 http = metrics_.HttpServer(
                     metrics,
                     supervisor.readiness,
@@ -718,6 +730,9 @@ def run_agent(config_path: Path, *, log_format: str = "kv", log_level: str = "in
 
     Raises :class:`ConfigError` (exit status 2 in the CLI) before starting anything.
     """
-    config = load_node_config(config_path)
-    agent = Agent(config, config_path=config_path, log_format=log_format, log_level=log_level)
-    return asyncio.run(agent.run())
+    try:
+        config = load_node_config(config_path)
+        agent = Agent(config, config_path=config_path, log_format=log_format, log_level=log_level)
+        return asyncio.run(agent.run())
+    finally:
+        prestart.discard()  # a fork server started early that the agent did not take

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -265,6 +266,39 @@ async def test_an_invalid_file_exits_2_before_starting_anything(node, agents):
     assert not node.kubelet_dir.exists()
 
 
+def fork_servers_of(agent_pid: int) -> list[int]:
+    """Fork servers started for the agent ``agent_pid`` (their command line names it)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if (
+            b"plugvisor.supervisor.forkserver" in argv
+            and argv[argv.index(b"--parent") + 1] == str(agent_pid).encode()
+        ):
+            found.append(int(entry.name))
+    return found
+
+
+async def test_the_fork_server_starts_beside_the_agents_own_imports_and_is_adopted(node, kubelet, agents):
+    """Started from a cheap read of the file before validation, it is the one the children come from."""
+    agent = await start_registered(node, kubelet, agents)
+    assert "event='forkserver_ready'" in agent.log()
+    assert "early=True" in agent.log()
+    assert "forkserver_prestart_discarded" not in agent.log()
+    assert await agent.stop() == 0
+
+
+async def test_an_invalid_file_leaves_no_early_fork_server_behind(node, agents):
+    """The file reads well enough to start the fork server early; validation refuses it: exit 2, none left."""
+    node.write_config([{"name": FUSE, "kind": "generic", "paths": ["/dev/fuse"], "count": 0}])
+    agent = await agents()
+    assert await asyncio.wait_for(agent.proc.wait(), 20) == 2
+    assert fork_servers_of(agent.pid) == []
+
+
 async def test_the_exec_spawner_restarts_crashed_children_too(node, kubelet, agents):
     """spawner: exec (fork+exec per child) gives the same behaviour, only slower to start."""
     node.write_config(node.resources()[:1], supervisor={"spawner": "exec"})
@@ -341,7 +375,10 @@ async def test_a_full_runtime_directory_does_not_stop_the_supervising(
     node, kubelet, agents, full_disk_runtime_dir
 ):
     """State and metrics files are best effort: with no space left, killed children still come back."""
-    agent = await start_registered(node, kubelet, agents)
+    node.write_config(metrics={"listen": "127.0.0.1:0"})  # children write metric files only then
+    agent = await agents()
+    await agent.wait_state(running_registered)
+    await kubelet.wait_for(registered_all(EXPECTED))
     before = agent.children()
     for victim in (SERIAL, FUSE):
         fill(full_disk_runtime_dir)  # again: a dead child's metric files free some space
