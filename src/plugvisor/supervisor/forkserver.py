@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from plugvisor.supervisor import prctl
-from plugvisor.supervisor.spawner import CHILD_DEATH_SIGNAL
+from plugvisor.supervisor.prctl import CHILD_DEATH_SIGNAL
 
 _PLUGIN_ENTRY = "plugvisor.plugins.entry"
 """The plugin entry module: its ``main(args)`` is what a child runs, the same as ``plugvisor plugin``.

@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import ctypes
 import os
+import signal
 from typing import Final
+
+CHILD_DEATH_SIGNAL: Final = signal.SIGTERM
+"""Children get SIGTERM when their parent dies: they stop cleanly and remove their socket."""
 
 PR_SET_PDEATHSIG: Final = 1
 PR_SET_NAME: Final = 15

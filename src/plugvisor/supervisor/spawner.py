@@ -47,9 +47,7 @@ import structlog
 
 from plugvisor.supervisor import prctl, prestart
 from plugvisor.supervisor.config import ChildSpec
-
-CHILD_DEATH_SIGNAL = signal.SIGTERM
-"""Children get SIGTERM when their parent dies: they stop cleanly and remove their socket."""
+from plugvisor.supervisor.prctl import CHILD_DEATH_SIGNAL
 
 _log = structlog.get_logger("plugvisor.supervisor.spawner")
 
