@@ -44,7 +44,7 @@ def run_command(*, config_path: Path, log_level: str, log_format: str) -> None:
     """
     signals.install()  # before anything slow: a stop from now on is a clean stop
     # Imported when run: `plugvisor status` and `export` need neither the agent nor prometheus-client.
-    from plugvisor.supervisor.supervisor import run_agent  # noqa: PLC0415
+    from plugvisor.supervisor.agent import run_agent  # noqa: PLC0415
 
     configure_logging(level=log_level, fmt="json" if log_format == "json" else "kv")
     try:

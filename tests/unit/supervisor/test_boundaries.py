@@ -7,6 +7,7 @@ import pytest
 
 MODULES = [
     "plugvisor.supervisor",
+    "plugvisor.supervisor.agent",
     "plugvisor.supervisor.backoff",
     "plugvisor.supervisor.child",
     "plugvisor.supervisor.cli",
@@ -16,6 +17,7 @@ MODULES = [
     "plugvisor.supervisor.kubelet_watch",
     "plugvisor.supervisor.metrics",
     "plugvisor.supervisor.prctl",
+    "plugvisor.supervisor.prestart",
     "plugvisor.supervisor.reports",
     "plugvisor.supervisor.spawner",
     "plugvisor.supervisor.states",

@@ -9,9 +9,9 @@ import pytest
 from click.testing import CliRunner
 
 from plugvisor.supervisor import status as status_
+from plugvisor.supervisor.agent import RuntimeDirLock
 from plugvisor.supervisor.cli import export_group, status_command
 from plugvisor.supervisor.metrics import Metrics
-from plugvisor.supervisor.supervisor import RuntimeDirLock
 from plugvisor.supervisor.supervisord import export_supervisord, program_name
 from plugvisor.supervisor.systemd import Notifier
 

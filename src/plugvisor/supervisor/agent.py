@@ -1,0 +1,407 @@
+"""``plugvisor run``: the process around the reconcile loop, from start to clean exit.
+
+:class:`Agent` owns what :class:`~plugvisor.supervisor.supervisor.Supervisor`
+(the synchronous core) leaves out: the runtime directory and its lock
+(:class:`RuntimeDirLock`), stale-socket cleanup, the spawner, the report socket,
+the kubelet watch, metrics, systemd, signals, and the asyncio loop that feeds
+events to the core and sleeps until the next deadline or event. SIGTERM/SIGINT
+stop every child within its bound and exit 0; SIGHUP reloads the file and
+restarts only the children whose configuration changed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import os
+import shutil
+import signal
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Final
+
+import structlog
+
+from plugvisor.common import monitoring
+from plugvisor.supervisor import prestart, signals
+from plugvisor.supervisor import status as status_
+from plugvisor.supervisor.clock import SystemClock
+from plugvisor.supervisor.config import (
+    ConfigError,
+    NodeConfig,
+    load_node_config,
+)
+from plugvisor.supervisor.kubelet_watch import KubeletWatch
+from plugvisor.supervisor.reports import ReportListener
+from plugvisor.supervisor.spawner import ExecSpawner, ForkServerSpawner, Spawner, SpawnError
+from plugvisor.supervisor.supervisor import Supervisor, remove_stale_sockets
+from plugvisor.supervisor.systemd import Notifier
+
+if TYPE_CHECKING:
+    from plugvisor.supervisor.metrics import Metrics
+
+HOUSEKEEPING_INTERVAL: Final = 1.0
+"""The loop wakes at least this often even when nothing happens."""
+
+_log = structlog.get_logger("plugvisor.supervisor")
+
+
+class RuntimeDirLock:
+    """``<runtimeDir>/supervisor.pid``, locked for the agent's lifetime: one agent per runtime dir."""
+
+    def __init__(self, runtime_dir: Path) -> None:
+        self.path = runtime_dir / status_.PID_FILE
+        self._file: IO[str] | None = None
+
+    def acquire(self) -> None:
+        """Lock, or raise RuntimeError naming the agent that holds the lock."""
+        handle = self.path.open("a+")
+        # `plugvisor status` probes the lock with a shared one for an instant: try for a
+        # moment before concluding that another agent holds it.
+        for attempt in range(50):
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if attempt == 49:
+                    handle.seek(0)
+                    holder = handle.read().strip() or "unknown"
+                    handle.close()
+                    raise RuntimeError(
+                        f"another plugvisor agent (pid {holder}) uses {self.path.parent}"
+                    ) from None
+                time.sleep(0.01)
+        self._file = handle
+        try:
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"{os.getpid()}\n")
+            handle.flush()
+        except OSError as exc:
+            # The lock is what counts; the PID in it is for people (a full disk must not stop the agent).
+            _log.warning("pid_file_write_failed", file=str(self.path), error=exc.strerror or str(exc))
+
+    def release(self) -> None:
+        """Unlock and remove the file."""
+        if self._file is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+            with contextlib.suppress(OSError):
+                self._file.close()
+            self._file = None
+
+
+class Agent:
+    """``plugvisor run``: the supervisor process, start to clean exit."""
+
+    def __init__(
+        self,
+        config: NodeConfig,
+        *,
+        config_path: Path | None,
+        log_format: str = "kv",
+        log_level: str = "info",
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.config = config
+        self.config_path = config_path
+        self.runtime_dir = config.runtime_dir
+        self._log_format = log_format
+        self._log_level = log_level
+        self._env = dict(os.environ if env is None else env)
+        self._wake = asyncio.Event()
+        self._stop_requested = False
+        self._reload_requested = False
+        self.notifier = Notifier(self._env)
+        self.supervisor: Supervisor | None = None
+        self.metrics_address: tuple[str, int] | None = None
+        self._state_error: str | None = None
+
+    def _child_env(self) -> dict[str, str]:
+        env = prestart.child_env(
+            self._env, runtime_dir=self.runtime_dir, multiprocess_metrics=self.config.metrics is not None
+        )
+        watch = self.config.monitoring
+        if watch.enabled:
+            env[monitoring.MONITOR_DIR_ENV] = str(self.runtime_dir / status_.MONITOR_DIR)
+            env[monitoring.POD_RESOURCES_INTERVAL_ENV] = str(watch.pod_resources_interval)
+            env[monitoring.TELEMETRY_INTERVAL_ENV] = str(watch.telemetry_interval)
+            if watch.pod_resources_socket is not None:
+                env[monitoring.POD_RESOURCES_SOCKET_ENV] = str(watch.pod_resources_socket)
+        return env
+
+    def _make_spawner(self, env: Mapping[str, str]) -> Spawner:
+        early = prestart.take()
+        if self.config.supervisor.spawner == "exec":
+            prestart.discard(early)
+            return ExecSpawner(env)
+        kinds = sorted({resource.kind for resource in self.config.resources})
+        metrics = self.config.metrics is not None
+        if early is not None and not early.suits(
+            kinds, multiprocess_metrics=metrics, runtime_dir=self.runtime_dir
+        ):
+            _log.info("forkserver_prestart_discarded", started_for=early.preload_kinds, kinds=kinds)
+            prestart.discard(early)
+            early = None
+        return ForkServerSpawner(env, preload_kinds=kinds, prestarted=None if early is None else early.proc)
+
+    def wake(self) -> None:
+        """Have the loop look at its inputs now."""
+        self._wake.set()
+
+    def request_stop(self) -> None:
+        """SIGTERM/SIGINT."""
+        self._stop_requested = True
+        self.wake()
+
+    def request_reload(self) -> None:
+        """SIGHUP."""
+        self._reload_requested = True
+        self.wake()
+
+    async def run(self) -> int:
+        """Run until stopped; returns the exit code (0 after a clean stop)."""
+        loop = asyncio.get_running_loop()
+        for sig, handler in (
+            (signal.SIGTERM, self.request_stop),
+            (signal.SIGINT, self.request_stop),
+            (signal.SIGHUP, self.request_reload),
+        ):
+            loop.add_signal_handler(sig, handler)
+        early = signals.requested()
+        if early is not None:
+            _log.info("stop_requested_while_starting", signal=signal.Signals(early).name)
+            self.request_stop()
+        try:
+            return await self._run_with_runtime_dir()
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                loop.remove_signal_handler(sig)
+
+    async def _run_with_runtime_dir(self) -> int:
+        runtime_dir = self.runtime_dir
+        runtime_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
+        lock = RuntimeDirLock(runtime_dir)
+        try:
+            lock.acquire()
+        except RuntimeError as exc:
+            _log.error("cannot_run", error=str(exc))
+            return 1
+        try:
+            return await self._run_locked(runtime_dir)
+        finally:
+            lock.release()
+
+    async def _open_spawner(self, env: Mapping[str, str]) -> Spawner:
+        spawner = self._make_spawner(env)
+        try:
+            await spawner.open(self.wake)
+        except SpawnError as exc:
+            _log.warning("forkserver_unavailable", error=str(exc), fallback="exec")
+            spawner = ExecSpawner(env)
+            await spawner.open(self.wake)
+        return spawner
+
+    async def _run_locked(self, runtime_dir: Path) -> int:
+        loop = asyncio.get_running_loop()
+        removed = remove_stale_sockets(self.config.kubelet_dir)
+        if removed:
+            _log.info("stale_sockets_removed", sockets=removed)
+        multiproc_dir = runtime_dir / status_.METRICS_DIR
+        shutil.rmtree(multiproc_dir, ignore_errors=True)
+        if self.config.metrics is not None:
+            multiproc_dir.mkdir(mode=0o755)
+        monitor_dir = runtime_dir / status_.MONITOR_DIR
+        shutil.rmtree(monitor_dir, ignore_errors=True)
+        monitor_dir.mkdir(mode=0o755)
+        report_path = runtime_dir / status_.REPORT_SOCKET
+        spawner = await self._open_spawner(self._child_env())
+        metrics: Metrics | None = None
+        supervisor = Supervisor(
+            self.config,
+            spawner=spawner,
+            clock=SystemClock(),
+            log_format=self._log_format,
+            log_level=self._log_level,
+            on_child_exit=lambda pid: metrics.process_dead(pid) if metrics is not None else None,
+        )
+        supervisor.config_source = None if self.config_path is None else str(self.config_path)
+        self.supervisor = supervisor
+        async with contextlib.AsyncExitStack() as cleanup:
+            # Undone in reverse order: children first (should anything have failed), the
+            # fork server, then the files.
+            cleanup.callback(shutil.rmtree, multiproc_dir, ignore_errors=True)
+            cleanup.callback(shutil.rmtree, monitor_dir, ignore_errors=True)
+            cleanup.callback(status_.remove_state, runtime_dir)
+            cleanup.callback(self.notifier.close)
+            cleanup.push_async_callback(spawner.close)
+            cleanup.callback(self._kill_leftovers, supervisor)
+            reports = ReportListener(report_path, self._on_report)
+            reports.open()
+            cleanup.callback(reports.close)
+            watch = KubeletWatch(
+                self.config.kubelet_dir,
+                on_kubelet_started=self._on_kubelet_started,
+                on_socket_deleted=self._on_socket_deleted,
+            )
+            watch.open()
+            cleanup.push_async_callback(watch.close)
+            if self.config.metrics is not None:
+                # Imported only then: without an endpoint the agent needs no prometheus-client.
+                from plugvisor.supervisor import metrics as metrics_  # noqa: PLC0415
+
+                metrics = metrics_.Metrics(
+                    supervisor.snapshot,
+                    multiproc_dir=multiproc_dir,
+                    monitor_dir=monitor_dir if self.config.monitoring.enabled else None,
+                )
+                http = metrics_.HttpServer(
+                    metrics,
+                    supervisor.readiness,
+                    host=self.config.metrics.host,
+                    port=self.config.metrics.port,
+                )
+                await http.start()
+                cleanup.push_async_callback(http.close)
+                self.metrics_address = http.address
+            if self.notifier.watchdog_interval is not None:
+                watchdog = loop.create_task(self._watchdog(self.notifier.watchdog_interval), name="watchdog")
+                cleanup.callback(watchdog.cancel)
+            _log.info(
+                "supervisor_started",
+                resources=len(self.config.resources),
+                spawner=type(spawner).__name__,
+                runtime_dir=str(runtime_dir),
+                config=str(self.config_path),
+            )
+            if not self._stop_requested:
+                supervisor.start()
+            await self._loop(supervisor, runtime_dir)
+        _log.info("supervisor_stopped")
+        return 0
+
+    @staticmethod
+    def _kill_leftovers(supervisor: Supervisor) -> None:
+        """After an unexpected error only: never leave a child behind."""
+        for child in supervisor.all_children():
+            if child.pid is not None:
+                supervisor.spawner.kill(child.pid, signal.SIGKILL)
+
+    async def _loop(self, supervisor: Supervisor, runtime_dir: Path) -> None:
+        ready_sent = False
+        clock = supervisor.clock
+        stop_bound: float | None = None
+        state_retry = False
+        while True:
+            self._wake.clear()
+            if state_retry:
+                # A state file that could not be written (a full disk) is tried again on
+                # each round (at least every housekeeping interval) until it can be.
+                state_retry = False
+                supervisor.dirty = True
+            if self._stop_requested and not supervisor.stopping:
+                _log.info("stopping", children=len(supervisor.all_children()))
+                self.notifier.stopping()
+                supervisor.stop()
+                stop_bound = clock.monotonic() + self.config.supervisor.stop_timeout + 5.0
+            if self._reload_requested:
+                self._reload_requested = False
+                if not supervisor.stopping:
+                    self._reload(supervisor, announce=ready_sent)
+            for exit_ in supervisor.spawner.reap():
+                supervisor.handle_exit(exit_.pid, exit_.returncode)
+            deadline = supervisor.tick()
+            if supervisor.dirty:
+                supervisor.dirty = False
+                if not self._write_state(runtime_dir, supervisor):
+                    state_retry = True
+                if supervisor.ready and not ready_sent and not supervisor.stopping:
+                    ready_sent = True
+                    _log.info("ready", resources=len(supervisor.children))
+                    self.notifier.ready(supervisor.summary())
+                elif not supervisor.stopping:
+                    self.notifier.status(supervisor.summary())
+            if supervisor.stopping and (
+                supervisor.stopped or (stop_bound and clock.monotonic() > stop_bound)
+            ):
+                return
+            timeout = HOUSEKEEPING_INTERVAL
+            if deadline is not None:
+                timeout = min(timeout, max(0.0, deadline - clock.monotonic()))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+
+    def _write_state(self, runtime_dir: Path, supervisor: Supervisor) -> bool:
+        """Best effort: a status file that cannot be written must never stop the supervising.
+
+        Logged once per distinct error, and once more when writing works again.
+        """
+        try:
+            status_.write_state(runtime_dir, supervisor.snapshot())
+        except OSError as exc:
+            error = f"{exc.strerror or exc} ({runtime_dir / status_.STATE_FILE})"
+            if error != self._state_error:
+                _log.error("state_write_failed", error=error, note="supervising goes on; retrying")
+                self._state_error = error
+            return False
+        if self._state_error is not None:
+            _log.info("state_write_recovered", file=str(runtime_dir / status_.STATE_FILE))
+            self._state_error = None
+        return True
+
+    def _reload(self, supervisor: Supervisor, *, announce: bool) -> None:
+        """Apply SIGHUP; ``announce``: systemd has seen READY=1, so bracket with RELOADING=1 and READY=1."""
+        if self.config_path is None:
+            _log.warning("reload_ignored", reason="no configuration file")
+            return
+        if announce:
+            self.notifier.reloading(int(supervisor.clock.monotonic() * 1e6))
+        try:
+            config = load_node_config(self.config_path)
+        except ConfigError as exc:
+            _log.error("reload_rejected", error=str(exc), keeping="the running configuration")
+            if announce:
+                self.notifier.ready(
+                    f"reload rejected, running the previous configuration; {supervisor.summary()}"
+                )
+            return
+        summary = supervisor.reload(config)
+        self.config = config
+        _log.info("reloaded", **summary)
+        if announce:
+            self.notifier.ready(supervisor.summary())
+
+    async def _watchdog(self, interval: float) -> None:
+        while True:
+            self.notifier.watchdog()
+            await asyncio.sleep(interval)
+
+    def _on_report(self, pid: int, fields: dict[str, str]) -> None:
+        if self.supervisor is not None:
+            self.supervisor.handle_report(pid, fields)
+            self.wake()
+
+    def _on_kubelet_started(self, kubelet_wall: float | None) -> None:
+        if self.supervisor is not None:
+            self.supervisor.handle_kubelet_started(kubelet_wall)
+            self.wake()
+
+    def _on_socket_deleted(self, name: str) -> None:
+        if self.supervisor is not None:
+            self.supervisor.handle_socket_deleted(name)
+            self.wake()
+
+
+def run_agent(config_path: Path, *, log_format: str = "kv", log_level: str = "info") -> int:
+    """Load the configuration and run the agent until SIGTERM/SIGINT; returns the exit code.
+
+    Raises :class:`ConfigError` (exit status 2 in the CLI) before starting anything.
+    """
+    try:
+        config = load_node_config(config_path)
+        agent = Agent(config, config_path=config_path, log_format=log_format, log_level=log_level)
+        return asyncio.run(agent.run())
+    finally:
+        prestart.discard()  # a fork server started early that the agent did not take
