@@ -167,52 +167,73 @@ def _pct(samples: list[float], q: float) -> float:
     return statistics.quantiles(samples, n=100, method="inclusive")[int(q) - 1] if q < 100 else max(samples)
 
 
+class Measured:
+    """One server's round trips over all rounds, and its p50 and CPU time per call in each round."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+        self.round_p50: list[float] = []
+        self.round_cpu: list[float] = []
+
+    def add(self, samples: list[float], cpu_per_call: float) -> None:
+        self.samples.extend(samples)
+        self.round_p50.append(statistics.median(samples))
+        self.round_cpu.append(cpu_per_call)
+
+
+def print_table(measured: dict[str, Measured], floor: str, width: int = 26) -> None:
+    """Each server's figures beside the floor's.
+
+    The p50 and CPU ratios are medians of per-round ratios (each round measures
+    every server back to back, so a slow spell of the machine hits both sides of
+    a ratio); p99 is over all calls, as tails need many samples.
+    """
+    base = measured[floor]
+    print(
+        f"  {'':{width}} {'p50':>9} {'/floor':>6}  {'p99':>9} {'/floor':>6}"
+        f"  {'server CPU/call':>15} {'/floor':>6}"
+    )
+    for name, m in measured.items():
+        p50, p99, cpu = statistics.median(m.samples), _pct(m.samples, 99), statistics.median(m.round_cpu)
+        p50_ratio = statistics.median(a / b for a, b in zip(m.round_p50, base.round_p50, strict=True))
+        cpu_ratio = statistics.median(a / b for a, b in zip(m.round_cpu, base.round_cpu, strict=True))
+        print(
+            f"  {name:{width}} {p50 * 1e3:6.3f} ms {p50_ratio:5.2f}x  {p99 * 1e3:6.3f} ms"
+            f" {p99 / _pct(base.samples, 99):5.2f}x  {cpu * 1e6:12.1f} us {cpu_ratio:5.2f}x"
+        )
+
+
 def bench_allocate(calls: int, rounds: int = 12) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="/tmp/pvb-"))
-    results: dict[str, list[float]] = {}
-    cpu: dict[str, list[float]] = {}
+    names = {
+        "bare": "bare gRPC unary",
+        "plugvisor": "plugvisor Allocate",
+        "generated": "  generated handlers",
+    }
+    measured = {name: Measured() for name in names.values()}
     try:
         # Interleave rounds so drift on a noisy machine hits both sides alike.
-        kinds = ("bare", "plugvisor", "generated")
-        for kind in kinds:
-            results[kind], cpu[kind] = [], []
+        kinds = tuple(names)
         for round_ in range(rounds):
             order = kinds if round_ % 2 == 0 else kinds[::-1]
             for kind in order:
                 sock = tmp / f"{kind}{round_}.sock"
                 proc = _start(kind, sock)
                 try:
-                    samples, per_call = _measure(sock, calls // rounds, proc.pid)
-                    results[kind].extend(samples)
-                    cpu[kind].append(per_call)
+                    measured[names[kind]].add(*_measure(sock, calls // rounds, proc.pid))
                 finally:
                     proc.send_signal(signal.SIGTERM)
                     proc.wait(timeout=10)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    bare = results["bare"]
-    floor = (_pct(bare, 50), _pct(bare, 99), statistics.median(cpu["bare"]))
-    print(f"Allocate round trip over {len(bare)} calls (unix socket, server in its own process):")
+    print(
+        f"Allocate round trip over {calls // rounds * rounds} calls (unix socket, server in its own process):"
+    )
     print(f"  (client on one core, each server on the other; {rounds} alternating rounds of fresh processes;")
     print(f"  load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
     print("  floor: bare gRPC unary = grpc.aio on asyncio's loop, a handler returning a ready-made answer")
     print("  target: plugvisor Allocate p50 and p99 <= 1.00x the floor")
-    print(
-        f"  {'':22} {'p50':>9} {'/floor':>6}  {'p99':>9} {'/floor':>6}  {'server CPU/call':>15} {'/floor':>6}"
-    )
-    named = (
-        ("bare gRPC unary", "bare"),
-        ("plugvisor Allocate", "plugvisor"),
-        ("  generated handlers", "generated"),
-    )
-    for name, kind in named:
-        data = results[kind]
-        figures = (_pct(data, 50), _pct(data, 99), statistics.median(cpu[kind]))
-        p50, p99, per_call = (f / base for f, base in zip(figures, floor, strict=True))
-        print(
-            f"  {name:22} {figures[0] * 1e3:6.3f} ms {p50:5.2f}x  {figures[1] * 1e3:6.3f} ms {p99:5.2f}x"
-            f"  {figures[2] * 1e6:12.1f} us {per_call:5.2f}x"
-        )
+    print_table(measured, "bare gRPC unary", width=22)
     print("  (generated handlers: grpc's own registration, which answers a malformed request UNKNOWN)")
 
 
@@ -349,8 +370,11 @@ def main() -> None:
         signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
         if kind == "bare":
             asyncio.run(_serve_bare(sock))
-        else:  # asyncio's own loop, as runtime.run_plugin runs a plugin (bench/README.md says why)
-            asyncio.run(_serve_plugvisor(sock, generated=kind == "generated"))
+        else:  # on the event loop a plugin process runs on (runtime.run_plugin; bench/README.md says why)
+            from plugvisor.deviceplugin.runtime import plugin_event_loop
+
+            with asyncio.Runner(loop_factory=plugin_event_loop) as runner:
+                runner.run(_serve_plugvisor(sock, generated=kind == "generated"))
         return
     _pin(0)
     bench_allocate(args.calls)

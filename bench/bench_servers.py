@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -130,8 +129,7 @@ def main() -> None:
         flavours = {name: spec for name, spec in FLAVOURS.items() if name in args.only or name == FLOOR}
     bench_rpc._pin(0)
     tmp = Path(tempfile.mkdtemp(prefix="/tmp/pvs-"))
-    results: dict[str, list[float]] = {name: [] for name in flavours}
-    cpu: dict[str, list[float]] = {name: [] for name in flavours}
+    measured = {name: bench_rpc.Measured() for name in flavours}
     try:
         for round_ in range(args.rounds):
             names = list(flavours) if round_ % 2 == 0 else list(reversed(flavours))
@@ -139,9 +137,7 @@ def main() -> None:
                 sock = tmp / f"s{round_}-{i}.sock"
                 proc = start(flavours[name], sock)
                 try:
-                    samples, per_call = bench_rpc._measure(sock, args.calls // args.rounds, proc.pid)
-                    results[name].extend(samples)
-                    cpu[name].append(per_call)
+                    measured[name].add(*bench_rpc._measure(sock, args.calls // args.rounds, proc.pid))
                 finally:
                     proc.send_signal(signal.SIGTERM)
                     proc.wait(timeout=10)
@@ -155,19 +151,7 @@ def main() -> None:
     print(
         f"  floor: {FLOOR} (a bare handler returning a ready-made answer); target: plugvisor <= 1.00x floor"
     )
-    floor_p50 = statistics.median(results[FLOOR])
-    floor_p99 = bench_rpc._pct(results[FLOOR], 99)
-    floor_cpu = statistics.median(cpu[FLOOR])
-    print(
-        f"  {'':26} {'p50':>9} {'/floor':>6}  {'p99':>9} {'/floor':>6}  {'server CPU/call':>15} {'/floor':>6}"
-    )
-    for name, data in results.items():
-        p50, p99, per_call = statistics.median(data), bench_rpc._pct(data, 99), statistics.median(cpu[name])
-        print(
-            f"  {name:<26} {p50 * 1e3:6.3f} ms {p50 / floor_p50:5.2f}x"
-            f"  {p99 * 1e3:6.3f} ms {p99 / floor_p99:5.2f}x"
-            f"  {per_call * 1e6:12.1f} us {per_call / floor_cpu:5.2f}x"
-        )
+    bench_rpc.print_table(measured, FLOOR)
 
 
 if __name__ == "__main__":
