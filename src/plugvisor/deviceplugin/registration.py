@@ -12,6 +12,13 @@ different file from the one we registered through (compared by inode and
 change time): the event that announces the very kubelet we just registered
 with must not trigger a second, spurious registration.
 
+A second plugin that registers the same resource (started by hand with
+``--replace``, or another agent's) makes the kubelet follow it and forget us,
+without a word to us; when it stops, the resource would be gone from the node
+until the next kubelet restart. Its socket is named by the same prefix as ours,
+so its removal is counted too (:attr:`DirState.sibling_removals`), and
+:data:`SIBLING_STOPPED` tells the runtime to register again, on the same socket.
+
 A kubelet that crash-loops restarts within milliseconds of accepting a
 registration, so events that announce the *next* restart can be applied while
 the Register call is still returning. Two rules keep such a restart from being
@@ -26,9 +33,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Final
 
 import grpc
 import structlog
@@ -36,6 +45,7 @@ import structlog
 from plugvisor.api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from plugvisor.common import constants
 from plugvisor.common.kubeletdir import DirChange, DirEvent, KubeletDirWatch
+from plugvisor.common.sockets import SOCKET_SUFFIX, socket_prefix
 from plugvisor.deviceplugin.cell import SnapshotCell
 from plugvisor.deviceplugin.errors import RegistrationRejectedError
 
@@ -57,6 +67,10 @@ class SocketIdentity:
         return cls(st.st_ino, st.st_ctime_ns)
 
 
+SIBLING_STOPPED: Final = "another plugin of this resource stopped"
+""":meth:`Registrar.wait_for_restart`'s reason when a plugin that may have superseded us went away."""
+
+
 @dataclass(frozen=True, slots=True)
 class DirState:
     """What the watch has seen so far in the kubelet's directory (counters only grow)."""
@@ -64,6 +78,9 @@ class DirState:
     kubelet_creations: int = 0
     socket_deletions: int = 0
     overflows: int = 0
+    sibling_removals: int = 0
+    """Sockets of our resource that this process never served, removed: a plugin that may have
+    superseded us has gone."""
 
 
 class KubeletDirState:
@@ -78,6 +95,10 @@ class KubeletDirState:
         self.kubelet_socket = kubelet_dir / constants.KUBELET_SOCKET_NAME
         self.state: SnapshotCell[DirState] = SnapshotCell(DirState())
         self.own_socket: str | None = None
+        self.sibling_prefix: str | None = None
+        """Socket names ``<prefix>-*.sock`` are our resource's (see :func:`socket_prefix`)."""
+        self.served: set[str] = set()
+        """Every socket name this process has registered (so our own old ones are no siblings)."""
         self._watch = KubeletDirWatch(kubelet_dir, self._apply)
 
     def open(self) -> None:
@@ -88,16 +109,30 @@ class KubeletDirState:
         """Stop watching."""
         self._watch.close()
 
+    def _is_sibling(self, name: str) -> bool:
+        prefix = self.sibling_prefix
+        return (
+            prefix is not None
+            and name.startswith(prefix + "-")
+            and name.endswith(SOCKET_SUFFIX)
+            and name != self.own_socket
+            and name not in self.served
+        )
+
     def _apply(self, event: DirEvent) -> None:
         state = self.state.value
         if event.change is DirChange.KUBELET_SOCKET_CREATED:
-            state = DirState(state.kubelet_creations + 1, state.socket_deletions, state.overflows)
+            state = dataclasses.replace(state, kubelet_creations=state.kubelet_creations + 1)
         elif event.change is DirChange.FILE_REMOVED and event.name == self.own_socket:
-            state = DirState(state.kubelet_creations, state.socket_deletions + 1, state.overflows)
+            state = dataclasses.replace(state, socket_deletions=state.socket_deletions + 1)
+        elif event.change is DirChange.FILE_REMOVED and self._is_sibling(event.name):
+            state = dataclasses.replace(state, sibling_removals=state.sibling_removals + 1)
         elif event.change is DirChange.EVENTS_LOST:
             # Count it as a possible restart, so that every waiter looks at the files
             # rather than trusting counters that missed an event.
-            state = DirState(state.kubelet_creations + 1, state.socket_deletions, state.overflows + 1)
+            state = dataclasses.replace(
+                state, kubelet_creations=state.kubelet_creations + 1, overflows=state.overflows + 1
+            )
         self.state.publish(state)
 
     async def run(self) -> None:
@@ -175,6 +210,7 @@ class Registrar:
         self._baseline = DirState()
         self._log = structlog.get_logger("plugvisor.registration").bind(resource=resource)
         self.registrations = 0
+        watch.sibling_prefix = socket_prefix(resource)
 
     async def register(self, endpoint: str, options: api_pb2.DevicePluginOptions) -> float:
         """Register ``endpoint`` (a bare socket file name); returns the seconds it took, retries included.
@@ -186,6 +222,7 @@ class Registrar:
         """
         started = time.monotonic()
         self._watch.own_socket = endpoint
+        self._watch.served.add(endpoint)
         own_socket = self._watch.kubelet_dir / endpoint
         delay = 0.05
         while True:
@@ -266,8 +303,12 @@ class Registrar:
                 if SocketIdentity.of(self._watch.kubelet_socket) != self._registered_kubelet:
                     return "kubelet.sock re-created"
                 # The creation event of the very kubelet we registered with: not a restart.
-                baseline = DirState(state.kubelet_creations, baseline.socket_deletions, state.overflows)
+                baseline = dataclasses.replace(
+                    baseline, kubelet_creations=state.kubelet_creations, overflows=state.overflows
+                )
             reason = self._restart_seen_in_files()
+            if reason is None and state.sibling_removals > baseline.sibling_removals:
+                return SIBLING_STOPPED
             if reason is not None:
                 if seen >= 0:
                     self._log.warning("kubelet_restart_missed_by_watch", reason=reason)

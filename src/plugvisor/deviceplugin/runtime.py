@@ -36,7 +36,12 @@ from plugvisor.deviceplugin.device_monitor import DeviceDescriber, DeviceMonitor
 from plugvisor.deviceplugin.endpoint import PluginEndpoint
 from plugvisor.deviceplugin.errors import ConfigurationError, RegistrationRejectedError, SocketInUseError
 from plugvisor.deviceplugin.hooks import DeviceSource, Hooks, resolve_hooks
-from plugvisor.deviceplugin.registration import EndpointLostError, KubeletDirState, Registrar
+from plugvisor.deviceplugin.registration import (
+    SIBLING_STOPPED,
+    EndpointLostError,
+    KubeletDirState,
+    Registrar,
+)
 from plugvisor.deviceplugin.release import PodResourcesWatch, Releases, default_pod_resources_socket
 from plugvisor.deviceplugin.server import PluginServer
 from plugvisor.deviceplugin.snapshot import Snapshot
@@ -224,27 +229,30 @@ class DevicePluginRuntime:
             return
         reason = "start"
         number = 0
+        endpoint: PluginEndpoint | None = None
         while True:
             detected = time.monotonic()
-            proposed = self.server.proposed_handler()
-            endpoint = PluginEndpoint(
-                self.server,
-                self.config.paths.kubelet_dir,
-                self.config.resource,
-                extra_handlers=(proposed,) if proposed is not None else (),
-            )
-            await endpoint.start()
-            # Said before registering, so that whoever reaps this process knows which socket
-            # it leaves behind should it be killed before it could register.
-            self.status.send(ENDPOINT=endpoint.name)
-            old, self.endpoint = self.endpoint, endpoint
-            if old is not None:
-                await old.stop(grace=0)
+            if endpoint is None:
+                proposed = self.server.proposed_handler()
+                endpoint = PluginEndpoint(
+                    self.server,
+                    self.config.paths.kubelet_dir,
+                    self.config.resource,
+                    extra_handlers=(proposed,) if proposed is not None else (),
+                )
+                await endpoint.start()
+                # Said before registering, so that whoever reaps this process knows which socket
+                # it leaves behind should it be killed before it could register.
+                self.status.send(ENDPOINT=endpoint.name)
+                old, self.endpoint = self.endpoint, endpoint
+                if old is not None:
+                    await old.stop(grace=0)
             try:
                 await registrar.register(endpoint.name, self.server.options)
             except EndpointLostError as exc:
                 reason = "plugin socket deleted before registration"
                 self._log.info("kubelet_restart_detected", reason=reason, detail=str(exc))
+                endpoint = None
                 continue
             number += 1
             metrics.PLUGIN_REGISTRATIONS.labels(self.config.resource).inc()
@@ -258,10 +266,18 @@ class DevicePluginRuntime:
                 DEVICES=f"{len(devices.healthy_ids)}/{len(devices)}",
             )
             reason = await registrar.wait_for_restart()
+            if reason == SIBLING_STOPPED:
+                # Not a kubelet restart: the kubelet may have followed that plugin and forgotten us.
+                # Registering again on the socket we serve brings the resource back (the same
+                # kubelet dials it once more), whatever the restart policy, and nobody else has to
+                # learn of a new socket.
+                self._log.info("registering_again", reason=reason, endpoint=endpoint.name)
+                continue
             self._log.info("kubelet_restart_detected", reason=reason)
             self.status.send(KUBELET_RESTART=reason)
             if self.config.on_kubelet_restart == "exit":
                 raise KubeletRestartedError(reason)
+            endpoint = None
 
     async def _serve_for_plugin_watcher(self) -> None:
         """Serve in ``plugins_registry`` and count every time the kubelet dials back (restarts included)."""

@@ -12,6 +12,8 @@ import signal
 import socket
 import sys
 
+import pytest
+
 from plugvisor.common.sockets import live_instances, socket_name, socket_prefix
 from plugvisor.emulators.kubelet import EmulatedKubelet
 
@@ -129,3 +131,38 @@ def test_live_instances_are_this_resources_listening_sockets_only(short_dir):
     finally:
         for server in listening:
             server.close()
+
+
+@pytest.mark.parametrize("replacement", ["per-name", "per-socket"])
+async def test_once_a_plugin_that_took_the_resource_over_stops_the_first_registers_again(
+    short_dir, replacement
+):
+    """A kubelet up to 1.35 forgets the first plugin when a second registers, and marks every device
+    unhealthy when the second stops; the first sees the second's socket go and registers again, on its
+    own socket, so the resource comes back without a kubelet restart."""
+    (short_dir / "root/dev").mkdir(parents=True)
+    (short_dir / "root/dev/ttyUSB0").touch()
+    async with EmulatedKubelet(short_dir / "dp", replacement=replacement) as kubelet:
+        first, first_socket = await start_first(short_dir, kubelet)
+        try:
+            second = await asyncio.create_subprocess_exec(
+                *plugin_argv(short_dir, "--replace"), stderr=asyncio.subprocess.PIPE
+            )
+            try:
+                await kubelet.wait_for(lambda k: endpoint(k) not in (None, first_socket), timeout=20)
+                registrations = len(kubelet.registrations)
+            finally:
+                await stop(second)
+            await kubelet.wait_for(
+                lambda k: (
+                    len(k.registrations) > registrations
+                    and endpoint(k) == first_socket
+                    and k.resource(RESOURCE).allocatable == 1
+                ),
+                timeout=20,
+            )
+            assert kubelet.registrations[-1].endpoint == first_socket.rsplit("/", 1)[-1]
+        finally:
+            stderr = await stop(first)
+        assert "registering_again" in stderr, stderr
+        assert "kubelet_restart_detected" not in stderr, stderr
