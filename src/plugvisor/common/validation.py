@@ -7,7 +7,10 @@ separate lines); operators reading a systemd journal need
 
 from __future__ import annotations
 
-import pydantic
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # only annotations: readers of YAML files (the agent's first lines) need no pydantic
+    import pydantic
 
 
 def shorten(text: str, limit: int = 80) -> str:

@@ -17,7 +17,7 @@ outlive the agent either way: it gets SIGKILL when the agent dies and exits
 when its standard input closes.
 
 This module is imported before anything else of the agent, so it imports
-nothing heavy (PyYAML's C loader only once it reads the file).
+nothing heavy (PyYAML and the strict reader only once it reads the file).
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from plugvisor.supervisor.systemd import SYSTEMD_ENV
 
 MULTIPROC_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
 """prometheus-client picks its multiprocess value class when it is imported, by this variable's presence."""
-_MAX_BYTES: Final = 1 << 20  # the file reader's own limit (plugvisor.common.yamlfile)
 # plugvisor.supervisor.status's names, which imports more than this module may.
 _METRICS_DIR: Final = "prometheus"
 _REPORT_SOCKET: Final = "status.sock"
@@ -95,15 +94,20 @@ def _config_path(args: Sequence[str]) -> Path | None:
 
 
 def _cheap_read(path: Path) -> tuple[tuple[str, ...], bool, Path] | None:
-    """(kinds, metrics wanted, runtime directory) from the file, unvalidated; None if unsure."""
-    import yaml  # noqa: PLC0415 - only once the agent is known to start
+    """(kinds, metrics wanted, runtime directory) from the file, unvalidated; None if unsure.
 
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-    with path.open("rb") as handle:
-        text = handle.read(_MAX_BYTES + 1)
-    if len(text) > _MAX_BYTES:
+    Read by the agent's own strict reader, so that what the validation refuses
+    later cannot hang or crash this early look first: a FIFO is refused without
+    blocking (a blocked open would also hold back SIGTERM, which is only recorded
+    this early), and nesting is bounded before PyYAML's recursive composer
+    (libyaml's C one overflows the stack on a 60 KB file of brackets).
+    """
+    from plugvisor.common.yamlfile import YamlFileError, read_yaml  # noqa: PLC0415 - see the module doc
+
+    try:
+        data: Any = read_yaml(path)
+    except YamlFileError:
         return None
-    data: Any = yaml.load(text, Loader=loader)  # noqa: S506 - a safe loader
     if not isinstance(data, dict) or not isinstance(data.get("resources"), list):
         return None
     supervisor = data.get("supervisor") or {}
