@@ -117,13 +117,3 @@ def log_options(*, scope: str = "") -> Callable[[Any], Any]:
         )(func)
 
     return decorate
-
-
-def quiet_grpc_core() -> None:
-    """Keep gRPC core's own info lines (a GOAWAY on every peer restart) off standard error.
-
-    gRPC reads ``GRPC_VERBOSITY`` when it is first imported, so this must run
-    before that; our structured log says what matters. An explicit
-    ``GRPC_VERBOSITY`` in the environment still wins.
-    """
-    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")

@@ -26,8 +26,9 @@ import structlog
 
 from plugvisor.common import constants, monitoring
 from plugvisor.common.exitcodes import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
+from plugvisor.common.grpcenv import quiet_grpc_core
 from plugvisor.common.hostpaths import HostPaths, host_root_problem, kubelet_dir_problem
-from plugvisor.common.logs import configure_logging, log_options, quiet_grpc_core
+from plugvisor.common.logs import configure_logging, log_options
 from plugvisor.common.sockets import live_instances
 from plugvisor.common.validation import describe
 from plugvisor.common.yamlfile import YamlFileError, read_yaml
