@@ -32,10 +32,11 @@ def agent_series() -> set[str]:
     snapshot = {"children": [child], "supervisor": {"kubelet_restarts": 0, "ready": True}}
     names = {s.name for m in SupervisorCollector(lambda: snapshot).collect() for s in m.samples}
     names |= monitoring.exported_metric_names()
-    for value in vars(plugin_metrics).values():
-        if isinstance(value, prometheus_client.metrics.MetricWrapperBase):
-            for m in value.describe():
-                names |= {m.name, f"{m.name}_total", f"{m.name}_bucket", f"{m.name}_count", f"{m.name}_sum"}
+    for name in plugin_metrics.METRICS:
+        value = getattr(plugin_metrics, name)
+        assert isinstance(value, prometheus_client.metrics.MetricWrapperBase)
+        for m in value.describe():
+            names |= {m.name, f"{m.name}_total", f"{m.name}_bucket", f"{m.name}_count", f"{m.name}_sum"}
     return names
 
 

@@ -8,6 +8,14 @@ a child dies). A standalone ``plugvisor plugin`` can serve them itself with
 supervisor from the status datagrams, so they are not repeated here.
 
 Label cardinality is bounded: resource names and the five RPC names, status codes.
+
+The metrics are created, and prometheus-client imported, at the first use of
+one of them: a process whose metrics nobody can read (a standalone plugin
+without ``--metrics-listen``) calls :func:`disable` first and gets recorders
+that do nothing, sparing it prometheus-client's import (its exposition code
+brings an HTTP server, the email package and compression modules: about 3 MB
+and tens of milliseconds of every plugin start). Once created, each metric is
+a plain module attribute, so the per-call path pays no lookup hook.
 """
 
 from __future__ import annotations
@@ -17,39 +25,95 @@ import os
 from bisect import bisect_left
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
-from prometheus_client import Counter, Gauge, Histogram, values
+if TYPE_CHECKING:
+    from prometheus_client import Counter, Gauge, Histogram
+
+    RPC_SECONDS: Histogram
+    RPC_ERRORS: Counter
+    ALLOCATED_DEVICES: Counter
+    STREAMS: Gauge
+    PLUGIN_REGISTRATIONS: Counter
 
 RPC_BUCKETS: Final = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1.0, 10.0, 30.0)
+METRICS: Final = ("RPC_SECONDS", "RPC_ERRORS", "ALLOCATED_DEVICES", "STREAMS", "PLUGIN_REGISTRATIONS")
+"""The module attributes that are metrics, created together at the first use of one."""
 
-RPC_SECONDS: Final = Histogram(
-    "plugvisor_plugin_rpc_duration_seconds",
-    "Time to answer a DevicePlugin RPC, by resource and method (ListAndWatch: not observed).",
-    ["resource", "method"],
-    buckets=RPC_BUCKETS,
-)
-RPC_ERRORS: Final = Counter(
-    "plugvisor_plugin_rpc_errors_total",
-    "DevicePlugin RPCs answered with an error status, by resource, method and gRPC code.",
-    ["resource", "method", "code"],
-)
-ALLOCATED_DEVICES: Final = Counter(
-    "plugvisor_plugin_allocated_devices_total",
-    "Devices handed out by successful Allocate calls.",
-    ["resource"],
-)
-STREAMS: Final = Gauge(
-    "plugvisor_plugin_list_and_watch_streams",
-    "ListAndWatch streams open now.",
-    ["resource"],
-    multiprocess_mode="livesum",
-)
-PLUGIN_REGISTRATIONS: Final = Counter(
-    "plugvisor_plugin_registrations_total",
-    "Successful Register calls made by this plugin process (1 + one per kubelet restart).",
-    ["resource"],
-)
+_enabled = True
+
+
+def _create() -> dict[str, Any]:
+    from prometheus_client import Counter, Gauge, Histogram  # noqa: PLC0415
+
+    return {
+        "RPC_SECONDS": Histogram(
+            "plugvisor_plugin_rpc_duration_seconds",
+            "Time to answer a DevicePlugin RPC, by resource and method (ListAndWatch: not observed).",
+            ["resource", "method"],
+            buckets=RPC_BUCKETS,
+        ),
+        "RPC_ERRORS": Counter(
+            "plugvisor_plugin_rpc_errors_total",
+            "DevicePlugin RPCs answered with an error status, by resource, method and gRPC code.",
+            ["resource", "method", "code"],
+        ),
+        "ALLOCATED_DEVICES": Counter(
+            "plugvisor_plugin_allocated_devices_total",
+            "Devices handed out by successful Allocate calls.",
+            ["resource"],
+        ),
+        "STREAMS": Gauge(
+            "plugvisor_plugin_list_and_watch_streams",
+            "ListAndWatch streams open now.",
+            ["resource"],
+            multiprocess_mode="livesum",
+        ),
+        "PLUGIN_REGISTRATIONS": Counter(
+            "plugvisor_plugin_registrations_total",
+            "Successful Register calls made by this plugin process (1 + one per kubelet restart).",
+            ["resource"],
+        ),
+    }
+
+
+class _Unread:
+    """What a metric is in a process whose metrics nobody reads: every recording call does nothing."""
+
+    def labels(self, *_values: str, **_named: str) -> _Unread:
+        return self
+
+    def inc(self, amount: float = 1) -> None:
+        """Record nothing."""
+
+    def dec(self, amount: float = 1) -> None:
+        """Record nothing."""
+
+    def set(self, value: float) -> None:
+        """Record nothing."""
+
+    def observe(self, amount: float) -> None:
+        """Record nothing."""
+
+
+def disable() -> None:
+    """Nobody can read this process's metrics: make every one a recorder that does nothing.
+
+    Call it before the first metric is used (it raises otherwise: some code
+    would keep recording into the real ones).
+    """
+    global _enabled  # noqa: PLW0603 - one switch per process, set once before any metric exists
+    if METRICS[0] in globals():
+        raise RuntimeError("the plugin metrics are in use already")
+    _enabled = False
+
+
+def __getattr__(name: str) -> Any:
+    if name not in METRICS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    created = _create() if _enabled else dict.fromkeys(METRICS, _Unread())
+    globals().update(created)
+    return created[name]
 
 
 def observer(child: Histogram) -> Callable[[float], None]:
@@ -62,7 +126,8 @@ def observer(child: Histogram) -> Callable[[float], None]:
     bucket), so multiprocess mode and its fork handling work unchanged;
     tests/unit/deviceplugin/test_metrics.py holds both paths to the same
     exposition. Should a prometheus-client release lay its children out
-    differently, this falls back to ``child.observe``.
+    differently (or the metric is one that :func:`disable` made a recorder that
+    does nothing), this falls back to ``child.observe``.
     """
     parts: Any = child
     try:
@@ -127,6 +192,8 @@ def reserve_multiprocess_files(pid: int | None = None) -> str | None:
         for path in created:
             with contextlib.suppress(OSError):
                 path.unlink()
+        from prometheus_client import values  # noqa: PLC0415
+
         values.ValueClass = values.MutexValue
         return f"{exc.strerror or exc} in {directory}"
     return None

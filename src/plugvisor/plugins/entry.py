@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,7 +32,6 @@ from plugvisor.common.hostpaths import HostPaths, host_root_problem, kubelet_dir
 from plugvisor.common.logs import configure_logging, log_options
 from plugvisor.common.sockets import live_instances
 from plugvisor.common.validation import describe
-from plugvisor.common.yamlfile import YamlFileError, read_yaml
 from plugvisor.plugins.kinds import UnknownKindError, get_kind
 
 # The framework's runtime (and so grpc) is imported when a plugin starts, after this.
@@ -39,9 +39,15 @@ quiet_grpc_core()
 
 COMMAND = "plugin"
 """The first of a child's arguments: the agent hands a child ``plugin KIND --resource ...``."""
+MULTIPROCESS_METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"
+"""Set by the agent for its children: their metrics are aggregated by the agent's ``/metrics``."""
 
 
 def _load_options_file(path: Path) -> dict[str, Any]:
+    # Imported here: the agent hands its children their options as JSON, so only a
+    # standalone plugin given --options-file needs a YAML parser.
+    from plugvisor.common.yamlfile import YamlFileError, read_yaml
+
     try:
         data = read_yaml(path)
     except YamlFileError as exc:
@@ -223,6 +229,7 @@ def plugin_command(
     from plugvisor.deviceplugin.errors import ConfigurationError
     from plugvisor.deviceplugin.runtime import DevicePluginRuntime, PluginConfig, run_plugin
 
+    _drop_unread_metrics(metrics_listen)
     configure_logging(level=log_level, fmt="json" if log_format == "json" else "kv")
     try:
         plugin_kind = get_kind(kind)
@@ -287,6 +294,14 @@ def plugin_command(
                 REGISTRY.register(DeviceCollector(runtime.monitor.view))
 
     sys.exit(run_plugin(config, source, on_ready=on_ready))
+
+
+def _drop_unread_metrics(metrics_listen: str | None) -> None:
+    """Record no process metrics when neither this process serves them nor an agent aggregates them."""
+    if not metrics_listen and MULTIPROCESS_METRICS_ENV not in os.environ:
+        from plugvisor.deviceplugin import metrics
+
+        metrics.disable()
 
 
 def _check_host(kind: str, host: HostPaths, resource: str) -> None:
@@ -357,7 +372,13 @@ def _serve_metrics(listen: str) -> None:
 
 
 def preload() -> None:
-    """Import what every plugin process needs, so that the fork server's children inherit it."""
+    """Import what every plugin process needs, so that the fork server's children inherit it.
+
+    prometheus-client included: the framework imports it at the first metric,
+    and the agent's children always record theirs.
+    """
+    import prometheus_client  # noqa: F401
+
     import plugvisor.deviceplugin.runtime  # noqa: F401
 
 

@@ -1,8 +1,12 @@
 """Device kinds: the one :class:`PluginKind` class, and the registry that ``kind: gpu`` resolves through.
 
-Kinds are loaded from the ``plugvisor.plugins`` entry-point group (plugvisor's own
-are registered there too, in pyproject.toml), so built-in and third-party kinds
-are found the same way and a missing or broken one is reported by name.
+Third-party kinds are loaded from the ``plugvisor.plugins`` entry-point group, and
+a missing or broken one is reported by name. plugvisor's own kinds are registered
+there too (pyproject.toml), but resolved from :data:`BUILTIN_KINDS` without
+reading any package metadata: finding an entry point means importing
+:mod:`importlib.metadata` (and the email parser behind it) and reading the
+metadata of every installed distribution, which every plugin process and the
+agent paid at start-up for a name known in advance.
 
 The agent imports this module to validate its configuration with each kind's
 options model, and the agent's import graph must not reach the framework (an
@@ -13,9 +17,11 @@ only, and a kind's module must not import gRPC when it is loaded
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from importlib.metadata import EntryPoint, entry_points
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Final, Generic, Protocol, TypeVar
 
 import pydantic
 
@@ -26,6 +32,21 @@ if TYPE_CHECKING:
     from plugvisor.deviceplugin.hooks import DeviceSource
 
 ENTRY_POINT_GROUP = "plugvisor.plugins"
+
+BUILTIN_KINDS: Final[Mapping[str, str]] = MappingProxyType(
+    {
+        "generic": "plugvisor.plugins.generic:KIND",
+        "gpu": "plugvisor.plugins.gpu:KIND",
+        "fpga": "plugvisor.plugins.fpga:KIND",
+        "nic": "plugvisor.plugins.nic:KIND",
+    }
+)
+"""plugvisor's own kinds, ``name -> module:attribute``, exactly as pyproject.toml registers them.
+
+A test keeps the two equal. These names are reserved: a third-party entry point
+registered under one of them is never loaded (before, which of two entry points
+with one name was used depended on the order of sys.path).
+"""
 
 OptionsT = TypeVar("OptionsT", bound=pydantic.BaseModel)
 OptionsT_contra = TypeVar("OptionsT_contra", bound=pydantic.BaseModel, contravariant=True)
@@ -72,25 +93,35 @@ class KindLoadError(UnknownKindError):
     """A kind is registered, but its entry point cannot be loaded (a broken or partial install)."""
 
 
-def _load(ep: EntryPoint) -> PluginKind[Any]:
+def _load(name: str, value: str, load: Callable[[], object]) -> PluginKind[Any]:
     try:
-        kind = ep.load()
+        kind = load()
     except Exception as exc:  # any import-time failure of a plugin package, reported by name
         raise KindLoadError(
-            f"plugin kind {ep.name!r} is registered as {ep.value} but cannot be loaded: "
-            f"{type(exc).__name__}: {exc}"
+            f"plugin kind {name!r} is registered as {value} but cannot be loaded: {type(exc).__name__}: {exc}"
         ) from exc
     if not isinstance(kind, PluginKind):
         raise KindLoadError(
-            f"plugin kind {ep.name!r} ({ep.value}) is a {type(kind).__name__}, not a plugvisor PluginKind"
+            f"plugin kind {name!r} ({value}) is a {type(kind).__name__}, not a plugvisor PluginKind"
         )
     return kind
 
 
+def _import_attribute(value: str) -> object:
+    module, _, attribute = value.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
 def get_kind(name: str) -> PluginKind[Any]:
     """The kind called ``name``; the error lists the installed ones."""
+    builtin = BUILTIN_KINDS.get(name)
+    if builtin is not None:
+        return _load(name, builtin, lambda: _import_attribute(builtin))
+    # Third-party kinds only: the metadata machinery is imported when one is asked for.
+    from importlib.metadata import entry_points  # noqa: PLC0415
+
     for ep in entry_points(group=ENTRY_POINT_GROUP, name=name):
-        return _load(ep)
-    known = sorted(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))
+        return _load(ep.name, ep.value, ep.load)
+    known = sorted({*BUILTIN_KINDS, *(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))})
     shown = shorten(name)
-    raise UnknownKindError(f"unknown plugin kind {shown!r}: installed kinds are {', '.join(known) or 'none'}")
+    raise UnknownKindError(f"unknown plugin kind {shown!r}: installed kinds are {', '.join(known)}")

@@ -1,10 +1,15 @@
-"""The per-call metric writers record exactly what prometheus-client's own observe/inc record.
+"""The plugin's own metrics: created at first use (or recorders that do nothing when nobody can read them).
 
-Checked in both of prometheus-client's storage modes: values in the process, and
-the multiprocess mode the agent's children run in (values in mmap'ed files that
-the agent aggregates), through the exposition a scrape would read.
+The per-call metric writers record exactly what prometheus-client's own observe/inc record, checked in
+both of prometheus-client's storage modes: values in the process, and the multiprocess mode the agent's
+children run in (values in mmap'ed files that the agent aggregates), through the exposition a scrape
+would read.
 """
 
+import subprocess
+import sys
+
+import prometheus_client
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, values
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -65,3 +70,46 @@ def test_children_laid_out_unlike_prometheus_clients_fall_back_to_the_public_met
     opaque = Opaque()
     assert metrics.observer(opaque) == opaque.observe  # type: ignore[arg-type]
     assert metrics.incrementer(opaque) == opaque.inc  # type: ignore[arg-type]
+
+
+def run(code):
+    argv = [sys.executable, "-c", code]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_every_metric_is_a_prometheus_metric_by_default():
+    for name in metrics.METRICS:
+        assert isinstance(getattr(metrics, name), prometheus_client.metrics.MetricWrapperBase)
+
+
+def test_disabled_metrics_record_nothing_and_never_load_prometheus_client():
+    result = run(
+        "import sys\n"
+        "from plugvisor.deviceplugin import metrics\n"
+        "metrics.disable()\n"
+        "metrics.RPC_SECONDS.labels('r', 'Allocate').observe(0.1)\n"
+        "metrics.RPC_ERRORS.labels('r', 'Allocate', 'NOT_FOUND').inc()\n"
+        "metrics.ALLOCATED_DEVICES.labels('r').inc(2)\n"
+        "metrics.STREAMS.labels('r').inc(); metrics.STREAMS.labels('r').dec()\n"
+        "metrics.PLUGIN_REGISTRATIONS.labels('r').inc()\n"
+        "metrics.observer(metrics.RPC_SECONDS.labels('r', 'Allocate'))(0.1)\n"
+        "metrics.incrementer(metrics.ALLOCATED_DEVICES.labels('r'))(2)\n"
+        "print('prometheus_client' in sys.modules)\n"
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False"]
+
+
+def test_disabling_metrics_already_in_use_is_refused():
+    result = run(
+        "from plugvisor.deviceplugin import metrics\n"
+        "metrics.PLUGIN_REGISTRATIONS.labels('r').inc()\n"
+        "metrics.disable()\n"
+    )
+    assert result.returncode == 1
+    assert "the plugin metrics are in use already" in result.stderr
+
+
+def test_an_unknown_name_is_still_an_attribute_error():
+    with pytest.raises(AttributeError, match="NOT_A_METRIC"):
+        _ = metrics.NOT_A_METRIC

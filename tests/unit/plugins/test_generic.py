@@ -1,5 +1,6 @@
 """The generic kind: squat-style groups of globbed paths, readable IDs, clear option errors."""
 
+import importlib.metadata
 from pathlib import Path
 
 import pydantic
@@ -163,12 +164,48 @@ class TestKindRegistry:
             name="broken", value="plugvisor.plugins.generic:NOT_THERE", group=kinds.ENTRY_POINT_GROUP
         )
         monkeypatch.setattr(
-            kinds, "entry_points", lambda **kw: [broken] if kw.get("name") in (None, "broken") else []
+            importlib.metadata,
+            "entry_points",
+            lambda **kw: [broken] if kw.get("name") in (None, "broken") else [],
         )
         with pytest.raises(
             kinds.KindLoadError, match=r"'broken' is registered as .*NOT_THERE but cannot be loaded"
         ):
             kinds.get_kind("broken")
+
+    def test_a_third_party_kind_is_loaded_through_its_entry_point(self, monkeypatch):
+        from importlib.metadata import EntryPoint
+
+        from plugvisor.plugins import kinds
+
+        widget = EntryPoint(
+            name="widget", value="plugvisor.plugins.generic:KIND", group=kinds.ENTRY_POINT_GROUP
+        )
+        monkeypatch.setattr(
+            importlib.metadata, "entry_points", lambda **kw: [widget] if kw.get("name") == "widget" else []
+        )
+        assert kinds.get_kind("widget") is KIND
+
+    def test_the_built_in_kinds_are_the_ones_pyproject_registers(self):
+        from plugvisor.plugins import kinds
+
+        registered = {
+            ep.name: ep.value
+            for ep in importlib.metadata.entry_points(group=kinds.ENTRY_POINT_GROUP)
+            if ep.dist is not None and ep.dist.name == "plugvisor"
+        }
+        assert registered == dict(kinds.BUILTIN_KINDS)
+        for name in kinds.BUILTIN_KINDS:
+            assert kinds.get_kind(name).name == name
+
+    def test_a_built_in_kind_is_found_without_reading_package_metadata(self, monkeypatch):
+        from plugvisor.plugins import kinds
+
+        def no_metadata(**_kw):
+            raise AssertionError("a built-in kind must not need the installed packages' metadata")
+
+        monkeypatch.setattr(importlib.metadata, "entry_points", no_metadata)
+        assert kinds.get_kind("generic") is KIND
 
 
 class TestHostRootConfinement:
