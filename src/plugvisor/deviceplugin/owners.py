@@ -30,14 +30,16 @@ import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import IO, Final
+from typing import IO, TYPE_CHECKING, Final
 
 import grpc
 import structlog
 
-from plugvisor.api.podresources.v1 import api_pb2, api_pb2_grpc
 from plugvisor.common import monitoring
 from plugvisor.deviceplugin.cell import SnapshotCell
+
+if TYPE_CHECKING:
+    from plugvisor.api.podresources.v1 import api_pb2
 
 DEFAULT_INTERVAL: Final = 5.0
 CALL_TIMEOUT: Final = 5.0
@@ -184,6 +186,9 @@ class OwnerWatch:
         return 1
 
     async def _list(self) -> api_pb2.ListPodResourcesResponse:
+        # Imported at the first poll: a plugin without monitoring never loads these descriptors.
+        from plugvisor.api.podresources.v1 import api_pb2, api_pb2_grpc  # noqa: PLC0415
+
         # A fresh channel per call with a private subchannel pool: a socket that was missing a
         # moment ago must not keep failing for gRPC's reconnect backoff (up to two minutes).
         options = [("grpc.use_local_subchannel_pool", 1)]

@@ -25,7 +25,6 @@ from typing import Any, Final
 import grpc
 import structlog
 
-from plugvisor.api.podresources.v1 import api_pb2, api_pb2_grpc
 from plugvisor.common import constants, monitoring
 from plugvisor.deviceplugin.cell import SnapshotCell
 from plugvisor.deviceplugin.hooks import ReleaseHandler
@@ -102,6 +101,9 @@ class PodResourcesWatch:
 
     async def run(self) -> None:
         """Poll until cancelled."""
+        # Imported when a kind with a release hook starts watching, not by every plugin.
+        from plugvisor.api.podresources.v1 import api_pb2, api_pb2_grpc  # noqa: PLC0415
+
         self._log.info("release_watch_started", socket=str(self.socket), interval=self.interval)
         failing: str | None = None
         async with grpc.aio.insecure_channel(f"unix:{self.socket}") as channel:

@@ -374,11 +374,14 @@ def _serve_metrics(listen: str) -> None:
 def preload() -> None:
     """Import what every plugin process needs, so that the fork server's children inherit it.
 
-    prometheus-client included: the framework imports it at the first metric,
-    and the agent's children always record theirs.
+    What the framework imports only at first use is included: prometheus-client
+    (the agent's children always record their metrics) and the PodResources
+    API (the agent's children poll it when monitoring is on, kinds with a
+    release hook always).
     """
     import prometheus_client  # noqa: F401
 
+    import plugvisor.api.podresources.v1.api_pb2_grpc
     import plugvisor.deviceplugin.runtime  # noqa: F401
 
 
