@@ -89,8 +89,15 @@ class PluginEndpoint:
         if not bound:
             raise ConfigurationError(f"could not bind the plugin socket {self.path}")
         await server.start()
-        self.path.chmod(stat.S_IRUSR | stat.S_IWUSR)
         self._server = server
+        try:
+            self.path.chmod(stat.S_IRUSR | stat.S_IWUSR)
+        except FileNotFoundError:
+            # A restarting kubelet wiped its directory between our bind and now. Not an
+            # error of ours: the registrar finds the socket gone (EndpointLostError) and
+            # the runtime serves a fresh one. Raising here ended the plugin (exit 1).
+            self._log.info("socket_deleted_while_starting")
+            return
         self._log.info("serving")
 
     async def stop(self, grace: float | None = 0.5) -> None:

@@ -4,6 +4,7 @@ import asyncio
 import os
 import socket
 import stat
+from pathlib import Path
 
 import grpc
 import pytest
@@ -283,6 +284,22 @@ class TestEndpoint:
         with pytest.raises(SocketInUseError, match="another live process"):
             await intruder.start()
         assert (await served.stub.GetDevicePluginOptions(api_pb2.Empty())) is not None
+
+    async def test_a_socket_wiped_while_the_endpoint_starts_is_no_error(self, short_dir, monkeypatch):
+        """A kubelet restart can delete every socket between our bind and our chmod (a restart storm did)."""
+        server = PluginServer(RESOURCE, SnapshotCell(Snapshot(widgets(1))), Hooks())
+        endpoint = PluginEndpoint(server, short_dir, RESOURCE)
+        chmod = Path.chmod
+
+        def wiped_first(path, mode, **kwargs):
+            if path == endpoint.path:
+                path.unlink()  # what the restarting kubelet does to every socket in its directory
+            return chmod(path, mode, **kwargs)
+
+        monkeypatch.setattr(Path, "chmod", wiped_first)
+        await endpoint.start()  # no FileNotFoundError: the registrar finds it gone, a fresh one follows
+        assert not endpoint.path.exists()
+        await endpoint.stop(grace=0)
 
     async def test_a_stale_socket_file_is_replaced(self, short_dir):
         server = PluginServer(RESOURCE, SnapshotCell(Snapshot(widgets(1))), Hooks())
