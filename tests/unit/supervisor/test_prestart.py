@@ -1,5 +1,6 @@
 """The early fork server: what the cheap read of the file may conclude, and when the agent adopts it."""
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -61,6 +62,19 @@ def test_without_a_runtime_directory_it_is_the_agents_default(fs, monkeypatch):
 )
 def test_anything_unusual_starts_nothing_early(fs, text):
     assert prestart._cheap_read(write(fs, text)) is None
+
+
+def test_a_fifo_or_a_device_is_not_read_so_the_start_cannot_block(tmp_path):
+    fifo = tmp_path / "node.yaml"
+    os.mkfifo(fifo)  # nobody writes: opened for reading without O_NONBLOCK, this would block forever
+    assert prestart._cheap_read(fifo) is None
+    assert prestart._cheap_read(Path("/dev/zero")) is None
+
+
+def test_deep_nesting_starts_nothing_early_and_does_not_crash(fs):
+    """PyYAML's C loader dies with SIGSEGV on a small file of brackets; the strict reader refuses it first."""
+    path = write(fs, "resources: " + "[" * 100_000 + "]" * 100_000 + "\n")
+    assert prestart._cheap_read(path) is None
 
 
 def test_a_file_larger_than_the_reader_accepts_starts_nothing_early(fs):
