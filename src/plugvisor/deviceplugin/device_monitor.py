@@ -177,7 +177,9 @@ class DeviceMonitor:
                 await asyncio.to_thread(self._write, self.config.monitor_dir, report)
 
     def _describe(self, snapshot: Snapshot[Any]) -> Mapping[str, monitoring.DeviceDescription]:
-        if self._describer is None:
+        # No devices, nothing to describe; and before the first scan the snapshot carries no scan data, which
+        # a kind's describe() may rightly expect (the gpu kind logged describe_failed at every start).
+        if self._describer is None or not snapshot.devices:
             return {}
         try:
             descriptions = self._describer.describe(snapshot)
