@@ -206,13 +206,27 @@ class Supervisor:
         child.on_status(fields)
         self.dirty = True
         endpoint = fields.get("ENDPOINT")
-        if "REGISTERED" in fields and endpoint and not self._socket_exists(endpoint):
+        if (
+            "REGISTERED" in fields
+            and endpoint
+            and self._serves_in_kubelet_dir(child.resource)
+            and not self._socket_exists(endpoint)
+        ):
             # The kubelet restarted (and wiped the socket) while this registration was in
             # flight: it was made with a kubelet that is gone, and the deletion came before
             # we knew the socket was this child's.
             _log.info("registration_outdated", resource=child.resource, socket=endpoint)
             child.on_socket_deleted(endpoint, restart=self.restart_on_kubelet_restart)
             self._lost.add(child.resource)
+
+    def _serves_in_kubelet_dir(self, resource: str) -> bool:
+        """Whether ``resource``'s socket is in the kubelet's directory.
+
+        A plugin-watcher child's is in ``plugins_registry``: not finding it in the
+        kubelet's directory means nothing, and taking that for an outdated
+        registration restarted such a child after every registration.
+        """
+        return all(r.registration == "kubelet-sock" for r in self.config.resources if r.name == resource)
 
     @property
     def restart_on_kubelet_restart(self) -> bool:

@@ -231,6 +231,21 @@ class TestKubeletRestart:
         assert (pid, signal.SIGTERM) in spawner.signals
         assert not supervisor.ready
 
+    def test_a_plugin_watcher_childs_socket_is_not_looked_for_in_the_kubelet_dir(self, spawner, clock):
+        """Its socket is in plugins_registry: each registration was taken as outdated (a restart loop)."""
+        config = node_config(GPU, onKubeletRestart="restart")
+        config = config.model_copy(
+            update={"resources": [config.resources[0].model_copy(update={"registration": "plugin-watcher"})]}
+        )
+        supervisor = Supervisor(
+            config, spawner=spawner, clock=clock, rand=lambda: 0.5, socket_exists=lambda name: False
+        )
+        supervisor.start()
+        pid = supervisor.children[GPU].pid
+        supervisor.handle_report(pid, {"REGISTERED": "1", "ENDPOINT": "plugvisor-gpu-in-registry.sock"})
+        assert (pid, signal.SIGTERM) not in spawner.signals
+        assert supervisor.children[GPU].state is states.RUNNING
+
     def test_a_kubelet_restart_reported_by_the_child_unregisters_it(self, make_supervisor):
         """KUBELET_RESTART from the child means its registration is gone until the next REGISTERED."""
         supervisor = make_supervisor(GPU, onKubeletRestart="reregister")
