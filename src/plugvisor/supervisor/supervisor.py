@@ -24,6 +24,7 @@ from typing import Any
 
 import structlog
 
+from plugvisor.common import constants
 from plugvisor.common.constants import KUBELET_SOCKET_NAME
 from plugvisor.common.sockets import SOCKET_PREFIX, SOCKET_SUFFIX, socket_answers, socket_prefix
 from plugvisor.supervisor import states
@@ -71,9 +72,7 @@ class Supervisor:
     ) -> None:
         self.config = config
         self._socket_exists = socket_exists or (lambda name: (self.config.kubelet_dir / name).exists())
-        self._sweep_sockets = sweep_sockets or (
-            lambda prefix: remove_stale_sockets(self.config.kubelet_dir, prefix)
-        )
+        self._sweep_sockets = sweep_sockets or self._sweep_dead_sockets
         self.spawner = spawner
         self.clock = clock
         self._rand = rand
@@ -218,6 +217,19 @@ class Supervisor:
             _log.info("registration_outdated", resource=child.resource, socket=endpoint)
             child.on_socket_deleted(endpoint, restart=self.restart_on_kubelet_restart)
             self._lost.add(child.resource)
+
+    def _sweep_dead_sockets(self, prefix: str) -> list[str]:
+        """Remove the dead ``prefix`` sockets where children serve.
+
+        That is the kubelet's directory, and beside it the plugin watcher's
+        ``plugins_registry`` when a resource registers that way (whose watcher
+        would otherwise keep dialling a dead socket a SIGKILLed child left there).
+        """
+        removed = remove_stale_sockets(self.config.kubelet_dir, prefix)
+        if any(r.registration == "plugin-watcher" for r in self.config.resources):
+            registry = self.config.kubelet_dir.parent / constants.PLUGINS_REGISTRY_DIR_NAME
+            removed += remove_stale_sockets(registry, prefix)
+        return removed
 
     def _serves_in_kubelet_dir(self, resource: str) -> bool:
         """Whether ``resource``'s socket is in the kubelet's directory.
