@@ -194,15 +194,44 @@ class Agent:
         finally:
             lock.release()
 
-    async def _open_spawner(self, env: Mapping[str, str]) -> Spawner:
+    async def _open_spawner(self, env: Mapping[str, str]) -> Spawner | None:
+        """The spawner, ready; None when a stop request came first (the spawner is closed then)."""
         spawner = self._make_spawner(env)
         try:
-            await spawner.open(self.wake)
+            if not await self._open_unless_stopped(spawner):
+                return None
         except SpawnError as exc:
             _log.warning("forkserver_unavailable", error=str(exc), fallback="exec")
             spawner = ExecSpawner(env)
             await spawner.open(self.wake)
         return spawner
+
+    async def _open_unless_stopped(self, spawner: Spawner) -> bool:
+        """Open ``spawner``, unless SIGTERM/SIGINT comes first: then close it and return False.
+
+        A fork server that hangs while it imports (SIGSTOPped, a stuck file
+        system) is waited for up to its start timeout; a stop must not wait with
+        it, or a DaemonSet's grace period ends the agent with SIGKILL.
+        """
+        opening = asyncio.ensure_future(spawner.open(self.wake))
+        try:
+            while not opening.done():
+                if self._stop_requested:
+                    opening.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, SpawnError):
+                        await opening
+                    await spawner.close()
+                    _log.info("stopped_while_starting", waited_for="fork server")
+                    return False
+                self._wake.clear()
+                woken = asyncio.ensure_future(self._wake.wait())
+                await asyncio.wait({opening, woken}, return_when=asyncio.FIRST_COMPLETED)
+                woken.cancel()
+        except BaseException:
+            opening.cancel()
+            raise
+        opening.result()  # SpawnError: the caller falls back
+        return True
 
     async def _run_locked(self, runtime_dir: Path) -> int:
         loop = asyncio.get_running_loop()
@@ -218,6 +247,10 @@ class Agent:
         monitor_dir.mkdir(mode=0o755)
         report_path = runtime_dir / status_.REPORT_SOCKET
         spawner = await self._open_spawner(self._child_env())
+        if spawner is None:
+            shutil.rmtree(multiproc_dir, ignore_errors=True)
+            shutil.rmtree(monitor_dir, ignore_errors=True)
+            return 0
         metrics: Metrics | None = None
         supervisor = Supervisor(
             self.config,

@@ -177,7 +177,11 @@ def discard(prestarted: Prestarted | None = None) -> None:
         prestarted = take()
     if prestarted is None:
         return
-    proc = prestarted.proc
+    end(prestarted.proc)
+
+
+def end(proc: subprocess.Popen[bytes]) -> None:
+    """Kill a fork server that has no children yet, and reap it (one that is stopped or hung included)."""
     with contextlib.suppress(OSError):
         proc.kill()
     for stream in (proc.stdin, proc.stdout):

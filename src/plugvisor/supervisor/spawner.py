@@ -619,6 +619,9 @@ class ForkServerSpawner:
     async def close(self) -> None:
         """Close the helper's input: it exits (children must already be stopped)."""
         self._closing = True
+        early, self._prestarted = self._prestarted, None
+        if early is not None:  # closed before it was opened (a stop at once): nobody else would end it
+            prestart.end(early)
         if self._replacement is not None:
             self._replacement.cancel()
         for task in list(self._tasks):

@@ -342,6 +342,25 @@ async def test_sigterm_at_any_moment_of_the_start_is_a_clean_stop(node, kubelet,
     assert leftovers == [], leftovers
 
 
+async def test_sigterm_while_the_fork_server_hangs_at_its_start_is_a_prompt_clean_stop(node, kubelet, agents):
+    """A fork server stuck in its imports (here SIGSTOPped) is waited for up to its start timeout (60 s);
+    a stop must not wait with it: a DaemonSet's grace period (30 s) would end the agent with SIGKILL."""
+    node.write_config()
+    agent = await agents()
+    for _ in range(30_000):
+        helpers = [pid for pid in processes_of(node) if pid != agent.pid]
+        if helpers:
+            break
+        await asyncio.sleep(0.001)
+    os.kill(helpers[0], signal.SIGSTOP)
+    await asyncio.sleep(0.2)  # the agent is waiting for it now (or has not looked yet: both must stop)
+    assert await agent.stop(signal.SIGTERM, timeout=20) == 0, agent.log()[-2000:]
+    left = await wait_gone(node, timeout=5)
+    assert left == [], [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in left] + [agent.log()[-3000:]]
+    leftovers = sorted(p.name for p in node.runtime_dir.iterdir()) if node.runtime_dir.exists() else []
+    assert leftovers == [], leftovers
+
+
 @pytest.fixture
 def full_disk_runtime_dir(node):
     """The runtime directory on its own small tmpfs, so that the test can fill it (needs root)."""
