@@ -5,9 +5,14 @@ configuration (the message names the file or option, the field and what was
 expected), 1 anything else.
 """
 
+# ruff: noqa: E402 - the first statements must run before the imports that follow them
 from __future__ import annotations
 
 import sys
+
+from plugvisor.common import richless
+
+richless.install()  # before anything imports structlog
 
 if sys.argv[1:2] == ["run"]:
     # First of all: the agent must stop cleanly even when told to while it is still
@@ -119,12 +124,29 @@ LAZY_COMMANDS: Final = {
 }
 
 
+def _print_version(ctx: click.Context) -> None:
+    """Print the version, read only now: the installed metadata would cost every start otherwise.
+
+    A checkout that is not installed says ``0+unknown`` rather than failing.
+    """
+    import plugvisor
+
+    click.echo(f"plugvisor, version {plugvisor.__version__}")
+    ctx.exit()
+
+
 @click.group(
     cls=LazyGroup,
     lazy=LAZY_COMMANDS,
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
 )
-# The version is read from the installed metadata when --version is given, not at every start.
-@click.version_option(package_name="plugvisor", prog_name="plugvisor")
+@click.option(
+    "--version",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=lambda ctx, _param, value: _print_version(ctx) if value else None,
+    help="Show the version and exit.",
+)
 def main() -> None:
     """Kubernetes device plugins: node agent, framework, emulated kubelet and hardware lab."""

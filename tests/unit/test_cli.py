@@ -96,11 +96,12 @@ def test_structlog_is_loaded_without_rich_and_rich_still_imports():
     """structlog's development renderer would import rich's traceback machinery into every process."""
     code = (
         "import sys\n"
+        "import plugvisor.cli\n"  # what the plugvisor command and `python -m plugvisor` run first
         "import plugvisor.common.logs\n"
         "import structlog\n"
         "print('rich' in sys.modules)\n"
         "print(structlog.__loader__ is structlog.__spec__.loader, type(structlog.__loader__).__name__)\n"
-        "print(any(type(finder).__module__ == 'plugvisor' for finder in sys.meta_path))\n"
+        "print(any(type(finder).__module__ == 'plugvisor.common.richless' for finder in sys.meta_path))\n"
         "import rich.traceback\n"
         "print('ok')\n"
     )
@@ -109,12 +110,25 @@ def test_structlog_is_loaded_without_rich_and_rich_still_imports():
     assert out.stdout.split() == ["False", "True", "SourceFileLoader", "False", "ok"]
 
 
+def test_a_program_using_plugvisor_as_a_library_keeps_structlogs_rich_support():
+    """Only plugvisor's own programs hide rich from structlog; importing the framework changes nothing."""
+    code = (
+        "import sys\n"
+        "import plugvisor.deviceplugin, plugvisor.common.logs, plugvisor.testing\n"
+        "import structlog.dev\n"
+        "print(structlog.dev.rich is not None)\n"
+        "print(any(type(finder).__module__ == 'plugvisor.common.richless' for finder in sys.meta_path))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.split() == ["True", "False"]
+
+
 def test_structlog_imported_before_plugvisor_is_left_alone():
     code = (
         "import sys\n"
         "import structlog\n"
-        "import plugvisor\n"
-        "print(any(type(finder).__module__ == 'plugvisor' for finder in sys.meta_path))\n"
+        "import plugvisor.cli\n"
+        "print(any(type(finder).__module__ == 'plugvisor.common.richless' for finder in sys.meta_path))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.split() == ["False"]

@@ -45,8 +45,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from plugvisor.common import richless
 from plugvisor.supervisor import prctl
 from plugvisor.supervisor.prctl import CHILD_DEATH_SIGNAL
+
+richless.install()  # before the preload imports structlog: every child inherits structlog without rich
 
 _PLUGIN_ENTRY = "plugvisor.plugins.entry"
 """The plugin entry module: its ``main(args)`` is what a child runs, the same as ``plugvisor plugin``.
