@@ -80,26 +80,37 @@ def socket_answers(path: Path, timeout: float = 0.5) -> bool:
     return True
 
 
-def live_instances(directory: Path, resource: str) -> list[Path]:
-    """The sockets of ``resource`` in ``directory`` that a process serves, oldest name first.
+def is_instance_name(name: str, prefix: str) -> bool:
+    """Whether ``name`` is a socket file name of the resource whose :func:`socket_prefix` is ``prefix``."""
+    return name.startswith(prefix + "-") and name.endswith(SOCKET_SUFFIX)
 
-    An unreadable or missing directory has none: this is a guard against a
-    second plugin for one resource, not a check that the directory works.
+
+def socket_files(directory: Path, prefix: str = SOCKET_PREFIX) -> list[Path]:
+    """The unix sockets in ``directory`` whose names start with ``prefix`` (and end ``.sock``), by name.
+
+    Anything else with such a name (a regular file, a symlink) is left out, and
+    a missing or unreadable directory has none.
     """
-    prefix = socket_prefix(resource) + "-"
     try:
         paths = sorted(directory.iterdir())
     except OSError:
         return []
-    live = []
+    found = []
     for path in paths:
         if not (path.name.startswith(prefix) and path.name.endswith(SOCKET_SUFFIX)):
             continue
         try:
-            if not stat.S_ISSOCK(path.lstat().st_mode):
-                continue
+            if stat.S_ISSOCK(path.lstat().st_mode):
+                found.append(path)
         except OSError:
             continue
-        if socket_answers(path):
-            live.append(path)
-    return live
+    return found
+
+
+def live_instances(directory: Path, resource: str) -> list[Path]:
+    """The sockets of ``resource`` in ``directory`` that a process serves, by name.
+
+    An unreadable or missing directory has none: this is a guard against a
+    second plugin for one resource, not a check that the directory works.
+    """
+    return [path for path in socket_files(directory, socket_prefix(resource) + "-") if socket_answers(path)]

@@ -45,7 +45,7 @@ import structlog
 from plugvisor.api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from plugvisor.common import constants
 from plugvisor.common.kubeletdir import DirChange, DirEvent, KubeletDirWatch
-from plugvisor.common.sockets import SOCKET_SUFFIX, socket_prefix
+from plugvisor.common.sockets import is_instance_name, socket_prefix
 from plugvisor.deviceplugin.cell import SnapshotCell
 from plugvisor.deviceplugin.errors import RegistrationRejectedError
 
@@ -113,8 +113,7 @@ class KubeletDirState:
         prefix = self.sibling_prefix
         return (
             prefix is not None
-            and name.startswith(prefix + "-")
-            and name.endswith(SOCKET_SUFFIX)
+            and is_instance_name(name, prefix)
             and name != self.own_socket
             and name not in self.served
         )

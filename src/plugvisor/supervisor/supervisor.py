@@ -13,8 +13,6 @@ core after each exit, the agent once at start.
 
 from __future__ import annotations
 
-import contextlib
-import glob
 import os
 import random
 import stat
@@ -26,7 +24,7 @@ import structlog
 
 from plugvisor.common import constants
 from plugvisor.common.constants import KUBELET_SOCKET_NAME
-from plugvisor.common.sockets import SOCKET_PREFIX, SOCKET_SUFFIX, socket_answers, socket_prefix
+from plugvisor.common.sockets import SOCKET_PREFIX, socket_answers, socket_files, socket_prefix
 from plugvisor.supervisor import states
 from plugvisor.supervisor.backoff import BackoffPolicy
 from plugvisor.supervisor.child import CAUSE_RELOAD, CAUSE_UNREGISTERED, Child
@@ -376,9 +374,4 @@ def remove_stale_sockets(kubelet_dir: Path, prefix: str = SOCKET_PREFIX) -> list
     kubelet ignores them, but operators and the next start should not have to.
     Sockets that answer belong to a live plugin (another agent's) and are kept.
     """
-    removed = []
-    with contextlib.suppress(OSError):
-        for path in sorted(kubelet_dir.glob(f"{glob.escape(prefix)}*{SOCKET_SUFFIX}")):
-            if remove_dead_socket(path):
-                removed.append(path.name)
-    return removed
+    return [path.name for path in socket_files(kubelet_dir, prefix) if remove_dead_socket(path)]

@@ -190,6 +190,17 @@ def _check_rel(rel: str) -> None:
         raise errors.UnsafeRootError(f"lab path {rel!r} is not a plain path below the root; refusing it")
 
 
+def _require_real_dir(path: str, info: os.stat_result) -> None:
+    """Raise unless ``info`` (from ``lstat``) is a real directory: never a symlink, never a file."""
+    if stat.S_ISLNK(info.st_mode):
+        raise errors.UnsafeRootError(
+            f"{path!r} is a symlink (to {os.readlink(path)!r}); the lab writes only through real "
+            "directories inside its root"
+        )
+    if not stat.S_ISDIR(info.st_mode):
+        raise errors.UnsafeRootError(f"{path!r} is not a directory; the lab expected one there")
+
+
 def check_dir(root: str, rel: str) -> bool:
     """Return whether ``root/rel`` exists; raise if any part of it below ``root`` is not a real directory.
 
@@ -208,13 +219,7 @@ def check_dir(root: str, rel: str) -> bool:
             info = os.lstat(path)
         except FileNotFoundError:
             return False
-        if stat.S_ISLNK(info.st_mode):
-            raise errors.UnsafeRootError(
-                f"{path!r} is a symlink (to {os.readlink(path)!r}); the lab writes only through real "
-                "directories inside its root"
-            )
-        if not stat.S_ISDIR(info.st_mode):
-            raise errors.UnsafeRootError(f"{path!r} is not a directory; the lab expected one there")
+        _require_real_dir(path, info)
     return True
 
 
@@ -235,13 +240,7 @@ def ensure_dir(root: str, rel: str) -> str:
         with contextlib.suppress(FileExistsError):
             os.mkdir(path, 0o755)
         info = os.lstat(path)
-        if stat.S_ISLNK(info.st_mode):
-            raise errors.UnsafeRootError(
-                f"{path!r} is a symlink (to {os.readlink(path)!r}); the lab writes only through real "
-                "directories inside its root"
-            )
-        if not stat.S_ISDIR(info.st_mode):
-            raise errors.UnsafeRootError(f"{path!r} is not a directory; the lab expected one there")
+        _require_real_dir(path, info)
     return path
 
 
