@@ -383,9 +383,8 @@ class Runner:
             )
         if result.returncode != 0:
             tail = "\n".join(self.log.read_text().splitlines()[-40:])
-            raise BuildError(
-                f"{shlex.join(argv)[:300]} failed (exit {result.returncode}); the end of {self.log}:\n{tail}"
-            )
+            name = Path(argv[0]).name
+            raise BuildError(f"{name} failed (exit {result.returncode}); the end of {self.log}:\n{tail}")
         return result.stdout or ""
 
 

@@ -270,3 +270,23 @@ def test_changed_inputs_a_truncated_archive_a_wiped_store_or_force_mean_a_rebuil
     archive = made.archives / images.archive_filename(name)
     archive.write_bytes(b"x" * 5)
     assert made.cached(name, "k1") is None
+
+
+def test_missing_tools_are_named_by_their_debian_packages_and_busybox_must_be_the_static_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    present = {"buildah", "dpkg-query"}
+    monkeypatch.setattr(images.shutil, "which", lambda tool: f"/usr/bin/{tool}" if tool in present else None)
+    monkeypatch.setattr(images, "package_installed", lambda package: False)
+    assert images.missing_packages() == ["runc", "debootstrap", "busybox-static"]
+    present |= {"runc", "debootstrap"}
+    monkeypatch.setattr(images, "package_installed", lambda package: package == "busybox-static")
+    assert images.missing_packages() == []
+
+
+def test_without_permission_to_install_the_missing_packages_are_named(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(images, "missing_packages", lambda: ["buildah", "runc"])
+    with pytest.raises(images.BuildError, match=r"missing Debian packages: buildah runc \(install them"):
+        images.install_packages(images.Runner(tmp_path), allowed=False)
