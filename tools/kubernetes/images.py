@@ -174,7 +174,6 @@ class UsageError(ValueError):
 
 _COMPONENT = re.compile(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*")
 _TAG = re.compile(r"[\w][\w.-]{0,127}")
-_DOMAIN = re.compile(r"(?:localhost|[\w-]+(?:\.[\w-]+)*\.[\w-]+|[\w.-]+:\d+)")
 
 
 def normalize_ref(ref: str) -> str:
@@ -191,12 +190,8 @@ def normalize_ref(ref: str) -> str:
     if ":" in last:
         name, tag = ref.rsplit(":", 1)
     parts = name.split("/")
-    if (
-        len(parts) > 1
-        and _DOMAIN.fullmatch(parts[0])
-        and ("." in parts[0] or ":" in parts[0] or parts[0] == "localhost")
-    ):
-        domain, path = parts[0], parts[1:]
+    if len(parts) > 1 and ("." in parts[0] or ":" in parts[0] or parts[0] == "localhost"):
+        domain, path = parts[0], parts[1:]  # as Docker decides: a first component that looks like a host
     else:
         domain, path = "docker.io", parts if len(parts) > 1 else ["library", *parts]
     if not all(_COMPONENT.fullmatch(p) for p in path) or not _TAG.fullmatch(tag):
@@ -239,21 +234,17 @@ def parse_image_spec(text: str) -> ImageSpec:
 def _instructions(dockerfile: str) -> Iterator[tuple[str, str]]:
     """(INSTRUCTION, arguments) of a Dockerfile: continuation lines joined, comments dropped."""
     pending: list[str] = []
-    for raw in dockerfile.splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#"):
+    for line in [*(raw.strip() for raw in dockerfile.splitlines()), None]:  # None: the end
+        if line is not None and (not line or line.startswith("#")):
             continue  # inside a continuation too, as the Dockerfile parser does
-        if line.endswith("\\"):
+        if line is not None and line.endswith("\\"):
             pending.append(line[:-1].strip())
             continue
-        text = " ".join([*pending, line])
+        text = " ".join([*pending, line or ""]).strip()
         pending = []
-        instruction, _, rest = text.partition(" ")
-        yield instruction.upper(), rest.strip()
-    if pending:
-        text = " ".join(pending)
-        instruction, _, rest = text.partition(" ")
-        yield instruction.upper(), rest.strip()
+        if text:
+            instruction, _, rest = text.partition(" ")
+            yield instruction.upper(), rest.strip()
 
 
 def dockerfile_sources(dockerfile: str) -> list[str]:
@@ -515,7 +506,7 @@ class Images:
         """Where the archives and their records are."""
         return self.cache / "archives"
 
-    def cached(self, name: str, key: str) -> Built | None:
+    def cached(self, ref: str, name: str, key: str) -> Built | None:
         """The archive of a previous run, if it was made from the same inputs and is still whole."""
         archive = self.archives / archive_filename(name)
         record_path = archive.with_suffix(".json")
@@ -526,8 +517,9 @@ class Images:
             return None
         if self.buildah.image_info(name) is None:  # the store was wiped: make it again, so both agree
             return None
+        say(f"{ref}: up to date ({archive})")
         return Built(
-            ref=record["ref"],
+            ref=ref,
             name=name,
             archive=archive,
             image_id=record["image_id"],
@@ -644,9 +636,8 @@ class Images:
             **{f"arg:{k}": v for k, v in build_args.items()},
         }
         key = input_digest(context, dockerfile, extra)
-        cached = self.cached(spec.name, key)
+        cached = self.cached(spec.ref, spec.name, key)
         if cached is not None:
-            say(f"{spec.ref}: up to date ({cached.archive})")
             return cached
         self.runner.use_log(archive_filename(spec.name).removesuffix(".tar"))
         argv = ["build", "--runtime", runtime(), "--network", "host", "--pull=never", "--layers=false"]
@@ -672,9 +663,8 @@ class Images:
         busybox_hash = hashlib.sha256(BUSYBOX.read_bytes()).hexdigest()
         recipe = f"{RECIPE_VERSION}\0{name}\0{busybox_hash}\0{applets}\0{POD_CONFIG}"
         key = hashlib.sha256(recipe.encode()).hexdigest()
-        cached = self.cached(name, key)
+        cached = self.cached(ref, name, key)
         if cached is not None:
-            say(f"{ref}: up to date ({cached.archive})")
             return cached
         self.runner.use_log(archive_filename(name).removesuffix(".tar"))
         with (

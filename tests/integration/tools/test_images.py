@@ -109,22 +109,22 @@ def _chroot(root: Path, *argv: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.fixture(scope="module")
-def project_root(built: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The project's archive unpacked; removed afterwards (it is a whole root file system)."""
-    root = tmp_path_factory.mktemp("project") / "root"
-    _unpack(Path(built["plugvisor:e2e"]["archive"]), root)
+def _unpacked(built: dict[str, Any], ref: str, factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """An image's archive unpacked for a module's tests; removed afterwards (it is a root file system)."""
+    root = factory.mktemp("unpacked") / "root"
+    _unpack(Path(built[ref]["archive"]), root)
     yield root
     shutil.rmtree(root)
+
+
+@pytest.fixture(scope="module")
+def project_root(built: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    yield from _unpacked(built, "plugvisor:e2e", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def pod_root(built: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The pods' archive unpacked."""
-    root = tmp_path_factory.mktemp("pod") / "root"
-    _unpack(Path(built["plugvisor-e2e-pod:latest"]["archive"]), root)
-    yield root
-    shutil.rmtree(root)
+    yield from _unpacked(built, "plugvisor-e2e-pod:latest", tmp_path_factory)
 
 
 def test_the_archives_carry_the_names_a_pod_spec_resolves_to(built: dict[str, Any]) -> None:

@@ -90,6 +90,7 @@ add lower.txt /y
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels echo COPY not-a-source /z
 """
     assert images.dockerfile_sources(dockerfile) == ["a.txt", "b.txt", "with space.txt", "lower.txt"]
+    assert images.dockerfile_sources("FROM x\nCOPY last.txt /dst/ \\") == ["last.txt"]  # dangling at the end
 
 
 def _context(root: Path) -> Path:
@@ -252,7 +253,7 @@ def _archived(tmp_path: Path, name: str, key: str) -> Any:
 
 def test_an_archive_made_from_the_same_inputs_is_reused(tmp_path: Path) -> None:
     made = _archived(tmp_path, "docker.io/library/a:1", "k1")
-    reused = made.cached("docker.io/library/a:1", "k1")
+    reused = made.cached("a:1", "docker.io/library/a:1", "k1")
     assert reused is not None
     assert (reused.rebuilt, reused.archive_bytes, reused.unpacked_bytes) == (False, 10, 8)
 
@@ -260,16 +261,16 @@ def test_an_archive_made_from_the_same_inputs_is_reused(tmp_path: Path) -> None:
 def test_changed_inputs_a_truncated_archive_a_wiped_store_or_force_mean_a_rebuild(tmp_path: Path) -> None:
     name = "docker.io/library/a:1"
     made = _archived(tmp_path, name, "k1")
-    assert made.cached(name, "k2") is None
+    assert made.cached("a:1", name, "k2") is None
     made.force = True
-    assert made.cached(name, "k1") is None
+    assert made.cached("a:1", name, "k1") is None
     made.force = False
     made.buildah = _Store()
-    assert made.cached(name, "k1") is None
+    assert made.cached("a:1", name, "k1") is None
     made.buildah = _Store(name)
     archive = made.archives / images.archive_filename(name)
     archive.write_bytes(b"x" * 5)
-    assert made.cached(name, "k1") is None
+    assert made.cached("a:1", name, "k1") is None
 
 
 def test_missing_tools_are_named_by_their_debian_packages_and_busybox_must_be_the_static_one(
