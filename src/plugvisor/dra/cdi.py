@@ -74,7 +74,7 @@ def container_edits(allocation: ContainerAllocation) -> dict[str, Any]:
     """
     edits: dict[str, Any] = {}
     if allocation.envs:
-        edits["env"] = [f"{key}={value}" for key, value in allocation.envs.items()]
+        edits["env"] = [f"{key}={value}" for key, value in sorted(allocation.envs.items())]
     if allocation.specs:
         edits["deviceNodes"] = [
             {"path": spec.container_path, "hostPath": spec.host_path, "permissions": spec.permissions}
