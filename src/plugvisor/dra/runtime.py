@@ -361,8 +361,8 @@ def run_driver(
     """Run a driver in this process until SIGTERM or SIGINT; returns the process exit code.
 
     0 after a clean stop, 2 for configuration problems (a bad driver name, a
-    socket path that is too long), 1 for anything else (a live driver already
-    serving the sockets included).
+    socket path that is too long, a live driver of the same name already
+    serving its sockets), 1 for anything else.
     """
     log = structlog.get_logger("plugvisor.dra").bind(driver=config.driver)
 
@@ -380,10 +380,10 @@ def run_driver(
     try:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             runner.run(main())
-    except ConfigurationError as exc:
+    except (ConfigurationError, SocketInUseError) as exc:
         log.error("cannot_run", error=str(exc))
         return EXIT_CONFIGURATION
-    except (SocketInUseError, OSError) as exc:
+    except OSError as exc:
         log.error("cannot_run", error=str(exc))
         return EXIT_FAILURE
     return EXIT_OK

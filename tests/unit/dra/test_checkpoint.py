@@ -82,7 +82,7 @@ class TestUntrusted:
     def test_another_drivers_file_is_refused(self, checkpoint):
         checkpoint.save([CLAIM])
         other = Checkpoint(checkpoint.path, driver="y.example.com")
-        with pytest.raises(CheckpointError, match="written by driver 'x.example.com'"):
+        with pytest.raises(CheckpointError, match=r"written by driver 'x\.example\.com'"):
             other.load()
 
     def test_something_else_entirely_is_not_our_checkpoint(self, checkpoint):

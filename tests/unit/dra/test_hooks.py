@@ -2,11 +2,11 @@
 
 import pytest
 
+from plugvisor.common.names import dns_label_problem
 from plugvisor.deviceplugin.devices import Device, DeviceSpec, Mount
 from plugvisor.deviceplugin.snapshot import Snapshot
 from plugvisor.dra.devices import NUMA_NODE
 from plugvisor.dra.hooks import default_attributes, default_dra_devices, dra_device_name
-from plugvisor.common.names import dns_label_problem
 
 
 class TestNames:
