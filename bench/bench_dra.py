@@ -149,9 +149,7 @@ class Bench:
             await self.start(
                 self.dra_argv(fast_driver, durable=False), lambda k: fast_driver in k.dra.plugins
             )
-            print(
-                f"start -> registered, one each: device plugin {dp_start:.0f} ms, DRA driver {dra_start:.0f} ms"
-            )
+            print(f"start -> registered, one each: device plugin {dp_start:.0f} ms, DRA {dra_start:.0f} ms")
             await self.calls()
             self.memory(dp.pid, dra.pid)
         finally:
