@@ -41,7 +41,7 @@ from plugvisor.common.hostpaths import HostPaths
 from plugvisor.deviceplugin.runtime import DevicePluginRuntime, PluginConfig
 from plugvisor.deviceplugin.snapshot import Snapshot
 from plugvisor.dra.devices import PublishedDevice
-from plugvisor.dra.hooks import DraDescriber
+from plugvisor.dra.hooks import DraDescriber, kind_resource
 from plugvisor.dra.local import FileClaimReader, FileSlicePublisher
 from plugvisor.dra.pool import build_pool
 from plugvisor.dra.runtime import DraDriverRuntime, DriverConfig
@@ -156,7 +156,7 @@ def dra_devices(
     By name in the pool, healthy or not: the kind's :class:`~plugvisor.dra.hooks.DraDescriber`
     answer, checked as the driver checks it, or the default one.
     """
-    source = kind.build(dict(options), HostPaths(root=root), resource=driver)
+    source = kind.build(dict(options), HostPaths(root=root), resource=kind_resource(driver, kind.name))
     describer = source if isinstance(source, DraDescriber) else None
     return dict(build_pool(source.scan(), describer, driver=driver).devices)
 
@@ -296,7 +296,7 @@ async def running_dra_driver(
         rescan_interval=rescan_interval,
         plugins_registry=kubelet.plugins_registry,
     )
-    source = kind.build(dict(options), paths, resource=driver)
+    source = kind.build(dict(options), paths, resource=kind_resource(driver, kind.name))
     runtime = DraDriverRuntime(
         config,
         source,

@@ -184,7 +184,3 @@ class PublishedDevice:
 
     def __hash__(self) -> int:
         return hash(self.name)
-
-    def untainted(self) -> PublishedDevice:
-        """The same device with no taints."""
-        return PublishedDevice(self.name, self.attributes, self.capacity)

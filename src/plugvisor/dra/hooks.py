@@ -50,6 +50,16 @@ class DraDescriber(Protocol):
         ...
 
 
+def kind_resource(driver: str, kind: str) -> str:
+    """The resource name a kind is built with when it serves the DRA driver ``driver``: ``<driver>/<kind>``.
+
+    Kinds name things after their resource (the gpu kind's CDI kind, the nic
+    kind's ``PCIDEVICE_<RESOURCE>`` variable) and expect the device plugin's
+    ``<domain>/<name>`` form; the driver's name is the domain, the kind's the name.
+    """
+    return f"{driver}/{kind}"
+
+
 def dra_device_name(device_id: str) -> str:
     """A DNS label for a device ID: lower case, runs of other characters as ``-``.
 

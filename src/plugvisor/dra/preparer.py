@@ -49,8 +49,9 @@ from plugvisor.dra.pool import Pool
 T = TypeVar("T")
 
 _SHOWN_NAMES = 10
-_HOOK_SHARE = 0.8
-"""Of the time the kubelet gives a call, what the kind's hooks may use (the rest is for our own work)."""
+_WORK_SHARE = 0.8
+"""Of the time the kubelet gives a call, what reading the claim and the kind's hooks may use (the rest is
+for writing the spec and the checkpoint, and the answer)."""
 
 
 class PrepareError(Exception):
@@ -116,14 +117,15 @@ class ClaimPreparer:
         ``budget``: the seconds left of the kubelet's call.
         """
         _check_ref(claim)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + budget * _WORK_SHARE
         try:
             allocated = await asyncio.wait_for(
                 self._claims.allocated_devices(namespace=claim.namespace, name=claim.name, uid=claim.uid),
-                budget * _HOOK_SHARE,
+                deadline - loop.time(),
             )
-        except (
-            Exception
-        ) as exc:  # the API server's failure is this claim's error, or answered from the checkpoint
+        # The API server's failure is this claim's error, or answered from the checkpoint.
+        except Exception as exc:
             known = self.prepared.get(claim.uid)
             reason = "timed out" if isinstance(exc, TimeoutError) else str(exc) or type(exc).__name__
             if known is not None:
@@ -147,7 +149,7 @@ class ClaimPreparer:
                     )
                 return await self._again(known)
             plan = self._plan(claim, mine)
-            return await self._prepare(claim, plan, budget)
+            return await self._prepare(claim, plan, deadline)
 
     def _plan(self, claim: ClaimRef, mine: Sequence[AllocatedDevice]) -> _Plan:
         pool = self._pools.value
@@ -183,10 +185,8 @@ class ClaimPreparer:
                     )
         return _Plan(tuple(mine), tuple(pool.ids[name] for name in names), pool)
 
-    async def _prepare(self, claim: ClaimRef, plan: _Plan, budget: float) -> PreparedClaim:
+    async def _prepare(self, claim: ClaimRef, plan: _Plan, deadline: float) -> PreparedClaim:
         snapshot = plan.pool.snapshot
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + budget * _HOOK_SHARE
         pre_start = self._hooks.pre_start
         if pre_start is not None:
             chosen = snapshot.only(plan.device_ids)
@@ -272,11 +272,21 @@ class ClaimPreparer:
                 f"{exc.strerror or exc}"
             ) from None
 
+    async def _commit(self, claims: dict[str, PreparedClaim]) -> None:
+        """Save ``claims`` as the checkpoint, then make them this driver's prepared claims.
+
+        Shielded by its callers: a call cancelled meanwhile (its socket served
+        again, the driver stopping) must not leave the file and the memory
+        telling two stories.
+        """
+        await asyncio.to_thread(self.checkpoint.save, claims.values())
+        self.prepared = claims
+
     async def _record(self, prepared: PreparedClaim) -> None:
         """Add the claim to the checkpoint; undo the spec when the checkpoint cannot be written."""
         claims = {**self.prepared, prepared.claim.uid: prepared}
         try:
-            await asyncio.to_thread(self.checkpoint.save, claims.values())
+            await asyncio.shield(self._commit(claims))
         except OSError as exc:
             if prepared.cdi_spec is not None:
                 with contextlib.suppress(OSError):
@@ -284,7 +294,6 @@ class ClaimPreparer:
             raise PrepareError(
                 f"claim {prepared.claim}: cannot record it in {self.checkpoint.path}: {exc.strerror or exc}"
             ) from None
-        self.prepared = claims
 
     async def _again(self, known: PreparedClaim) -> PreparedClaim:
         """A claim prepared before: the same answer, its spec written again if it is gone."""
@@ -308,7 +317,7 @@ class ClaimPreparer:
         _check_ref(claim)
         async with self._lock:
             known = self.prepared.get(claim.uid)
-            deadline = asyncio.get_running_loop().time() + budget * _HOOK_SHARE
+            deadline = asyncio.get_running_loop().time() + budget * _WORK_SHARE
             if known is not None:
                 await self._release(known, deadline)
             spec = known.cdi_spec if known is not None else None
@@ -325,13 +334,12 @@ class ClaimPreparer:
                 return
             remaining = {uid: c for uid, c in self.prepared.items() if uid != claim.uid}
             try:
-                await asyncio.to_thread(self.checkpoint.save, remaining.values())
+                await asyncio.shield(self._commit(remaining))
             except OSError as exc:
                 raise PrepareError(
                     f"claim {claim}: cannot record its removal in {self.checkpoint.path}: "
                     f"{exc.strerror or exc}"
                 ) from None
-            self.prepared = remaining
         self._log.info("claim_unprepared", claim=str(claim), devices=list(known.device_names))
 
     async def _release(self, known: PreparedClaim, deadline: float) -> None:
@@ -347,15 +355,6 @@ class ClaimPreparer:
             await self._hook(
                 "the release hook", known.claim, self._hooks.release.released, chosen, deadline=deadline
             )
-
-    def holders(self) -> dict[str, ClaimRef]:
-        """Which claim holds each device ID (admin-access holders left out): for monitoring."""
-        return {
-            device.device_id: prepared.claim
-            for prepared in self.prepared.values()
-            for device in prepared.devices
-            if not device.admin_access
-        }
 
 
 def _check_ref(claim: ClaimRef) -> None:

@@ -142,7 +142,6 @@ class DraDriverRuntime:
         status: StatusReporter | None = None,
     ) -> None:
         self.config = config
-        self.source = source
         self.slices = slices
         self.hooks = hooks if hooks is not None else resolve_hooks(source)
         self.status = status if status is not None else StatusReporter()

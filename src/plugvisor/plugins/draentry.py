@@ -31,6 +31,7 @@ from plugvisor.common.hostpaths import HostPaths, kubelet_dir_problem
 from plugvisor.common.logs import configure_logging
 from plugvisor.common.names import dra_driver_name_problem
 from plugvisor.common.validation import describe
+from plugvisor.dra.hooks import kind_resource
 from plugvisor.plugins import entry
 from plugvisor.plugins.kinds import UnknownKindError, get_kind
 
@@ -214,7 +215,7 @@ def dra_plugin_command(
             replace=replace,
             withdraw_on_stop=withdraw_on_stop,
         )
-        source = plugin_kind.build(options, host, resource=driver_name)
+        source = plugin_kind.build(options, host, resource=kind_resource(driver_name, kind))
     except ConfigurationError as exc:
         click.echo(f"plugvisor plugin {kind}: {exc}", err=True)
         sys.exit(EXIT_USAGE)

@@ -73,6 +73,21 @@ class TestClaims:
             assert not spec.exists()
             assert gpu.runtime.preparer.prepared == {}
 
+    async def test_a_gpu_kind_with_its_own_cdi_specs_hands_them_out_beside_the_claims(
+        self, kubelet, lab_root
+    ):
+        """``cdi: true`` keeps working in DRA mode: the kind's CDI devices come with the claim's."""
+        async with running(kubelet, lab_root, options={"cdi": True, "cdiDir": "/cdi"}) as gpu:
+            name = next(iter(gpu.devices))
+            claim, edits = await gpu.prepare(name)
+            uuid = gpu.devices[name].attributes["uuid"]
+            assert claim.cdi_devices() == [
+                f"k8s.{DRIVER}/claim={claim.uid}-devices",
+                f"{DRIVER}/gpu={uuid}",
+            ]
+            assert f"/dev/nvidia{gpu.devices[name].attributes['index']}" in [p for p, _ in edits.device_nodes]
+            assert edits.env["NVIDIA_VISIBLE_DEVICES"] == uuid
+
     async def test_a_claim_for_a_device_this_node_does_not_have_is_the_kubelets_error(
         self, kubelet, lab_root
     ):
