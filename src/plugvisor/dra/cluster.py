@@ -3,10 +3,11 @@
 The plugin reads each claim's allocation (which devices of this driver's pool
 the scheduler chose) when the kubelet asks it to prepare the claim, and it
 publishes its devices as the node's pool. The real implementations talk to
-the API server (:mod:`plugvisor.dra.kube`); :mod:`plugvisor.dra.local` keeps
-both in plain files for a node without one (the emulated world, tests); tests
-of the plugin itself use in-memory fakes. The plugin depends on these
-Protocols only.
+the API server (:mod:`plugvisor.dra.kube`, whose ``async connect(*, driver,
+node_name) -> (ClaimReader, SlicePublisher)`` the driver's command calls in
+its event loop); :mod:`plugvisor.dra.local` keeps both in plain files for a
+node without one (the emulated world, tests); tests of the plugin itself use
+in-memory fakes. The plugin depends on these Protocols only.
 """
 
 from __future__ import annotations

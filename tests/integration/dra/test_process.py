@@ -106,6 +106,17 @@ class TestProcess:
         view = await kubelet.dra.prepare(claim(devices))
         assert view.cdi_devices() and checkpointed(base) == ["uid-1"]
 
+    @pytest.mark.parametrize("withdraw", [False, True], ids=["restarting", "for-good"])
+    async def test_a_clean_stop_leaves_the_slice_unless_the_driver_goes_for_good(
+        self, kubelet, base, start_driver, withdraw
+    ):
+        driver = await start_driver(*(["--withdraw-on-stop"] if withdraw else []))
+        await kubelet.wait_for(registered(), what="the driver registered", timeout=60)
+        await eventually(lambda: len(slice_devices(base)) == 8, what="the slice")
+        assert await driver.stop() == 0
+        assert len(slice_devices(base)) == (0 if withdraw else 8)
+        assert not (base / "plugins_registry" / f"{DRIVER}-reg.sock").exists()
+
     async def test_a_second_driver_of_the_same_name_exits_2_naming_the_socket(self, kubelet, start_driver):
         await start_driver()
         await kubelet.wait_for(registered(), what="the driver registered", timeout=60)
