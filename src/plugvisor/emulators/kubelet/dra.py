@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -49,6 +48,7 @@ import grpc
 from plugvisor.api.dra.v1 import api_pb2 as dra_pb2
 from plugvisor.api.drahealth.v1 import api_pb2 as health_pb2
 from plugvisor.common import constants
+from plugvisor.common.atomicfile import write_atomically
 from plugvisor.emulators.kubelet import client as client_
 from plugvisor.emulators.kubelet import errors, journal, model, names
 
@@ -314,7 +314,8 @@ class DraManager:
             return known
         if self.objects_dir is not None:
             path = self.objects_dir / "resourceclaims" / namespace / f"{name}.json"
-            await asyncio.to_thread(_write_json, path, claim)
+            content = json.dumps(claim, indent=1).encode()
+            await asyncio.to_thread(write_atomically, path, content, durable=False)
         drivers = list(dict.fromkeys(result.driver for result in results))
         plugins = {driver: self.plugin_for(driver, prepare=True) for driver in drivers}
         request = dra_pb2.NodePrepareResourcesRequest(
@@ -456,10 +457,3 @@ def _prepare_error(message: str) -> DraCallError:
 
 def _unprepare_error(message: str) -> DraCallError:
     return DraCallError(f"unprepare dynamic resources: {message}")
-
-
-def _write_json(path: Path, document: Mapping[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}")
-    temporary.write_text(json.dumps(document, indent=1))
-    temporary.replace(path)
