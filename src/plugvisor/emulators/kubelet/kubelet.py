@@ -40,6 +40,7 @@ from plugvisor.common import constants
 from plugvisor.emulators.kubelet import allocation as allocation_
 from plugvisor.emulators.kubelet import (
     devicemanager,
+    dra,
     journal,
     manager,
     manifest,
@@ -106,6 +107,11 @@ class EmulatedKubelet:
     pods ``<name>-<node name>`` as a real node does. ``pod_sources_delay`` is the
     time between serving Register and re-admitting pods at a start
     (:data:`POD_SOURCES_DELAY`).
+
+    On releases with DRA (1.34 and later) the plugin watcher also registers DRA
+    drivers' kubelet plugins, and :attr:`dra` prepares claims a test states
+    (:mod:`.dra`); ``objects_dir`` is where it writes them for drivers run with
+    ``--objects-dir`` (the API server's part, as files).
     """
 
     def __init__(
@@ -134,6 +140,7 @@ class EmulatedKubelet:
         plugin_watcher: bool = True,
         plugins_registry: Path | None = None,
         plugin_watcher_period: float = pluginwatcher.RECONCILE_PERIOD,
+        objects_dir: Path | None = None,
     ) -> None:
         self.socket_dir = Path(os.path.abspath(socket_dir))  # noqa: PTH100 - no symlink resolution
         self.socket_path = self.socket_dir / constants.KUBELET_SOCKET_NAME
@@ -200,6 +207,16 @@ class EmulatedKubelet:
         self._pods = pods_.Pods(
             devices=self._devices, journal=self._journal, health_status=self.gates.resource_health_status
         )
+        self.dra: dra.DraManager | None = (
+            dra.DraManager(
+                journal=self._journal,
+                health_status=self.gates.resource_health_status,
+                objects_dir=Path(os.path.abspath(objects_dir)) if objects_dir is not None else None,  # noqa: PTH100
+            )
+            if dra.dra_available(self.rules.version)
+            else None
+        )
+        """The DRA side (kubelets 1.34 and later): drivers registered by the plugin watcher, claims."""
         self._pod_resources_server: podresources.PodResourcesServer | None = None
         self._pod_watcher: podsource.DirectoryWatcher | None = None
         self._reported_invalid: set[str] = set()
@@ -212,6 +229,15 @@ class EmulatedKubelet:
             self._journal.add_listener(self._view.mark_dirty)
             self._pods_view = view.ViewWriter(self.pods_view_path, self.pods_document)
             self._journal.add_listener(self._pods_view.mark_dirty)
+
+    def _plugin_handlers(self) -> dict[str, pluginwatcher.PluginHandler]:
+        """The plugin manager's handlers by plugin type: the device manager's, and DRA's where it exists."""
+        handlers: dict[str, pluginwatcher.PluginHandler] = {}
+        if self._devices.server is not None:
+            handlers[constants.DEVICE_PLUGIN_TYPE] = self._devices.server
+        if self.dra is not None:
+            handlers[constants.DRA_PLUGIN_TYPE] = self.dra
+        return handlers
 
     def _default_plugins_registry(self) -> Path:
         """``<root>/plugins_registry``; beside DIR (``<DIR>.plugins_registry``) when there is no root."""
@@ -321,7 +347,7 @@ class EmulatedKubelet:
             # The plugin manager starts with the device manager's handler registered.
             watcher = pluginwatcher.PluginWatcher(
                 self.plugins_registry,
-                handler=lambda: self._devices.server,
+                handlers=self._plugin_handlers,
                 journal=self._journal,
                 reconcile_period=self._plugin_watcher_period,
             )
@@ -398,6 +424,8 @@ class EmulatedKubelet:
         if self._pod_resources_server is not None:
             await self._pod_resources_server.stop()
             self._pod_resources_server = None
+        if self.dra is not None:
+            await self.dra.stop()
         await self._devices.stop()
         self._journal.event(model.EventKind.STOPPED, "kubelet stopped")
         for writer in (self._view, self._pods_view):

@@ -237,7 +237,7 @@ class RegistrationServer(api_pb2_grpc.RegistrationServicer):
 
     # -- the plugin watcher's DevicePlugin handler (handler.go) ------------------------
 
-    def validate_plugin(self, name: str, versions: list[str]) -> str | None:
+    def validate_plugin(self, name: str, endpoint: str, versions: list[str]) -> str | None:
         """``ValidatePlugin``: a supported version and an extended resource name, else the kubelet's text."""
         if not any(version in constants.SUPPORTED_VERSIONS for version in versions):
             return (
@@ -248,7 +248,7 @@ class RegistrationServer(api_pb2_grpc.RegistrationServicer):
             return f"invalid name of device plugin socket: the ResourceName {names.go_quote(name)} is invalid"
         return None
 
-    async def register_plugin(self, name: str, endpoint: str) -> None:
+    async def register_plugin(self, name: str, endpoint: str, versions: list[str]) -> None:
         """``RegisterPlugin``: connect the client at ``endpoint`` (a full socket path), as Register does.
 
         Raises :class:`~plugvisor.emulators.kubelet.client.ConnectError` with the
