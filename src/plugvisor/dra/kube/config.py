@@ -29,6 +29,7 @@ from typing import Any, Final
 
 import httpx2
 from lightkube import AsyncClient, KubeConfig
+from lightkube.config.models import Cluster, User
 from lightkube.core.exceptions import ConfigError as LightkubeConfigError
 
 from plugvisor.common.validation import shorten
@@ -120,17 +121,19 @@ def _from_files(files: list[Path], source: str) -> ApiConfig:
 
 
 def _in_cluster(env: Mapping[str, str], account: Path) -> ApiConfig:
+    """The pod's own service account, as client-go's in-cluster configuration reads it."""
     token = account / "token"
     if not token.is_file():
         raise KubeConfigError(
             f"in-cluster: KUBERNETES_SERVICE_HOST is set but {token} is missing "
             "(is automountServiceAccountToken false?)"
         )
-    try:
-        kubeconfig = KubeConfig.from_service_account(account)
-    except (LightkubeConfigError, OSError, KeyError) as exc:
-        raise KubeConfigError(f"in-cluster ({account}): {exc}") from None
     host, port = env["KUBERNETES_SERVICE_HOST"], env["KUBERNETES_SERVICE_PORT"]
+    server = f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
+    cluster = Cluster(server=server, certificate_auth=str(account / "ca.crt"))
+    # tokenFile, not the token itself: it is read again when the API server answers 401 (the
+    # kubelet rotates projected tokens every hour or so).
+    kubeconfig = KubeConfig.from_one(cluster=cluster, user=User(token_file=str(token)))
     return ApiConfig(kubeconfig, f"in-cluster service account ({host}:{port})")
 
 
