@@ -1,9 +1,10 @@
 """What the scheduler allocated to a ResourceClaim, as the driver needs it to prepare the claim.
 
 The kubelet names a claim by namespace, name and UID; the driver reads the
-claim from the API server and keeps the allocation results that name its own
-driver. Three answers are refusals (:class:`ClaimError`, which becomes that
-claim's error in NodePrepareResources; the kubelet retries it):
+claim from the API server and gets every allocation result (a claim may hold
+devices of several drivers; the caller prepares those that name its own).
+Three answers are refusals (:class:`ClaimError`, which becomes that claim's
+error in NodePrepareResources; the kubelet retries it):
 
 - the claim does not exist (deleted since the kubelet asked);
 - its UID differs: the claim was deleted and another of the same name made
@@ -45,7 +46,7 @@ class ClaimError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class AllocatedDevice:
-    """One allocation result of the claim that is this driver's to prepare."""
+    """One allocation result of the claim (``status.allocation.devices.results[i]``)."""
 
     request: str
     """The claim's request (``gpu``, or ``gpus/first`` for a subrequest) the device was allocated for."""
@@ -57,18 +58,17 @@ class AllocatedDevice:
 
 
 class ClaimReader:
-    """Reads claims' allocations for one driver."""
+    """Reads claims' allocations."""
 
     def __init__(
-        self, client: AsyncClient, *, driver: str, timeout: float = READ_TIMEOUT, backoff_initial: float = 0.2
+        self, client: AsyncClient, *, timeout: float = READ_TIMEOUT, backoff_initial: float = 0.2
     ) -> None:
         self._client = client
-        self.driver = driver
         self._timeout = timeout
         self._backoff_initial = backoff_initial
 
     async def allocated_devices(self, *, namespace: str, name: str, uid: str) -> Sequence[AllocatedDevice]:
-        """This driver's devices in the claim's allocation, in the allocation's order.
+        """Every device of the claim's allocation, in the allocation's order (of all drivers).
 
         Raises :class:`ClaimError` when the claim is gone, replaced, not
         allocated, or the API server cannot be read.
@@ -93,7 +93,6 @@ class ClaimReader:
                 admin_access=bool(result.adminAccess),
             )
             for result in allocation.devices.results or ()
-            if result.driver == self.driver
         ]
 
     async def _read(self, namespace: str, name: str, where: str) -> ResourceClaim:

@@ -186,7 +186,7 @@ def node_name(configured: str | None = None, *, env: Mapping[str, str] | None = 
     return name
 
 
-def connect(config: ApiConfig, *, transport: httpx2.AsyncBaseTransport | None = None) -> AsyncClient:
+def api_client(config: ApiConfig, *, transport: httpx2.AsyncBaseTransport | None = None) -> AsyncClient:
     """An API client for ``config`` (``transport``: the tests' fake API server)."""
     return AsyncClient(
         config.kubeconfig,

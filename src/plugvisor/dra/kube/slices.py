@@ -352,7 +352,7 @@ class SlicePublisher:
     ``on_state`` hears every change of :attr:`state` (the driver reports it to
     the agent). One per driver process; :meth:`close` (the process stops for a
     restart: the slices stay) or :meth:`withdraw` (the driver stops for good)
-    ends it.
+    ends it, and closes ``client`` too with ``close_client``.
     """
 
     def __init__(
@@ -366,8 +366,10 @@ class SlicePublisher:
         backoff_initial: float = 0.5,
         backoff_max: float = 30.0,
         rand: Callable[[], float] = random.random,
+        close_client: bool = False,
     ) -> None:
         self._client = client
+        self._close_client = close_client
         self.driver = driver
         self.node = node
         self._on_state = on_state
@@ -433,6 +435,15 @@ class SlicePublisher:
 
     async def close(self) -> None:
         """Stop writing (the slices stay: the process is restarting, or the kubelet will clean up)."""
+        await self._stop()
+        await self._release_client()
+
+    async def _release_client(self) -> None:
+        if self._close_client:
+            self._close_client = False
+            await self._client.close()
+
+    async def _stop(self) -> None:
         self._closed = True
         if self._resync is not None:
             self._resync.cancel()
@@ -450,7 +461,13 @@ class SlicePublisher:
         deletes 30 s after the driver unregistered, and the Node's deletion
         takes with it in any case.
         """
-        await self.close()
+        await self._stop()
+        try:
+            await self._delete_pool()
+        finally:
+            await self._release_client()
+
+    async def _delete_pool(self) -> None:
         delay = self._backoff_initial
         try:
             async with asyncio.timeout(WITHDRAW_TIMEOUT):

@@ -9,7 +9,7 @@ from lightkube import KubeConfig
 from lightkube.config.models import Cluster, User
 
 from plugvisor.dra.kube.claims import ClaimReader
-from plugvisor.dra.kube.config import ApiConfig, connect
+from plugvisor.dra.kube.config import ApiConfig, api_client
 from plugvisor.dra.kube.slices import SlicePublisher
 
 from .fakeapi import FakeApi
@@ -31,7 +31,7 @@ def api() -> FakeApi:
 
 @pytest.fixture
 async def publisher(api: FakeApi) -> AsyncIterator[SlicePublisher]:
-    client = connect(fake_config(), transport=api.transport)
+    client = api_client(fake_config(), transport=api.transport)
     publisher = SlicePublisher(
         client, driver=DRIVER, node=NODE, resync_delay=0.01, backoff_initial=0.01, backoff_max=0.05
     )
@@ -42,6 +42,6 @@ async def publisher(api: FakeApi) -> AsyncIterator[SlicePublisher]:
 
 @pytest.fixture
 async def claims(api: FakeApi) -> AsyncIterator[ClaimReader]:
-    client = connect(fake_config(), transport=api.transport)
-    yield ClaimReader(client, driver=DRIVER, timeout=0.2, backoff_initial=0.01)
+    client = api_client(fake_config(), transport=api.transport)
+    yield ClaimReader(client, timeout=0.2, backoff_initial=0.01)
     await client.close()

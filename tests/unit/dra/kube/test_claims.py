@@ -30,9 +30,7 @@ def result(device: str, driver: str = DRIVER, **extra: object) -> dict[str, obje
     return {"request": "gpus", "driver": driver, "pool": "node-a", "device": device, **extra}
 
 
-async def test_the_allocation_results_of_this_driver_are_returned_in_order(
-    api: FakeApi, claims: ClaimReader
-) -> None:
+async def test_every_allocation_result_is_returned_in_order(api: FakeApi, claims: ClaimReader) -> None:
     api.claims["team", "two-gpus"] = claim(
         result("gpu-3"), result("vf-1", driver="nic.plugvisor.io"), result("gpu-2", adminAccess=True)
     )
@@ -41,6 +39,7 @@ async def test_the_allocation_results_of_this_driver_are_returned_in_order(
 
     assert devices == [
         AllocatedDevice("gpus", DRIVER, "node-a", "gpu-3"),
+        AllocatedDevice("gpus", "nic.plugvisor.io", "node-a", "vf-1"),
         AllocatedDevice("gpus", DRIVER, "node-a", "gpu-2", admin_access=True),
     ]
 

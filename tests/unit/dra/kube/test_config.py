@@ -118,3 +118,25 @@ def test_the_node_name_comes_from_the_option_else_node_name() -> None:
         node_name(None, env={})
     with pytest.raises(KubeConfigError, match="NODE_NAME: 'Worker_1' is not a lowercase DNS-1123 subdomain"):
         node_name(None, env={"NODE_NAME": "Worker_1"})
+
+
+async def test_connect_gives_a_reader_and_a_publisher_sharing_one_client(tmp_path: Path) -> None:
+    from plugvisor.dra.kube import connect
+
+    from .fakeapi import FakeApi
+
+    api = FakeApi(node="node-a")
+    env = {"KUBECONFIG": str(kubeconfig(tmp_path / "config", name="x", server="https://x:6443", current="x"))}
+
+    claims, slices = await connect(
+        driver="gpu.plugvisor.io", node_name="node-a", env=env, transport=api.transport
+    )
+    await slices.publish([])
+    assert await slices.wait_synced(30)
+    await slices.withdraw()
+
+    assert api.slices == {}
+    assert ("GET", "/apis/resource.k8s.io/v1/resourceslices") in api.requests
+    assert claims is not None
+    with pytest.raises(KubeConfigError, match="the node's name: 'Node_A' is not a lowercase DNS-1123"):
+        await connect(driver="gpu.plugvisor.io", node_name="Node_A", env=env)
