@@ -32,3 +32,11 @@ DEVICE_PLUGIN_TYPE: Final = "DevicePlugin"
 
 MAX_UNIX_SOCKET_PATH: Final = 107
 """grpc refuses unix socket paths longer than this many bytes."""
+
+# -- Dynamic Resource Allocation (DRA) kubelet plugins --------------------------------------
+
+DRA_PLUGINS_DIR_NAME: Final = "plugins"
+"""``<kubelet root>/plugins/<driver>/`` holds a driver's own files: its DRA socket, its checkpoint."""
+DRA_SOCKET_NAME: Final = "dra.sock"
+DRA_REGISTRATION_SOCKET_SUFFIX: Final = "-reg.sock"
+"""A driver's registration socket is ``plugins_registry/<driver>-reg.sock`` (the upstream helper's name)."""

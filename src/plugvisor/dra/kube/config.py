@@ -21,7 +21,6 @@ hides the pod's own account. The node's name comes from the configuration
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ from lightkube import AsyncClient, KubeConfig
 from lightkube.config.models import Cluster, User
 from lightkube.core.exceptions import ConfigError as LightkubeConfigError
 
+from plugvisor.common.names import node_name_problem
 from plugvisor.common.validation import shorten
 from plugvisor.common.yamlfile import YamlFileError, read_yaml
 
@@ -42,7 +42,6 @@ FIELD_MANAGER: Final = "plugvisor"
 REQUEST_TIMEOUT: Final = 10.0
 """Seconds for one request (connect, write, read); a watch's read has no timeout."""
 
-_DNS1123_SUBDOMAIN_RE: Final = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 # Fields of a kubeconfig that name files, per section; resolved against the file that holds them.
 _PATH_FIELDS: Final = {
     "clusters": ("cluster", ("certificate-authority",)),
@@ -158,17 +157,6 @@ def load_api_config(
         "no API server configuration: KUBECONFIG is not set, this is not a pod "
         f"(KUBERNETES_SERVICE_HOST is not set) and {default} does not exist"
     )
-
-
-def node_name_problem(name: str) -> str | None:
-    """Why ``name`` cannot be a Node's name (a DNS-1123 subdomain); None when it can."""
-    if not name:
-        return "must not be empty"
-    if len(name) > 253:
-        return f"{shorten(name)!r} is longer than 253 characters"
-    if not _DNS1123_SUBDOMAIN_RE.fullmatch(name):
-        return f"{shorten(name)!r} is not a lowercase DNS-1123 subdomain (a Node's name)"
-    return None
 
 
 def node_name(configured: str | None = None, *, env: Mapping[str, str] | None = None) -> str:

@@ -135,6 +135,13 @@ class PublishState:
     error: str | None = None
     """Why the latest attempt failed (None once one succeeds)."""
 
+    @property
+    def summary(self) -> str:
+        """One line for the agent (the driver's ``SLICES=`` status field): synced, pending, failing: <why>."""
+        if self.synced:
+            return "synced"
+        return f"failing: {shorten(self.error, 200)}" if self.error else "pending"
+
 
 class _RetryLaterError(Exception):
     """A failure worth retrying after a backoff (the API server is down, slow, or said so)."""
