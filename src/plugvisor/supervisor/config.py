@@ -146,19 +146,24 @@ class MonitoringConfig(_Model):
     telemetry_interval: Annotated[float, pydantic.Field(ge=0.1, le=3600, alias="telemetryInterval")] = 10.0
 
 
+API_MODES: Final = ("device-plugin", "dra")
+
+
 class ResourceConfig(pydantic.BaseModel):
     """One ``resources`` entry: ``name`` and ``kind`` plus the kind's own keys (kept as written).
 
-    ``mode`` says which kubelet API the kind is served through: a device plugin
-    (``name`` is the extended resource, e.g. ``plugvisor.io/gpu``) or a DRA
-    driver (``name`` is the driver, a DNS subdomain such as ``gpu.plugvisor.io``;
-    it always registers through the plugin watcher).
+    ``mode`` says which kubelet API the kind is served through: ``device-plugin``
+    (the default; ``name`` is the extended resource, e.g. ``plugvisor.io/gpu``) or
+    ``dra`` (``name`` is the driver, a DNS subdomain such as ``gpu.plugvisor.io``;
+    it always registers through the plugin watcher). Any other value is the
+    kind's own ``mode`` key (the fpga kind's ``af``, ``region``, ``xilinx``,
+    which predate DRA) and the resource a device plugin.
     """
 
     model_config = pydantic.ConfigDict(extra="allow", frozen=True)
 
     # Before `name`, whose rule depends on it (pydantic validates fields in this order).
-    mode: Literal["device-plugin", "dra"] = "device-plugin"
+    mode: str = "device-plugin"
     name: str
     kind: Annotated[str, pydantic.StringConstraints(min_length=1)]
     registration: Literal["kubelet-sock", "plugin-watcher"] = "kubelet-sock"
@@ -167,30 +172,32 @@ class ResourceConfig(pydantic.BaseModel):
     @pydantic.field_validator("name")
     @classmethod
     def _resource_or_driver_name(cls, value: str, info: pydantic.ValidationInfo) -> str:
-        mode = info.data.get("mode")
-        if mode is None:  # the mode itself is invalid: that one error says it
-            return value
-        problem = dra_driver_name_problem(value) if mode == "dra" else extended_resource_name_problem(value)
+        dra = info.data.get("mode") == "dra"
+        problem = dra_driver_name_problem(value) if dra else extended_resource_name_problem(value)
         if problem is not None:
             raise ValueError(problem)
         return value
 
     @pydantic.model_validator(mode="after")
     def _dra_registers_through_the_watcher(self) -> ResourceConfig:
-        if (
-            self.mode == "dra"
-            and "registration" in self.model_fields_set
-            and self.registration != "plugin-watcher"
-        ):
+        if self.dra and "registration" in self.model_fields_set and self.registration != "plugin-watcher":
             raise ValueError(
                 "a DRA driver registers through the kubelet's plugin watcher: leave out registration"
             )
         return self
 
     @property
+    def dra(self) -> bool:
+        """Whether the kind is served as a DRA driver (else as a device plugin)."""
+        return self.mode == "dra"
+
+    @property
     def options(self) -> dict[str, Any]:
         """The kind's keys, exactly as the file has them (handed to the child as JSON)."""
-        return dict(self.model_extra or {})
+        options = dict(self.model_extra or {})
+        if self.mode not in API_MODES:
+            options["mode"] = self.mode
+        return options
 
 
 class NodeConfig(_Model):
@@ -268,7 +275,7 @@ def _entry_errors(config: NodeConfig) -> list[pydantic_core.InitErrorDetails]:
         seen.setdefault(resource.name, index)
         longest = (
             max(len(os.fsencode(path)) for path in dra_socket_paths(config.kubelet_root, resource.name))
-            if resource.mode == "dra"
+            if resource.dra
             else longest_socket_path(config.kubelet_dir, resource.name)
         )
         if longest > constants.MAX_UNIX_SOCKET_PATH:
@@ -285,6 +292,10 @@ def _entry_errors(config: NodeConfig) -> list[pydantic_core.InitErrorDetails]:
         except Exception as exc:
             message = f"kind {resource.kind!r} is installed but cannot be loaded: {exc!r}"
             errors.append(_custom("broken_kind", message, ("resources", index, "kind"), resource.kind))
+            continue
+        if resource.mode not in API_MODES and "mode" not in kind.options_model.model_fields:
+            message = f"expected device-plugin or dra, got {shorten(resource.mode)!r}"
+            errors.append(_custom("unknown_mode", message, ("resources", index, "mode"), resource.mode))
             continue
         size = len(json.dumps(resource.options, separators=(",", ":")))
         if size > MAX_OPTIONS_BYTES:
@@ -411,7 +422,7 @@ def child_specs(
     policy = "exit" if config.supervisor.on_kubelet_restart == "restart" else "reregister"
     specs: dict[str, ChildSpec] = {}
     for resource in config.resources:
-        if resource.mode == "dra":
+        if resource.dra:
             specs[resource.name] = _dra_child_spec(
                 config, resource, log_format=log_format, log_level=log_level
             )

@@ -251,7 +251,7 @@ class Supervisor:
         for an outdated registration restarted such a child after every registration.
         """
         return all(
-            r.registration == "kubelet-sock" and r.mode == "device-plugin"
+            r.registration == "kubelet-sock" and not r.dra
             for r in self.config.resources
             if r.name == resource
         )

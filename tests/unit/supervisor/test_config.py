@@ -267,8 +267,8 @@ class TestDraMode:
                 "watcher: leave out registration",
             ),
             (
-                "{name: gpu.plugvisor.io, kind: gpu, mode: csi}",
-                "node.yaml: resources[0].mode: Input should be",
+                "{name: plugvisor.io/gpu, kind: gpu, mode: csi}",
+                "node.yaml: resources[0].mode: expected device-plugin or dra, got 'csi'",
             ),
         ],
         ids=[
@@ -290,6 +290,15 @@ class TestDraMode:
         errors = errors_of(f"kubeletDir: /{'k' * 40}/device-plugins\nresources:\n  - {entry}\n")
 
         assert "too long for the sockets of " + name in errors
+
+    def test_the_fpga_kinds_own_mode_key_still_means_the_fpga_kinds_mode(self):
+        """fpga's `mode: af|region|xilinx` predates DRA: that value is the kind's, the API a device plugin."""
+        document = "resources:\n  - {name: plugvisor.io/fpga, kind: fpga, mode: region}\n"
+        config = config_.parse_config(yaml.safe_load(document), source="node.yaml")
+
+        (resource,) = config.resources
+        assert not resource.dra and resource.options == {"mode": "region"}
+        assert config_.child_specs(config)["plugvisor.io/fpga"].args[:2] == ("plugin", "fpga")
 
     def test_a_node_name_must_be_a_node_name(self):
         errors = errors_of(
