@@ -27,15 +27,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 from lightkube import AsyncClient, KubeConfig
 from lightkube.config.models import Cluster, User
 
 from plugvisor.dra.kube.config import ApiConfig, api_client
 
 START_TIMEOUT = 180.0  # seconds: a loaded 2-core machine needs tens of seconds for the API server
-ADMIN_TOKEN = "admin-token-for-tests-only"  # noqa: S105
-DRIVER_TOKEN = "driver-token-for-tests-only"  # noqa: S105
+ADMIN_TOKEN = "admin-token-for-tests-only"
+DRIVER_TOKEN = "driver-token-for-tests-only"
 DRIVER_USER = "plugvisor-dra-driver"
+NOBODY_TOKEN = "nobody-token-for-tests-only"
 
 
 def binaries() -> Path | None:
@@ -62,13 +64,54 @@ def openssl(*args: str, cwd: Path) -> None:
 
 def make_certificates(directory: Path) -> None:
     """A CA, a serving certificate for 127.0.0.1 signed by it, and the service-account key pair."""
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=plugvisor-test-ca",
-            "-keyout", "ca.key", "-out", "ca.crt", cwd=directory)  # fmt: skip
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=plugvisor-test-ca",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        cwd=directory,
+    )
     (directory / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=kube-apiserver",
-            "-keyout", "server.key", "-out", "server.csr", cwd=directory)  # fmt: skip
-    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-            "-days", "2", "-extfile", "san.cnf", "-out", "server.crt", cwd=directory)  # fmt: skip
+    openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=kube-apiserver",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        cwd=directory,
+    )
+    openssl(
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        "san.cnf",
+        "-out",
+        "server.crt",
+        cwd=directory,
+    )
     openssl("genrsa", "-out", "sa.key", "2048", cwd=directory)
     openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=directory)
 
@@ -83,16 +126,22 @@ class ApiServer:
 
     def config(self, token: str) -> ApiConfig:
         cluster = Cluster(server=self.url, certificate_auth=str(self.ca))
-        return ApiConfig(KubeConfig.from_one(cluster=cluster, user=User(token=token)), f"test api server {self.url}")
+        return ApiConfig(
+            KubeConfig.from_one(cluster=cluster, user=User(token=token)), f"test api server {self.url}"
+        )
 
     def kubeconfig(self, token: str, path: Path) -> Path:
         """A kubeconfig file for ``token`` (what KUBECONFIG would name)."""
-        path.write_text(
-            f"apiVersion: v1\nkind: Config\ncurrent-context: t\n"
-            f"clusters: [{{name: t, cluster: {{server: '{self.url}', certificate-authority: '{self.ca}'}}}}]\n"
-            f"users: [{{name: t, user: {{token: '{token}'}}}}]\n"
-            f"contexts: [{{name: t, context: {{cluster: t, user: t}}}}]\n"
-        )
+        cluster = {"server": self.url, "certificate-authority": str(self.ca)}
+        document = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "current-context": "t",
+            "clusters": [{"name": "t", "cluster": cluster}],
+            "users": [{"name": "t", "user": {"token": token}}],
+            "contexts": [{"name": "t", "context": {"cluster": "t", "user": "t"}}],
+        }
+        path.write_text(yaml.safe_dump(document))
         return path
 
 
@@ -100,7 +149,7 @@ def _ready(url: str, ca: Path) -> bool:
     context = ssl.create_default_context(cafile=str(ca))
     request = urllib.request.Request(f"{url}/readyz", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
     try:
-        with urllib.request.urlopen(request, context=context, timeout=5) as answer:  # noqa: S310 - https, ours
+        with urllib.request.urlopen(request, context=context, timeout=5) as answer:
             return bool(answer.status == 200)
     except (urllib.error.URLError, OSError):
         return False
@@ -139,6 +188,7 @@ def running_api_server(*, feature_gates: str = "") -> Iterator[ApiServer]:
         make_certificates(workdir)
         (workdir / "tokens.csv").write_text(
             f'{ADMIN_TOKEN},admin,admin-uid,"system:masters"\n{DRIVER_TOKEN},{DRIVER_USER},driver-uid\n'
+            f"{NOBODY_TOKEN},nobody,nobody-uid\n"
         )
         etcd_port, peer_port, api_port = free_port(), free_port(), free_port()
         etcd_url = f"http://127.0.0.1:{etcd_port}"
@@ -146,18 +196,37 @@ def running_api_server(*, feature_gates: str = "") -> Iterator[ApiServer]:
         with (workdir / "etcd.log").open("wb") as log:
             processes.append(
                 subprocess.Popen(
-                    [str(bin_dir / "etcd"), "--name", "test", "--data-dir", str(workdir / "etcd"),
-                     "--listen-client-urls", etcd_url, "--advertise-client-urls", etcd_url,
-                     "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
-                     "--initial-cluster", f"test={peer_url}", "--unsafe-no-fsync", "--log-level", "warn"],
-                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                )  # fmt: skip
+                    [
+                        str(bin_dir / "etcd"),
+                        "--name",
+                        "test",
+                        "--data-dir",
+                        str(workdir / "etcd"),
+                        "--listen-client-urls",
+                        etcd_url,
+                        "--advertise-client-urls",
+                        etcd_url,
+                        "--listen-peer-urls",
+                        peer_url,
+                        "--initial-advertise-peer-urls",
+                        peer_url,
+                        "--initial-cluster",
+                        f"test={peer_url}",
+                        "--unsafe-no-fsync",
+                        "--log-level",
+                        "warn",
+                    ],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
             )
         api_args = [
             str(bin_dir / "kube-apiserver"),
             f"--etcd-servers={etcd_url}",
             "--bind-address=127.0.0.1",
             "--advertise-address=127.0.0.1",
+            "--endpoint-reconciler-type=none",  # a loopback address cannot be a Service endpoint
             f"--secure-port={api_port}",
             f"--tls-cert-file={workdir / 'server.crt'}",
             f"--tls-private-key-file={workdir / 'server.key'}",
@@ -174,7 +243,9 @@ def running_api_server(*, feature_gates: str = "") -> Iterator[ApiServer]:
         if feature_gates:
             api_args.append(f"--feature-gates={feature_gates}")
         with (workdir / "apiserver.log").open("wb") as log:
-            processes.append(subprocess.Popen(api_args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            processes.append(
+                subprocess.Popen(api_args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            )
         server = ApiServer(f"https://127.0.0.1:{api_port}", workdir / "ca.crt", workdir)
         deadline = time.monotonic() + START_TIMEOUT
         while not _ready(server.url, server.ca):
@@ -185,7 +256,9 @@ def running_api_server(*, feature_gates: str = "") -> Iterator[ApiServer]:
                         f"{_tail(workdir / 'etcd.log')}\n{_tail(workdir / 'apiserver.log')}"
                     )
             if time.monotonic() > deadline:
-                pytest.fail(f"the API server was not ready in {START_TIMEOUT} s:\n{_tail(workdir / 'apiserver.log')}")
+                pytest.fail(
+                    f"the API server was not ready in {START_TIMEOUT} s:\n{_tail(workdir / 'apiserver.log')}"
+                )
             time.sleep(0.5)
         yield server
     finally:
