@@ -161,15 +161,19 @@ if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] == "--probe":
             return len(slices), str(claim.metadata.uid)
 
         _result(_imported, *asyncio.run(_lightkube()))
-    elif _CANDIDATE == "kubernetes_asyncio":
+    elif _CANDIDATE in ("kubernetes_asyncio", "kubernetes.aio"):  # the same generated API, two packages
         import asyncio
 
-        from kubernetes_asyncio import client as k8s_client
-        from kubernetes_asyncio import config as k8s_config
+        if _CANDIDATE == "kubernetes_asyncio":
+            from kubernetes_asyncio import client as k8s_client
+            from kubernetes_asyncio import config as k8s_config
+        else:
+            from kubernetes.aio import client as k8s_client  # type: ignore[no-redef]
+            from kubernetes.aio import config as k8s_config  # type: ignore[no-redef]
 
         _imported = time.perf_counter()
 
-        async def _kubernetes_asyncio() -> tuple[int, str]:
+        async def _generated_async() -> tuple[int, str]:
             await k8s_config.load_kube_config()
             async with k8s_client.ApiClient() as api:
                 resource = k8s_client.ResourceV1Api(api)
@@ -177,24 +181,7 @@ if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] == "--probe":
                 claim = await resource.read_namespaced_resource_claim("bench", "default")
             return len(slices.items), claim.metadata.uid
 
-        _result(_imported, *asyncio.run(_kubernetes_asyncio()))
-    elif _CANDIDATE == "kubernetes.aio":
-        import asyncio
-
-        from kubernetes.aio import client as k8s_client
-        from kubernetes.aio import config as k8s_config
-
-        _imported = time.perf_counter()
-
-        async def _kubernetes_aio() -> tuple[int, str]:
-            await k8s_config.load_kube_config()
-            async with k8s_client.ApiClient() as api:
-                resource = k8s_client.ResourceV1Api(api)
-                slices = await resource.list_resource_slice()
-                claim = await resource.read_namespaced_resource_claim("bench", "default")
-            return len(slices.items), claim.metadata.uid
-
-        _result(_imported, *asyncio.run(_kubernetes_aio()))
+        _result(_imported, *asyncio.run(_generated_async()))
     elif _CANDIDATE == "kubernetes (sync)":
         from kubernetes import client as k8s_client
         from kubernetes import config as k8s_config

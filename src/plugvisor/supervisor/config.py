@@ -422,26 +422,13 @@ def child_specs(
     policy = "exit" if config.supervisor.on_kubelet_restart == "restart" else "reregister"
     specs: dict[str, ChildSpec] = {}
     for resource in config.resources:
-        if resource.dra:
-            specs[resource.name] = _dra_child_spec(
-                config, resource, log_format=log_format, log_level=log_level
-            )
-            continue
-        args = [
-            "plugin",
-            resource.kind,
-            "--resource",
-            resource.name,
+        shared = [
             "--host-root",
             str(config.host_root),
             "--kubelet-dir",
             str(config.kubelet_dir),
             "--options-json",
             json.dumps(resource.options, sort_keys=True, separators=(",", ":")),
-            "--on-kubelet-restart",
-            policy,
-            "--registration",
-            resource.registration,
             # The agent owns its resources: a plugin started by hand for one of them is taken over
             # (with a warning), where a plugin started by hand refuses to take over the agent's.
             "--replace",
@@ -451,42 +438,17 @@ def child_specs(
             log_level,
         ]
         if config.spec_root is not None:
-            args += ["--spec-root", str(config.spec_root)]
+            shared += ["--spec-root", str(config.spec_root)]
+        if resource.dra:
+            # A DRA driver (plugvisor.plugins.draentry) has no kubelet-restart policy: the kubelet's
+            # plugin watcher dials its registration socket again when it starts, so the driver keeps
+            # running (its prepared claims, its slices) and the agent only follows.
+            args = ["plugin", resource.kind, "--mode", "dra", "--driver", resource.name, *shared]
+            if config.node_name is not None:
+                args += ["--node-name", config.node_name]
+            specs[resource.name] = ChildSpec(resource.name, resource.kind, tuple(args), mode="dra")
+            continue
+        args = ["plugin", resource.kind, "--resource", resource.name, *shared]
+        args += ["--on-kubelet-restart", policy, "--registration", resource.registration]
         specs[resource.name] = ChildSpec(resource.name, resource.kind, tuple(args))
     return specs
-
-
-def _dra_child_spec(
-    config: NodeConfig, resource: ResourceConfig, *, log_format: str, log_level: str
-) -> ChildSpec:
-    """A DRA driver's command line (plugvisor.plugins.draentry).
-
-    No kubelet-restart policy: the kubelet's plugin watcher dials the driver's
-    registration socket again when it starts, so the driver keeps running
-    (its prepared claims, its slices) and the agent only follows.
-    """
-    args = [
-        "plugin",
-        resource.kind,
-        "--mode",
-        "dra",
-        "--driver",
-        resource.name,
-        "--host-root",
-        str(config.host_root),
-        "--kubelet-dir",
-        str(config.kubelet_dir),
-        "--options-json",
-        json.dumps(resource.options, sort_keys=True, separators=(",", ":")),
-        # The agent owns its drivers: it takes their sockets over from a driver started by hand.
-        "--replace",
-        "--log-format",
-        log_format,
-        "--log-level",
-        log_level,
-    ]
-    if config.node_name is not None:
-        args += ["--node-name", config.node_name]
-    if config.spec_root is not None:
-        args += ["--spec-root", str(config.spec_root)]
-    return ChildSpec(resource.name, resource.kind, tuple(args), mode="dra")
