@@ -386,7 +386,6 @@ class SlicePublisher:
         self._rand = rand
         self._log = _log.bind(driver=driver, node=node)
         self._desired = _Desired()
-        self._written_version = -1
         self._wake = asyncio.Event()
         self._synced = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -557,7 +556,10 @@ class SlicePublisher:
         """Whether a watch event is someone else's doing (ours are in ``_known`` as we make them)."""
         name = str(item.metadata.name) if item.metadata is not None else ""
         if event == "DELETED":
-            return name in self._known  # one we still count on is gone
+            if name in self._known:  # one we still count on is gone: perhaps with a Node made anew,
+                self._owner_uid = None  # whose UID the next slices must name
+                return True
+            return False
         return item.metadata is None or self._known.get(name) != item.metadata.resourceVersion
 
     def _schedule_resync(self) -> None:
@@ -586,11 +588,8 @@ class SlicePublisher:
         obsolete: list[dict[str, Any]] = []
         for item in current:
             index = slice_index(item["metadata"]["name"])
-            if (
-                item["spec"]["pool"].get("generation", 0) < generation
-                or index is None
-                or index >= len(chunks)
-            ) or index in matched:
+            older = item["spec"]["pool"].get("generation", 0) < generation
+            if older or index is None or index >= len(chunks) or index in matched:
                 obsolete.append(item)
             else:
                 matched[index] = item
