@@ -380,3 +380,19 @@ def test_loose_versions_become_semver() -> None:
     assert SemVer.loose("6.2") == SemVer("6.2.0")
     assert SemVer.loose("v1.2.3-rc.1") == SemVer("1.2.3-rc.1")
     assert SemVer.loose("garbage") is None
+
+
+async def test_slices_collected_with_a_node_made_anew_come_back_owned_by_the_new_node(
+    api: FakeApi, publisher: SlicePublisher
+) -> None:
+    await publisher.publish([gpu(0)])
+    assert await publisher.wait_synced(WAIT)
+
+    api.nodes[NODE] = "6d1f7c1e-0000-4000-8000-000000000002"  # the Node deleted and registered again
+    api.delete_all()  # the garbage collector takes the slices of the old one
+
+    def owned_by_the_new_node() -> bool:
+        slices = api.pool(DRIVER, NODE)
+        return bool(slices) and slices[0]["metadata"]["ownerReferences"][0]["uid"] == api.nodes[NODE]
+
+    await until(owned_by_the_new_node)
