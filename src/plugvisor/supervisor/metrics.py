@@ -103,7 +103,7 @@ class SupervisorCollector(Collector):
         )
         for child in children:
             resource = child["resource"]
-            info.add_metric([resource, child["kind"], child.get("mode", "device-plugin")], 1.0)
+            info.add_metric([resource, child.get("kind", ""), child.get("mode", "device-plugin")], 1.0)
             if child.get("slices"):
                 slices.add_metric([resource], 1.0 if child["slices"] == "synced" else 0.0)
             up.add_metric([resource], 1.0 if child["pid"] else 0.0)
