@@ -118,6 +118,17 @@ def dra_driver_name_problem(name: str) -> str | None:
     return None
 
 
+def node_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot be a Node's name (a DNS-1123 subdomain); None when it can."""
+    if not name:
+        return "must not be empty"
+    if len(name) > _DNS1123_SUBDOMAIN_MAX:
+        return f"{shorten(name)!r} is longer than {_DNS1123_SUBDOMAIN_MAX} characters"
+    if not _DNS1123_SUBDOMAIN_RE.fullmatch(name):
+        return f"{shorten(name)!r} is not a lowercase DNS-1123 subdomain (a Node's name)"
+    return None
+
+
 _GO_ESCAPES: Final = {
     '"': '\\"',
     "\\": "\\\\",
