@@ -612,8 +612,6 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
             "kube-controller-manager",
             [str(self.bin / "kube-controller-manager"),
              f"--kubeconfig={self.base / 'controller-manager.kubeconfig'}",
-             f"--authentication-kubeconfig={self.base / 'controller-manager.kubeconfig'}",
-             f"--authorization-kubeconfig={self.base / 'controller-manager.kubeconfig'}",
              "--bind-address=127.0.0.1",
              f"--service-account-private-key-file={pki_dir / 'sa.key'}",
              f"--root-ca-file={pki_dir / 'ca.crt'}", "--use-service-account-credentials=true",
@@ -623,8 +621,6 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
         self._start(
             "kube-scheduler",
             [str(self.bin / "kube-scheduler"), f"--kubeconfig={self.base / 'scheduler.kubeconfig'}",
-             f"--authentication-kubeconfig={self.base / 'scheduler.kubeconfig'}",
-             f"--authorization-kubeconfig={self.base / 'scheduler.kubeconfig'}",
              "--bind-address=127.0.0.1", *common],
         )  # fmt: skip
 
@@ -690,11 +686,15 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
 
     # -- using it ---------------------------------------------------------------------------------
 
-    def kubectl(self, *args: str, timeout: float = 120, check: bool = True) -> str:
+    def kubectl_argv(self) -> list[str]:
+        """kubectl, talking to this cluster as its administrator."""
         kubectl = kubectl_path()
         if kubectl is None:
             raise ClusterError("kubectl is not installed")
-        return _run([kubectl, f"--kubeconfig={self.kubeconfig}", *args], timeout=timeout, check=check)
+        return [kubectl, f"--kubeconfig={self.kubeconfig}"]
+
+    def kubectl(self, *args: str, timeout: float = 120, check: bool = True) -> str:
+        return _run([*self.kubectl_argv(), *args], timeout=timeout, check=check)
 
     def ctr(self, *args: str, timeout: float = 300) -> str:
         return _run([str(self.bin / "ctr"), f"--address={self.containerd_socket}", "-n", "k8s.io", *args], timeout=timeout)

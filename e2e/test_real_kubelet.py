@@ -1,0 +1,319 @@
+"""What only a real node can show: GPUs reaching a container through a CDI spec read by the runtime, the
+bare-metal agent (`plugvisor run` as a host process, as the systemd unit runs it) serving the real kubelet,
+owner labels read from the real PodResources API, plugin-watcher registration, and the emulated kubelet's
+answers held against the real one's.
+
+These run on the local backend only (`tox -e e2e-local`); elsewhere they skip, saying so.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import yaml
+
+from plugvisor.api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+
+from .backends import Backend, LocalBackend, wait_until
+from .backends.api import LAB_OVERLAY
+from .backends.local import LAB_DIR
+from .deployment import REPO, Worker, expected_allocatable
+from .test_scenarios import GPU, _running, _worker
+
+pytestmark = pytest.mark.e2e
+
+DEVICE_PLUGINS = Path("/var/lib/kubelet/device-plugins")
+CHECKPOINT = DEVICE_PLUGINS / "kubelet_internal_checkpoint"
+CDI_SPEC = Path("/var/run/cdi/plugvisor.io-gpu.json")
+HOST_FUSE = "plugvisor.io/host-fuse"
+WATCHER_FUSE = "plugvisor.io/host-fuse-watcher"
+
+
+@pytest.fixture
+def local(backend: Backend) -> LocalBackend:
+    if not isinstance(backend, LocalBackend):
+        pytest.skip("needs a real kubelet on this machine: the local backend (tox -e e2e-local)")
+    return backend
+
+
+def _allocation(pod_uid: str, resource: str) -> api_pb2.ContainerAllocateResponse:
+    """The Allocate answer the kubelet keeps for a pod's container (its checkpoint holds it, base64)."""
+    checkpoint = json.loads(CHECKPOINT.read_text())
+    (entry,) = [
+        e
+        for e in checkpoint["Data"]["PodDeviceEntries"] or []
+        if e["PodUID"] == pod_uid and e["ResourceName"] == resource
+    ]
+    return api_pb2.ContainerAllocateResponse.FromString(base64.b64decode(entry["AllocResp"]))
+
+
+@pytest.fixture
+def cdi_overlay(local: LocalBackend) -> Iterator[Worker]:
+    """The lab overlay with the gpu-cdi overlay's changes: `cdi: true` and the host's /var/run/cdi mounted."""
+    worker = _worker(local, has="gpus")
+    local.play(worker.name)
+    config = yaml.safe_load((LAB_OVERLAY / "node-gpu.yaml").read_text())
+    cdi = yaml.safe_load((REPO / "deploy/kubernetes/overlays/gpu-cdi/node.yaml").read_text())["resources"][0]
+    config["resources"][0] |= {"cdi": cdi["cdi"], "cdiDir": cdi["cdiDir"]}
+    with tempfile.TemporaryDirectory(prefix="pv-cdi-") as scratch:
+        overlay = Path(scratch)
+        (overlay / "node-gpu-cdi.yaml").write_text(yaml.safe_dump(config))
+        (overlay / "patch-cdi-mount.yaml").write_text(
+            (REPO / "deploy/kubernetes/overlays/gpu-cdi/patch-cdi-mount.yaml").read_text()
+        )
+        (overlay / "kustomization.yaml").write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                    "kind": "Kustomization",
+                    "resources": [os.path.relpath(LAB_OVERLAY, overlay)],
+                    "configMapGenerator": [
+                        {
+                            "name": "plugvisor-config-gpu",
+                            "namespace": "kube-system",
+                            "behavior": "replace",
+                            "files": ["node.yaml=node-gpu-cdi.yaml"],
+                        }
+                    ],
+                    "patches": [{"path": "patch-cdi-mount.yaml"}],
+                }
+            )
+        )
+        local.progress("kubectl apply -k: the lab overlay with the gpu-cdi overlay's cdi: true and CDI mount")
+        local.kubectl("apply", "-k", str(overlay))
+    try:
+        local.kubectl("-n", "kube-system", "rollout", "status", "ds/plugvisor-gpu", "--timeout=600s", timeout=660)
+        yield worker
+    finally:
+        local.apply_lab_overlay()
+        local.wait_daemonsets()
+
+
+def test_gpus_reach_the_container_through_the_agents_cdi_spec(local: LocalBackend, cdi_overlay: Worker) -> None:
+    """cdi: true: Allocate names CDI devices and no DeviceSpecs; containerd reads the agent's spec and the
+    container has the two GPUs' device nodes and the control nodes the spec adds."""
+    worker = cdi_overlay
+    wait_until(
+        lambda: local.node_resources(worker.name)[1].get(GPU) == expected_allocatable(worker)[GPU],
+        timeout=local.timeout,
+        what="the CDI gpu agent's GPUs allocatable",
+    )
+    local.create_pod(worker.name, "cdi-gpus", {GPU: 2})
+    try:
+        view = _running(local, "cdi-gpus")
+        local.progress(
+            "cdi-gpus, from inside the container: character devices "
+            f"{list(view.devices)}, NVIDIA_VISIBLE_DEVICES={view.env.get('NVIDIA_VISIBLE_DEVICES')}"
+        )
+        ids = view.env["NVIDIA_VISIBLE_DEVICES"].split(",")
+        uid = local.core.read_namespaced_pod("cdi-gpus", "default").metadata.uid
+        answer = _allocation(uid, GPU)
+        assert not answer.devices, f"Allocate returned DeviceSpecs with cdi: true: {answer.devices}"
+        assert sorted(d.name for d in answer.cdi_devices) == sorted(f"{GPU}={i}" for i in ids)
+        spec = json.loads(CDI_SPEC.read_text())
+        by_name = {d["name"]: d for d in spec["devices"]}
+        wanted = [n["path"] for i in ids for n in by_name[i]["containerEdits"]["deviceNodes"]]
+        wanted += [n["path"] for n in spec.get("containerEdits", {}).get("deviceNodes", [])]
+        assert wanted, f"the CDI spec names no device node: {spec}"
+        assert set(wanted) <= set(view.devices), f"the container lacks {wanted}: it has {view.devices}"
+        others = {n["path"] for d in spec["devices"] if d["name"] not in ids for n in d["containerEdits"]["deviceNodes"]}
+        assert not others & set(view.devices), f"the container got GPUs it did not ask for: {others}"
+    finally:
+        local.delete_pod("cdi-gpus")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class HostAgent:
+    """`plugvisor run` as a host process, as deploy/systemd/plugvisor.service runs it, on the lab's hardware."""
+
+    def __init__(self, home: Path) -> None:
+        self.home = home
+        self.port = _free_port()
+        self.runtime = home / "run"
+        self.config = home / "node.yaml"
+        self.config.write_text(
+            yaml.safe_dump(
+                {
+                    "kubeletDir": str(DEVICE_PLUGINS),
+                    "hostRoot": str(LAB_DIR),
+                    "metrics": {"listen": f"127.0.0.1:{self.port}"},
+                    "supervisor": {"runtimeDir": str(self.runtime)},
+                    "monitoring": {"podResourcesInterval": 0.5},
+                    "resources": [
+                        {"name": HOST_FUSE, "kind": "generic", "paths": ["/dev/fuse"], "count": 3},
+                        {"name": WATCHER_FUSE, "kind": "generic", "paths": ["/dev/fuse"], "count": 2,
+                         "registration": "plugin-watcher"},
+                    ],
+                }
+            )
+        )  # fmt: skip
+        self.log = home / "agent.log"
+        with self.log.open("ab") as out:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "plugvisor", "run", "--config", str(self.config), "--log-level", "info"],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+            )
+
+    def status(self) -> dict[str, Any]:
+        result = subprocess.run(
+            [sys.executable, "-m", "plugvisor", "status", "--json", "--runtime-dir", str(self.runtime)],
+            capture_output=True, text=True, timeout=60, check=True,
+        )  # fmt: skip
+        status: dict[str, Any] = json.loads(result.stdout)
+        return status
+
+    def registered(self) -> dict[str, Any] | None:
+        status = self.status()
+        children = status["children"]
+        return status if len(children) == 2 and all(c.get("registered") for c in children) else None
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as answer:  # noqa: S310
+            return str(answer.read().decode())
+
+    def stop(self) -> int | None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+                return None
+        return self.process.returncode
+
+
+def test_plugvisor_run_on_the_host_serves_the_real_kubelet(local: LocalBackend) -> None:
+    """The bare-metal agent registers (kubelet.sock and plugin watcher), a pod gets its device, /metrics
+    names the pod from the real PodResources API, a kubelet restart is followed, SIGTERM stops it cleanly."""
+    worker = _worker(local, has="gpus")
+    local.play(worker.name)
+    with tempfile.TemporaryDirectory(prefix="pvhost-") as scratch:
+        agent = HostAgent(Path(scratch))
+        try:
+            local.progress(f"plugvisor run on the host: {HOST_FUSE} (kubelet.sock), {WATCHER_FUSE} (plugin watcher)")
+            wait_until(agent.registered, timeout=local.timeout, what="the host agent registered both resources")
+            for resource, count in ((HOST_FUSE, 3), (WATCHER_FUSE, 2)):
+                wait_until(
+                    lambda r=resource, c=count: local.node_resources(worker.name)[1].get(r) == c,
+                    timeout=local.timeout,
+                    what=f"allocatable {resource} = {count}",
+                )
+            local.create_pod(worker.name, "host-agent-fuse", {HOST_FUSE: 1, WATCHER_FUSE: 1})
+            try:
+                view = _running(local, "host-agent-fuse")
+                assert "/dev/fuse" in view.devices
+
+                def owned() -> list[str]:
+                    return [
+                        line
+                        for line in agent.metrics().splitlines()
+                        if line.startswith("plugvisor_device_allocated{")
+                        and 'pod="host-agent-fuse"' in line
+                        and 'namespace="default"' in line
+                        and 'container="check"' in line
+                        and line.endswith(" 1.0")
+                    ]
+
+                lines = wait_until(owned, timeout=local.timeout, what="/metrics owner labels of host-agent-fuse")
+                local.progress("owner labels from the real PodResources API:\n  " + "\n  ".join(lines))
+                assert {HOST_FUSE, WATCHER_FUSE} == {r for r in (HOST_FUSE, WATCHER_FUSE) for line in lines if f'resource="{r}"' in line}
+                restarts = agent.status()["supervisor"]["kubelet_restarts"]
+                local.restart_kubelet(worker.name)
+                wait_until(
+                    lambda: (s := agent.registered()) and s["supervisor"]["kubelet_restarts"] > restarts,
+                    timeout=local.timeout,
+                    what="the host agent registered with the new kubelet",
+                )
+                wait_until(
+                    lambda: local.node_resources(worker.name)[1].get(HOST_FUSE) == 3,
+                    timeout=local.timeout,
+                    what=f"allocatable {HOST_FUSE} = 3 after the kubelet restart",
+                )
+                after = local.pod("host-agent-fuse")
+                assert after is not None
+                assert after.phase == "Running"
+            finally:
+                local.delete_pod("host-agent-fuse")
+            assert agent.stop() == 0, f"the agent did not exit 0 on SIGTERM:\n{agent.log.read_text()[-3000:]}"
+            wait_until(
+                lambda: local.node_resources(worker.name)[1].get(HOST_FUSE) == 0,
+                timeout=local.timeout,
+                what=f"allocatable {HOST_FUSE} = 0 once the agent stopped",
+            )
+        finally:
+            agent.stop()
+            local.progress(f"host agent log, last lines:\n{agent.log.read_text()[-1500:]}")
+
+
+def _register(kubelet_socket: Path, request: api_pb2.RegisterRequest) -> str:
+    """Register on a kubelet socket; the error's code and text ("OK" when accepted)."""
+    with grpc.insecure_channel(f"unix://{kubelet_socket}") as channel:
+        try:
+            api_pb2_grpc.RegistrationStub(channel).Register(request, timeout=30)
+        except grpc.RpcError as error:
+            return f"{error.code().name}: {error.details()}"  # type: ignore[attr-defined]
+    return "OK"
+
+
+def test_the_emulated_kubelet_refuses_bad_registrations_as_the_real_one_does(local: LocalBackend) -> None:
+    """The same bad Register requests to the real kubelet and to `plugvisor kubelet`: the same code and text."""
+    with tempfile.TemporaryDirectory(prefix="pvkc-") as scratch:
+        emulated_dir = Path(scratch) / "device-plugins"
+        emulated_dir.mkdir()
+        log = Path(scratch) / "kubelet.log"
+        with log.open("ab") as out:
+            emulated = subprocess.Popen(
+                [sys.executable, "-m", "plugvisor", "kubelet", "--dir", str(emulated_dir), "--no-pod-resources",
+                 "--no-plugin-watcher"],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+            )  # fmt: skip
+        try:
+            wait_until(lambda: (emulated_dir / "kubelet.sock").exists(), timeout=60, what="the emulated kubelet.sock")
+            cases = {
+                "unsupported version": api_pb2.RegisterRequest(
+                    version="v1alpha1", endpoint="x.sock", resource_name="example.com/x"
+                ),
+                "no domain in the resource name": api_pb2.RegisterRequest(
+                    version="v1beta1", endpoint="x.sock", resource_name="gpu"
+                ),
+                "a kubernetes.io resource": api_pb2.RegisterRequest(
+                    version="v1beta1", endpoint="x.sock", resource_name="kubernetes.io/gpu"
+                ),
+                "nothing serves the endpoint": api_pb2.RegisterRequest(
+                    version="v1beta1", endpoint="nobody-here.sock", resource_name="example.com/x"
+                ),
+            }
+            differences = []
+            for case, request in cases.items():
+                real = _register(DEVICE_PLUGINS / "kubelet.sock", request)
+                imitation = _register(emulated_dir / "kubelet.sock", request).replace(
+                    str(emulated_dir), str(DEVICE_PLUGINS)
+                )
+                local.progress(f"{case}: real kubelet {real!r}; emulated {imitation!r}")
+                if real != imitation:
+                    differences.append(f"{case}:\n  real:     {real}\n  emulated: {imitation}")
+            assert not differences, "the emulated kubelet answers differently:\n" + "\n".join(differences)
+        finally:
+            emulated.send_signal(signal.SIGTERM)
+            emulated.wait(30)
