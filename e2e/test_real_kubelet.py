@@ -95,14 +95,18 @@ def cdi_overlay(local: LocalBackend) -> Iterator[Worker]:
         local.progress("kubectl apply -k: the lab overlay with the gpu-cdi overlay's cdi: true and CDI mount")
         local.kubectl("apply", "-k", str(overlay))
     try:
-        local.kubectl("-n", "kube-system", "rollout", "status", "ds/plugvisor-gpu", "--timeout=600s", timeout=660)
+        local.kubectl(
+            "-n", "kube-system", "rollout", "status", "ds/plugvisor-gpu", "--timeout=600s", timeout=660
+        )
         yield worker
     finally:
         local.apply_lab_overlay()
         local.wait_daemonsets()
 
 
-def test_gpus_reach_the_container_through_the_agents_cdi_spec(local: LocalBackend, cdi_overlay: Worker) -> None:
+def test_gpus_reach_the_container_through_the_agents_cdi_spec(
+    local: LocalBackend, cdi_overlay: Worker
+) -> None:
     """cdi: true: Allocate names CDI devices and no DeviceSpecs; containerd reads the agent's spec and the
     container has the two GPUs' device nodes and the control nodes the spec adds."""
     worker = cdi_overlay
@@ -129,7 +133,12 @@ def test_gpus_reach_the_container_through_the_agents_cdi_spec(local: LocalBacken
         wanted += [n["path"] for n in spec.get("containerEdits", {}).get("deviceNodes", [])]
         assert wanted, f"the CDI spec names no device node: {spec}"
         assert set(wanted) <= set(view.devices), f"the container lacks {wanted}: it has {view.devices}"
-        others = {n["path"] for d in spec["devices"] if d["name"] not in ids for n in d["containerEdits"]["deviceNodes"]}
+        others = {
+            n["path"]
+            for d in spec["devices"]
+            if d["name"] not in ids
+            for n in d["containerEdits"]["deviceNodes"]
+        }
         assert not others & set(view.devices), f"the container got GPUs it did not ask for: {others}"
     finally:
         local.delete_pod("cdi-gpus")
@@ -142,7 +151,7 @@ def _free_port() -> int:
 
 
 class HostAgent:
-    """`plugvisor run` as a host process, as deploy/systemd/plugvisor.service runs it, on the lab's hardware."""
+    """`plugvisor run` as a host process, as deploy/systemd/plugvisor.service runs it, on the lab."""
 
     def __init__(self, home: Path) -> None:
         self.home = home
@@ -168,7 +177,16 @@ class HostAgent:
         self.log = home / "agent.log"
         with self.log.open("ab") as out:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "plugvisor", "run", "--config", str(self.config), "--log-level", "info"],
+                [
+                    sys.executable,
+                    "-m",
+                    "plugvisor",
+                    "run",
+                    "--config",
+                    str(self.config),
+                    "--log-level",
+                    "info",
+                ],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=out,
@@ -188,7 +206,7 @@ class HostAgent:
         return status if len(children) == 2 and all(c.get("registered") for c in children) else None
 
     def metrics(self) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as answer:  # noqa: S310
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as answer:
             return str(answer.read().decode())
 
     def stop(self) -> int | None:
@@ -211,8 +229,12 @@ def test_plugvisor_run_on_the_host_serves_the_real_kubelet(local: LocalBackend) 
     with tempfile.TemporaryDirectory(prefix="pvhost-") as scratch:
         agent = HostAgent(Path(scratch))
         try:
-            local.progress(f"plugvisor run on the host: {HOST_FUSE} (kubelet.sock), {WATCHER_FUSE} (plugin watcher)")
-            wait_until(agent.registered, timeout=local.timeout, what="the host agent registered both resources")
+            local.progress(
+                f"plugvisor run on the host: {HOST_FUSE} (kubelet.sock), {WATCHER_FUSE} (plugin watcher)"
+            )
+            wait_until(
+                agent.registered, timeout=local.timeout, what="the host agent registered both resources"
+            )
             for resource, count in ((HOST_FUSE, 3), (WATCHER_FUSE, 2)):
                 wait_until(
                     lambda r=resource, c=count: local.node_resources(worker.name)[1].get(r) == c,
@@ -235,9 +257,13 @@ def test_plugvisor_run_on_the_host_serves_the_real_kubelet(local: LocalBackend) 
                         and line.endswith(" 1.0")
                     ]
 
-                lines = wait_until(owned, timeout=local.timeout, what="/metrics owner labels of host-agent-fuse")
+                lines = wait_until(
+                    owned, timeout=local.timeout, what="/metrics owner labels of host-agent-fuse"
+                )
                 local.progress("owner labels from the real PodResources API:\n  " + "\n  ".join(lines))
-                assert {HOST_FUSE, WATCHER_FUSE} == {r for r in (HOST_FUSE, WATCHER_FUSE) for line in lines if f'resource="{r}"' in line}
+                assert {HOST_FUSE, WATCHER_FUSE} == {
+                    r for r in (HOST_FUSE, WATCHER_FUSE) for line in lines if f'resource="{r}"' in line
+                }
                 restarts = agent.status()["supervisor"]["kubelet_restarts"]
                 local.restart_kubelet(worker.name)
                 wait_until(
@@ -277,19 +303,20 @@ def _register(kubelet_socket: Path, request: api_pb2.RegisterRequest) -> str:
 
 
 def test_the_emulated_kubelet_refuses_bad_registrations_as_the_real_one_does(local: LocalBackend) -> None:
-    """The same bad Register requests to the real kubelet and to `plugvisor kubelet`: the same code and text."""
+    """The same bad Register requests to the real kubelet and to `plugvisor kubelet`: same code, same text."""
     with tempfile.TemporaryDirectory(prefix="pvkc-") as scratch:
         emulated_dir = Path(scratch) / "device-plugins"
         emulated_dir.mkdir()
         log = Path(scratch) / "kubelet.log"
         with log.open("ab") as out:
             emulated = subprocess.Popen(
-                [sys.executable, "-m", "plugvisor", "kubelet", "--dir", str(emulated_dir), "--no-pod-resources",
-                 "--no-plugin-watcher"],
+                [sys.executable, "-m", "plugvisor", "kubelet", "--dir", str(emulated_dir),
+                 "--no-pod-resources", "--no-plugin-watcher"],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=out,
             )  # fmt: skip
         try:
-            wait_until(lambda: (emulated_dir / "kubelet.sock").exists(), timeout=60, what="the emulated kubelet.sock")
+            socket_file = emulated_dir / "kubelet.sock"
+            wait_until(socket_file.exists, timeout=60, what="the emulated kubelet.sock")
             cases = {
                 "unsupported version": api_pb2.RegisterRequest(
                     version="v1alpha1", endpoint="x.sock", resource_name="example.com/x"

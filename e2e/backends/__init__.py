@@ -1,4 +1,4 @@
-"""Where the scenarios run: emulated nodes (offline), a kind cluster, or a real local cluster, behind one interface.
+"""Where the scenarios run: emulated nodes, a kind cluster or a real local cluster, behind one interface.
 
 Every backend answers the questions a user asks a cluster (a node's capacity and allocatable, a pod's
 phase, the device nodes and environment its container got) and performs the operations an operator

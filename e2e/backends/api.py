@@ -9,7 +9,7 @@ import subprocess
 from typing import Any
 
 from ..deployment import REPO, Worker, agents, workers
-from .common import IMAGE, POD_SCRIPT, SHELL_POD_SCRIPT, PodView, Progress, parse_shell_report, wait_until
+from .common import IMAGE, POD_SCRIPT, PodView, Progress, parse_shell_report, wait_until
 
 LAB_OVERLAY = REPO / "deploy/kubernetes/overlays/lab"
 
@@ -45,7 +45,9 @@ class ApiBackend:
 
     def wait_daemonsets(self) -> None:
         for name in ["plugvisor-lab", *(f"plugvisor-{a.kind}" for a in agents())]:
-            self.kubectl("-n", "kube-system", "rollout", "status", f"ds/{name}", "--timeout=600s", timeout=660)
+            self.kubectl(
+                "-n", "kube-system", "rollout", "status", f"ds/{name}", "--timeout=600s", timeout=660
+            )
 
     def node_resources(self, worker: str) -> tuple[dict[str, int], dict[str, int]]:
         status = self.core.read_node(self.node(worker)).status
@@ -114,7 +116,9 @@ class ApiBackend:
     def delete_pod(self, name: str) -> None:
         with contextlib.suppress(self._client.ApiException):
             self.core.delete_namespaced_pod(name, "default", grace_period_seconds=0)
-        wait_until(lambda: self.pod(name) is None, timeout=self.timeout, what=f"pod {name} deleted", interval=0.5)
+        wait_until(
+            lambda: self.pod(name) is None, timeout=self.timeout, what=f"pod {name} deleted", interval=0.5
+        )
 
     def _running_pods(self, worker: str, selector: str) -> list[str]:
         pods = self.core.list_namespaced_pod(
@@ -173,4 +177,3 @@ class ApiBackend:
             except subprocess.SubprocessError as exc:
                 parts.append(f"--- kubectl {' '.join(argv)} failed: {exc}")
         return "\n".join(parts)
-

@@ -35,7 +35,11 @@ def parse_shell_report(log: str) -> tuple[tuple[str, ...], dict[str, str]] | Non
     if "--- end" not in lines:
         return None
     devices = lines[lines.index("--- devices") + 1 : lines.index("--- env")]
-    env = dict(line.split("=", 1) for line in lines[lines.index("--- env") + 1 : lines.index("--- end")] if "=" in line)
+    env = dict(
+        line.split("=", 1)
+        for line in lines[lines.index("--- env") + 1 : lines.index("--- end")]
+        if "=" in line
+    )
     return tuple(sorted(devices)), env
 
 
@@ -126,5 +130,3 @@ def tail(path: Path, lines: int = 40) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError as exc:
         return f"({path}: {exc.strerror})"
-
-

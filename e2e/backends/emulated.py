@@ -1,4 +1,4 @@
-"""Offline: the kind cluster's workers, each as a lab, `plugvisor kubelet` and the overlay's `plugvisor run`s."""
+"""Offline: each kind worker as a lab, `plugvisor kubelet` and the lab overlay's `plugvisor run`s."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import yaml
 
 from ..deployment import Worker, agents, workers
 from .common import IMAGE, POD_SCRIPT, PodView, Progress, run, tail, wait_until
+
 
 @dataclass
 class _EmulatedNode:
@@ -218,5 +219,3 @@ class EmulatedBackend:
                     view = json.dumps(self._view(node, suffix), indent=1)[-4000:]
                     parts.append(f"--- {node.worker.name}: emulated kubelet {suffix} view\n{view}")
         return "\n".join(parts)
-
-

@@ -1,4 +1,4 @@
-"""The local cluster (e2e/local): upstream Kubernetes on this machine, one node playing each kind worker in turn.
+"""The local cluster (e2e/local): upstream Kubernetes on this machine, its node playing each kind worker.
 
 The node has no labels of its own: to play a worker it gets that worker's labels (kind-config.yaml) and its
 lab profile at /etc/plugvisor/lab-profile.yaml, where kind mounts it. Switching roles is what an operator
@@ -104,7 +104,9 @@ class LocalBackend(ApiBackend):
         self.wait_daemonsets()
         self.playing = worker
         kinds = [a.kind for a in agents() if a.runs_on(role.labels)]
-        self.progress(f"{worker}: lab and agents ({', '.join(kinds)}) ready ({time.monotonic() - started:.1f} s)")
+        self.progress(
+            f"{worker}: lab and agents ({', '.join(kinds)}) ready ({time.monotonic() - started:.1f} s)"
+        )
 
     def restart_kubelet(self, worker: str) -> None:
         self.play(worker)
@@ -114,8 +116,12 @@ class LocalBackend(ApiBackend):
         self.cluster.down()
         self.left_behind = self.cluster.leftovers()
         if self.left_behind:
-            raise AssertionError("cleanup check: the local cluster left behind\n  " + "\n  ".join(self.left_behind))
-        self.progress("cleanup check: nothing left behind (processes, mounts, links, rules, cgroups, files, sysctls)")
+            raise AssertionError(
+                "cleanup check: the local cluster left behind\n  " + "\n  ".join(self.left_behind)
+            )
+        self.progress(
+            "cleanup check: nothing left behind (processes, mounts, links, rules, cgroups, files, sysctls)"
+        )
 
     def diagnose(self) -> str:
         return "\n".join(
@@ -125,4 +131,3 @@ class LocalBackend(ApiBackend):
                 self.cluster.logs_tail(40),
             ]
         )
-

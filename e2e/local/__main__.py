@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(found) or "nothing left behind")
         return 1 if found else 0
     if args.command == "down":
-        cluster._acquire(timeout=60)  # noqa: SLF001 - an owner still alive keeps the lock: do not sweep under it
+        cluster._acquire(timeout=60)
         cluster.down()
         _stamp("swept")
         return 0

@@ -1,4 +1,4 @@
-"""A real single-node Kubernetes cluster from upstream binaries, on this machine, as root: the `local` backend.
+"""A real single-node Kubernetes cluster from upstream binaries, on this machine (root): the local backend.
 
 Modelled on upstream's hack/local-up-cluster.sh: no containers for the control plane, every component a
 process of ours with its log in ``BASE/logs``. etcd (loopback, no fsync: it is a throw-away test store),
@@ -89,7 +89,15 @@ SYSCTLS = (
 )
 FEATURE_GATES: dict[str, bool] = {}
 """Gates beyond the release's defaults (1.37: DRA, its device taints and resource health are on already)."""
-COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "containerd", "kubelet", "kube-proxy")
+COMPONENTS = (
+    "etcd",
+    "kube-apiserver",
+    "kube-controller-manager",
+    "kube-scheduler",
+    "containerd",
+    "kubelet",
+    "kube-proxy",
+)
 
 
 @functools.cache
@@ -129,7 +137,9 @@ class ClusterError(RuntimeError):
     """The cluster could not be brought up or down; the message says which step and why."""
 
 
-def _run(argv: list[str], *, timeout: float = 120, check: bool = True, env: dict[str, str] | None = None) -> str:
+def _run(
+    argv: list[str], *, timeout: float = 120, check: bool = True, env: dict[str, str] | None = None
+) -> str:
     result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False, env=env)
     if check and result.returncode != 0:
         raise ClusterError(f"{' '.join(argv)} failed ({result.returncode}):\n{result.stdout}{result.stderr}")
@@ -159,7 +169,7 @@ def _tail(path: Path, lines: int) -> str:
 
 def _listing(path: Path) -> list[str] | None:
     try:
-        return sorted(os.listdir(path))
+        return sorted(entry.name for entry in path.iterdir())
     except FileNotFoundError:
         return None
     except NotADirectoryError:
@@ -209,7 +219,11 @@ def _remove_iptables_chains(chains: set[str]) -> None:
         tool = "iptables" if family == "ip" else "ip6tables"
         for table, line in list(_iptables(family)):
             words = shlex.split(line)
-            if words[:1] == ["-A"] and "-j" in words and f"{family} {table} {words[words.index('-j') + 1]}" in chains:
+            if (
+                words[:1] == ["-A"]
+                and "-j" in words
+                and f"{family} {table} {words[words.index('-j') + 1]}" in chains
+            ):
                 _run([tool, "-t", table, "-D", *words[1:]], check=False)
     for chain in chains:
         family, table, name = chain.split()
@@ -227,11 +241,15 @@ def _nft_tables() -> list[str]:
 
 
 def _new_nft_tables(before: list[str]) -> list[str]:
-    """Tables made during the run: kube-proxy's, and the empty ones iptables-nft makes as the kubelet looks."""
+    """Tables made during the run: kube-proxy's, and empty ones iptables-nft made as the kubelet looked."""
     new = []
     for table in set(_nft_tables()) - set(before):
         listing = _run(["nft", "list", "table", *table.split()], check=False).splitlines()
-        rules = [w for w in (line.strip() for line in listing) if w and not w.startswith(("table ", "chain ", "type ", "}"))]
+        rules = [
+            w
+            for w in (line.strip() for line in listing)
+            if w and not w.startswith(("table ", "chain ", "type ", "}"))
+        ]
         if table.endswith(" kube-proxy") or not rules:
             new.append(table)
     return sorted(new)
@@ -264,9 +282,9 @@ def _processes_of(bin_dir: Path) -> dict[int, str]:
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             with contextlib.suppress(OSError):
-                exe = os.readlink(entry / "exe")
-                if exe.startswith(f"{bin_dir}/"):
-                    found[int(entry.name)] = Path(exe).name
+                exe = (entry / "exe").readlink()
+                if exe.parent == bin_dir:
+                    found[int(entry.name)] = exe.name
     return found
 
 
@@ -286,6 +304,21 @@ class Snapshot:
     sysctls: dict[str, str | None]
     iptables: list[str]
     nft: list[str]
+
+    def restore(self) -> None:
+        """Put back the sysctls; remove what appeared in the watched paths (BASE is the caller's)."""
+        for name, value in self.sysctls.items():
+            if value is not None and _read_sysctl(name) != value:
+                with contextlib.suppress(OSError):
+                    (Path("/proc/sys") / name).write_text(value)
+        for path, listing in self.paths.items():
+            if Path(path) == BASE:
+                continue
+            if listing is None:
+                _remove(Path(path))
+            else:
+                for entry in set(_listing(Path(path)) or []) - set(listing):
+                    _remove(Path(path) / entry)
 
     @classmethod
     def take(cls) -> Snapshot:
@@ -546,7 +579,12 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
             "healthzBindAddress": "127.0.0.1:10256",
             "metricsBindAddress": "127.0.0.1:10249",
             # Leave the machine's conntrack sysctls alone.
-            "conntrack": {"maxPerCore": 0, "min": 0, "tcpEstablishedTimeout": "0s", "tcpCloseWaitTimeout": "0s"},
+            "conntrack": {
+                "maxPerCore": 0,
+                "min": 0,
+                "tcpEstablishedTimeout": "0s",
+                "tcpCloseWaitTimeout": "0s",
+            },
             "featureGates": FEATURE_GATES,
         }
         (self.base / "kube-proxy.yaml").write_text(yaml.safe_dump(config))
@@ -596,7 +634,8 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
              f"--bind-address={GATEWAY}", f"--advertise-address={GATEWAY}", f"--secure-port={API_PORT}",
              f"--service-cluster-ip-range={SERVICE_CIDR}",
              f"--client-ca-file={pki_dir / 'ca.crt'}",
-             f"--tls-cert-file={pki_dir / 'apiserver.crt'}", f"--tls-private-key-file={pki_dir / 'apiserver.key'}",
+             f"--tls-cert-file={pki_dir / 'apiserver.crt'}",
+             f"--tls-private-key-file={pki_dir / 'apiserver.key'}",
              f"--kubelet-client-certificate={pki_dir / 'apiserver-kubelet-client.crt'}",
              f"--kubelet-client-key={pki_dir / 'apiserver-kubelet-client.key'}",
              "--kubelet-preferred-address-types=InternalIP",
@@ -606,7 +645,9 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
              "--authorization-mode=Node,RBAC", "--allow-privileged=true", "--profiling=false",
              *self._feature_gates()],
         )  # fmt: skip
-        self._timed("kube-apiserver ready", lambda: _wait(self._apiserver_ready, timeout=180, what="API ready"))
+        self._timed(
+            "kube-apiserver ready", lambda: _wait(self._apiserver_ready, timeout=180, what="API ready")
+        )
         common = ["--leader-elect=false", "--profiling=false", *self._feature_gates()]
         self._start(
             "kube-controller-manager",
@@ -635,7 +676,7 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
     def _etcd_ready(self) -> bool:
         import urllib.request  # noqa: PLC0415
 
-        with urllib.request.urlopen(f"{ETCD_CLIENT}/health", timeout=5) as answer:  # noqa: S310 - our loopback URL
+        with urllib.request.urlopen(f"{ETCD_CLIENT}/health", timeout=5) as answer:
             return bool(json.loads(answer.read()).get("health") == "true")
 
     def _apiserver_ready(self) -> bool:
@@ -645,12 +686,18 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
     def _start_node(self) -> None:
         self._start(
             "containerd",
-            [str(self.bin / "containerd"), f"--config={self.base / 'containerd/config.toml'}", "--log-level=info"],
+            [
+                str(self.bin / "containerd"),
+                f"--config={self.base / 'containerd/config.toml'}",
+                "--log-level=info",
+            ],
         )
         self._timed(
             "containerd ready",
             lambda: _wait(
-                lambda: self._alive("containerd") and self.ctr("version", timeout=10), timeout=60, what="containerd"
+                lambda: self._alive("containerd") and self.ctr("version", timeout=10),
+                timeout=60,
+                what="containerd",
             ),
         )
         self.import_image(self.build.pause_archive(self.build.cache_root()))
@@ -678,7 +725,12 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
         def ready() -> bool:
             self._alive("kubelet")
             status = self.kubectl(
-                "get", "node", NODE, "-o", "jsonpath={.status.conditions[?(@.type=='Ready')].status}", check=False
+                "get",
+                "node",
+                NODE,
+                "-o",
+                "jsonpath={.status.conditions[?(@.type=='Ready')].status}",
+                check=False,
             )
             return status.strip() == "True"
 
@@ -697,7 +749,10 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
         return _run([*self.kubectl_argv(), *args], timeout=timeout, check=check)
 
     def ctr(self, *args: str, timeout: float = 300) -> str:
-        return _run([str(self.bin / "ctr"), f"--address={self.containerd_socket}", "-n", "k8s.io", *args], timeout=timeout)
+        return _run(
+            [str(self.bin / "ctr"), f"--address={self.containerd_socket}", "-n", "k8s.io", *args],
+            timeout=timeout,
+        )
 
     def import_image(self, archive: Path) -> None:
         """Load an image archive (docker or OCI) into the runtime the kubelet uses."""
@@ -777,7 +832,11 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-            _wait(lambda p=pids: not any(Path(f"/proc/{x}").exists() for x in p), timeout=30, what="processes gone")
+            _wait(
+                lambda p=pids: not any(Path(f"/proc/{x}").exists() for x in p),
+                timeout=30,
+                what="processes gone",
+            )
         for point in sorted(_mounts_under(list(WATCHED)), key=len, reverse=True):
             _run(["umount", "--lazy", point], check=False)
         if _run(["ip", "link", "show", BRIDGE], check=False):
@@ -790,18 +849,7 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
             with contextlib.suppress(OSError):
                 cgroup.rmdir()
         if snapshot is not None:
-            for name, value in snapshot.sysctls.items():
-                if value is not None and _read_sysctl(name) != value:
-                    with contextlib.suppress(OSError):
-                        (Path("/proc/sys") / name).write_text(value)
-            for path, listing in snapshot.paths.items():
-                if Path(path) == BASE:
-                    continue
-                if listing is None:
-                    _remove(Path(path))
-                else:
-                    for entry in set(_listing(Path(path)) or []) - set(listing):
-                        _remove(Path(path) / entry)
+            snapshot.restore()
         shutil.rmtree(self.base, ignore_errors=True)
 
     def leftovers(self) -> list[str]:
@@ -812,7 +860,9 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
             found.append(f"network link {BRIDGE}")
         before = self.snapshot
         found += [f"nftables table {t}" for t in _new_nft_tables(before.nft if before else [])]
-        found += [f"iptables chain {c}" for c in _iptables_chains() if before is None or c not in before.iptables]
+        found += [
+            f"iptables chain {c}" for c in _iptables_chains() if before is None or c not in before.iptables
+        ]
         found += [f"cgroup {c}" for c in _kubepods_cgroups()]
         if before is not None:
             for path, listing in before.paths.items():

@@ -49,7 +49,9 @@ def _issue(directory: Path, name: str, subject: str, extensions: list[str]) -> N
     (directory / f"{name}.ext").unlink()
 
 
-def make(directory: Path, *, server_names: list[str], server_ips: list[str], clients: dict[str, Identity]) -> None:
+def make(
+    directory: Path, *, server_names: list[str], server_ips: list[str], clients: dict[str, Identity]
+) -> None:
     """Write ca.{crt,key}, apiserver.{crt,key}, <client>.{crt,key} for each client, sa.{key,pub}."""
     directory.mkdir(parents=True, exist_ok=True)
     directory.chmod(0o700)
