@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -26,6 +27,8 @@ import pytest
 import yaml
 
 from plugvisor.api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from plugvisor.api.podresources.v1 import api_pb2 as pr
+from plugvisor.api.podresources.v1 import api_pb2_grpc as pr_grpc
 
 from .backends import Backend, LocalBackend, wait_until
 from .backends.api import LAB_OVERLAY
@@ -40,6 +43,7 @@ CHECKPOINT = DEVICE_PLUGINS / "kubelet_internal_checkpoint"
 CDI_SPEC = Path("/var/run/cdi/plugvisor.io-gpu.json")
 HOST_FUSE = "plugvisor.io/host-fuse"
 WATCHER_FUSE = "plugvisor.io/host-fuse-watcher"
+AGAIN = "plugvisor.io/registers-twice"
 
 
 @pytest.fixture
@@ -261,6 +265,7 @@ def test_plugvisor_run_on_the_host_serves_the_real_kubelet(local: LocalBackend) 
                     owned, timeout=local.timeout, what="/metrics owner labels of host-agent-fuse"
                 )
                 local.progress("owner labels from the real PodResources API:\n  " + "\n  ".join(lines))
+                _defaults_of_1_37(local, "host-agent-fuse")
                 assert {HOST_FUSE, WATCHER_FUSE} == {
                     r for r in (HOST_FUSE, WATCHER_FUSE) for line in lines if f'resource="{r}"' in line
                 }
@@ -290,6 +295,27 @@ def test_plugvisor_run_on_the_host_serves_the_real_kubelet(local: LocalBackend) 
         finally:
             agent.stop()
             local.progress(f"host agent log, last lines:\n{agent.log.read_text()[-1500:]}")
+
+
+def _defaults_of_1_37(local: LocalBackend, pod: str) -> None:
+    """What 1.37 does with no feature gate set, as the emulator's 1.37 now does: PodResources Get answers
+    (KubeletPodResourcesGet, on since 1.34), containers report device health (ResourceHealthStatus, 1.36)."""
+    with grpc.insecure_channel(
+        f"unix://{DEVICE_PLUGINS.parent / 'pod-resources' / 'kubelet.sock'}"
+    ) as channel:
+        answer = pr_grpc.PodResourcesListerStub(channel).Get(
+            pr.GetPodResourcesRequest(pod_name=pod, pod_namespace="default"), timeout=30
+        )
+    held = {d.resource_name for c in answer.pod_resources.containers for d in c.devices}
+    assert held == {HOST_FUSE, WATCHER_FUSE}, f"PodResources Get: {answer}"
+
+    def health() -> list[dict[str, Any]] | None:  # raw JSON: the Python client may predate the field
+        (status,) = json.loads(local.kubectl("get", "pod", pod, "-o", "json"))["status"]["containerStatuses"]
+        return status.get("allocatedResourcesStatus") or None
+
+    reported = wait_until(health, timeout=local.timeout, what=f"allocatedResourcesStatus of {pod}")
+    assert {r["name"] for r in reported} == {HOST_FUSE, WATCHER_FUSE}, reported
+    local.progress(f"with no feature gate: PodResources Get lists {sorted(held)}; status health {reported}")
 
 
 def _register(kubelet_socket: Path, request: api_pb2.RegisterRequest) -> str:
@@ -344,3 +370,88 @@ def test_the_emulated_kubelet_refuses_bad_registrations_as_the_real_one_does(loc
         finally:
             emulated.send_signal(signal.SIGTERM)
             emulated.wait(30)
+
+
+def _allocatable_devices(pod_resources_socket: Path, resource: str) -> int:
+    """Healthy devices of ``resource`` the kubelet's device manager holds now (no node-status delay)."""
+    with grpc.insecure_channel(f"unix://{pod_resources_socket}") as channel:
+        answer = pr_grpc.PodResourcesListerStub(channel).GetAllocatableResources(
+            pr.AllocatableResourcesRequest(), timeout=30
+        )
+    return sum(len(d.device_ids) for d in answer.devices if d.resource_name == resource)
+
+
+def _plugin_registering_twice(
+    device_plugins: Path, lab: Path, log: Path
+) -> tuple[str, subprocess.Popen[bytes]]:
+    """`plugvisor plugin generic` registered on ``device_plugins``, and the answer to a second Register."""
+    with log.open("ab") as out:
+        plugin = subprocess.Popen(
+            [sys.executable, "-m", "plugvisor", "plugin", "generic", "--resource", AGAIN,
+             "--host-root", str(lab), "--path", "/dev/fuse", "--count", "2",
+             "--kubelet-dir", str(device_plugins)],
+            stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+        )  # fmt: skip
+    found = wait_until(
+        lambda: re.search(r"event='registered' .*endpoint='([^']+)'", log.read_text()),
+        timeout=60,
+        what=f"{AGAIN} registered on {device_plugins}",
+    )
+    endpoint = found.group(1)
+    request = api_pb2.RegisterRequest(version="v1beta1", endpoint=endpoint, resource_name=AGAIN)
+    answer = _register(device_plugins / "kubelet.sock", request)
+    return answer.replace(str(device_plugins / endpoint), "<its socket>"), plugin
+
+
+def _stream_end_seen(name: str, home: Path) -> bool:
+    """Whether the kubelet handled the plugin's stream end (the real one's log, the emulated one's view)."""
+    if name == "real":
+        log = Path("/var/lib/plugvisor-e2e/logs/kubelet.log").read_text(errors="replace")
+        return f'"ListAndWatch ended unexpectedly for device plugin" err="EOF" resource="{AGAIN}"' in log
+    view = home / "node" / "device-plugins.kubelet.json"
+    return "the kubelet had forgotten it" in view.read_text(errors="replace")
+
+
+def test_a_second_register_from_a_connected_socket_gets_the_real_kubelets_answer(local: LocalBackend) -> None:
+    """1.37 refuses it (`device plugin already connected`) and forgets the running instance: once the plugin
+    stops, the resource still lists its devices. `plugvisor kubelet` (1.37, the default) does the same."""
+    outcomes = {}
+    with tempfile.TemporaryDirectory(prefix="pvre-") as scratch:
+        home = Path(scratch)
+        lab = home / "lab"
+        profile = str(_worker(local, has="gpus").profile_path)
+        subprocess.run(
+            [sys.executable, "-m", "plugvisor", "lab", "create", str(lab), "--profile", profile],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        emulated_dir = home / "node" / "device-plugins"
+        emulated_dir.mkdir(parents=True)
+        with (home / "kubelet.log").open("ab") as out:
+            emulated = subprocess.Popen(
+                [sys.executable, "-m", "plugvisor", "kubelet", "--dir", str(emulated_dir),
+                 "--no-plugin-watcher"],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+            )  # fmt: skip
+        try:
+            socket_file = emulated_dir / "kubelet.sock"
+            wait_until(socket_file.exists, timeout=60, what="the emulated kubelet.sock")
+            for name, device_plugins in (("real", DEVICE_PLUGINS), ("emulated", emulated_dir)):
+                answer, plugin = _plugin_registering_twice(device_plugins, lab, home / f"{name}-plugin.log")
+                plugin.send_signal(signal.SIGTERM)
+                assert plugin.wait(60) == 0
+                wait_until(
+                    lambda n=name: _stream_end_seen(n, home),
+                    timeout=60,
+                    what=f"the {name} kubelet saw the end",
+                )
+                # Both kubelets disconnect (empty the healthy set) in the same step that handles the end,
+                # before anything else: a count read after it is the outcome.
+                left = _allocatable_devices(device_plugins.parent / "pod-resources" / "kubelet.sock", AGAIN)
+                outcomes[name] = (answer, left)
+                local.progress(f"{name} kubelet: a second Register from the plugin's socket: {answer!r}; "
+                               f"after the plugin stopped: {left} healthy {AGAIN}")  # fmt: skip
+        finally:
+            emulated.send_signal(signal.SIGTERM)
+            emulated.wait(30)
+    assert outcomes["real"] == ("UNKNOWN: device plugin already connected: <its socket>", 2)
+    assert outcomes["emulated"] == outcomes["real"]

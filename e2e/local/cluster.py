@@ -288,6 +288,17 @@ def _processes_of(bin_dir: Path) -> dict[int, str]:
     return found
 
 
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a killed child of ours stays in /proc until it is reaped)."""
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
 def _container_processes() -> set[int]:
     pids: set[int] = set()
     for cgroup in _kubepods_cgroups():
@@ -833,7 +844,7 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             _wait(
-                lambda p=pids: not any(Path(f"/proc/{x}").exists() for x in p),
+                lambda p=pids: not any(map(_running, p)),
                 timeout=30,
                 what="processes gone",
             )
