@@ -31,9 +31,8 @@ from plugvisor.api.podresources.v1 import api_pb2 as pr
 from plugvisor.api.podresources.v1 import api_pb2_grpc as pr_grpc
 
 from .backends import Backend, LocalBackend, wait_until
-from .backends.api import LAB_OVERLAY
 from .backends.local import LAB_DIR
-from .deployment import REPO, Worker, expected_allocatable
+from .deployment import LAB_OVERLAY, REPO, Worker, expected_allocatable
 from .test_scenarios import GPU, _running, _worker
 
 pytestmark = pytest.mark.e2e

@@ -8,10 +8,8 @@ import contextlib
 import subprocess
 from typing import Any
 
-from ..deployment import REPO, Worker, agents, workers
+from ..deployment import LAB_OVERLAY, Worker, agents, workers
 from .common import IMAGE, POD_SCRIPT, PodView, Progress, parse_shell_report, wait_until
-
-LAB_OVERLAY = REPO / "deploy/kubernetes/overlays/lab"
 
 
 class ApiBackend:

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(found) or "nothing left behind")
         return 1 if found else 0
     if args.command == "down":
-        cluster._acquire(timeout=60)
+        cluster.acquire(timeout=60)  # an owner still alive keeps the lock: never sweep under it
         cluster.down()
         _stamp("swept")
         return 0

@@ -369,7 +369,8 @@ class LocalCluster:
 
     # -- lock and state ---------------------------------------------------------------------------
 
-    def _acquire(self, timeout: float) -> None:
+    def acquire(self, timeout: float) -> None:
+        """Take the machine-wide lock, waiting up to ``timeout`` seconds for another cluster's owner."""
         LOCK.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         deadline = time.monotonic() + timeout
@@ -416,7 +417,7 @@ class LocalCluster:
 
     def up(self, *, lock_timeout: float = 1800) -> None:
         """Bring the whole cluster up, or leave nothing behind and raise saying which step failed."""
-        self._acquire(lock_timeout)
+        self.acquire(lock_timeout)
         try:
             if STATE.exists():
                 self.progress(f"a local cluster was not torn down ({STATE} exists): sweeping it first")
@@ -773,15 +774,8 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
 
     def restart_kubelet(self) -> None:
         """Stop the kubelet (SIGTERM, as systemctl stop does) and start it again with the same arguments."""
-        process = self.processes["kubelet"]
-        assert process.popen is not None
-        process.popen.terminate()
-        try:
-            process.popen.wait(60)
-        except subprocess.TimeoutExpired:
-            process.popen.kill()
-            process.popen.wait()
-        self._start("kubelet", process.argv)
+        self._stop("kubelet", timeout=60)
+        self._start("kubelet", self.processes["kubelet"].argv)
 
     def logs_tail(self, lines: int = 40) -> str:
         return "\n".join(
@@ -797,9 +791,13 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
         try:
             if "kubelet" in self.processes and self._component_running("kubelet"):
                 self._drain()
+            started = time.monotonic()
             for name in reversed(COMPONENTS):
                 self._stop(name)
+            self.progress(f"components stopped ({time.monotonic() - started:.1f} s)")
+            started = time.monotonic()
             self.sweep()
+            self.progress(f"swept ({time.monotonic() - started:.1f} s)")
         finally:
             self._release()
 
@@ -819,15 +817,17 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
             )
         self.progress(f"pods deleted ({time.monotonic() - started:.1f} s)")
 
-    def _stop(self, name: str) -> None:
+    def _stop(self, name: str, timeout: float = 30) -> None:
+        """SIGTERM, and SIGKILL after ``timeout`` seconds (said, naming the component)."""
         process = self.processes.get(name)
         if process is None or process.popen is None:
             return
         if process.popen.poll() is None:
             process.popen.terminate()
             try:
-                process.popen.wait(30)
+                process.popen.wait(timeout)
             except subprocess.TimeoutExpired:
+                self.progress(f"{name} did not stop within {timeout:.0f} s of SIGTERM: killed")
                 process.popen.kill()
                 process.popen.wait()
 
