@@ -343,9 +343,7 @@ class Snapshot:
 
 @dataclass
 class _Process:
-    name: str
     argv: list[str]
-    log: Path
     popen: subprocess.Popen[bytes] | None = None
 
 
@@ -607,7 +605,7 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
 
     def _start(self, name: str, argv: list[str]) -> None:
         log = self.logs / f"{name}.log"
-        process = _Process(name, argv, log)
+        process = _Process(argv)
         with log.open("ab") as out:
             out.write(f"\n=== {time.strftime('%H:%M:%S')} {' '.join(argv)}\n".encode())
             out.flush()
@@ -778,6 +776,7 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
         self._start("kubelet", self.processes["kubelet"].argv)
 
     def logs_tail(self, lines: int = 40) -> str:
+        """The last lines of every component's log, for a failure report."""
         return "\n".join(
             f"--- {name} ({self.logs / f'{name}.log'}), last lines\n{_tail(self.logs / f'{name}.log', lines)}"
             for name in COMPONENTS
