@@ -132,7 +132,7 @@ class EmulatedKubelet:
         pod_resources_socket: Path | None = None,
         pod_resources_qps: float = podresources.DEFAULT_QPS,
         pod_resources_burst: int = podresources.DEFAULT_BURST,
-        replacement: registration.Replacement = "per-name",
+        replacement: registration.Replacement | None = None,
         gates: gates_.FeatureGates | None = None,
         node_name: str | None = None,
         kubelet_version: str = versions.DEFAULT_VERSION,
@@ -145,11 +145,13 @@ class EmulatedKubelet:
         self.socket_dir = Path(os.path.abspath(socket_dir))  # noqa: PTH100 - no symlink resolution
         self.socket_path = self.socket_dir / constants.KUBELET_SOCKET_NAME
         _check_socket_path(self.socket_path)
+        self.rules = versions.rules_for(kubelet_version)
+        if replacement is None:
+            replacement = self.rules.replacement
         if replacement not in registration.REPLACEMENTS:
             raise ValueError(f"replacement must be one of {registration.REPLACEMENTS}, got {replacement!r}")
         self.replacement: registration.Replacement = replacement
-        self.rules = versions.rules_for(kubelet_version)
-        self.gates = gates if gates is not None else _default_gates()
+        self.gates = self.rules.with_locks(gates if gates is not None else self.rules.default_gates)
         self.rules.check_gates(self.gates)
         self.node_name = node_name if node_name is not None else default_node_name()
         self.pod_sources_delay = pod_sources_delay
@@ -714,10 +716,6 @@ class EmulatedKubelet:
         for writer in (self._view, self._pods_view):
             if writer is not None and self.running:
                 await writer.settled()
-
-
-def _default_gates() -> gates_.FeatureGates:
-    return gates_.FeatureGates()
 
 
 def _check_socket_path(path: Path) -> None:
