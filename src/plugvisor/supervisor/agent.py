@@ -25,6 +25,7 @@ from typing import IO, TYPE_CHECKING, Final
 import structlog
 
 from plugvisor.common import monitoring
+from plugvisor.common.validation import shorten
 from plugvisor.supervisor import prestart, signals
 from plugvisor.supervisor import status as status_
 from plugvisor.supervisor.clock import SystemClock
@@ -393,8 +394,13 @@ class Agent:
             self.notifier.reloading(int(supervisor.clock.monotonic() * 1e6))
         try:
             config = load_node_config(self.config_path)
-        except ConfigError as exc:
-            _log.error("reload_rejected", error=str(exc), keeping="the running configuration")
+        except Exception as exc:  # whatever the file holds, the agent keeps running
+            # A ConfigError names the file and field. Anything else is a reader's bug that a file
+            # found: still not a reason to take every resource off the node.
+            error = str(exc)
+            if not isinstance(exc, ConfigError):
+                error = f"{self.config_path}: {type(exc).__name__}: {shorten(error, 300)}"
+            _log.error("reload_rejected", error=error, keeping="the running configuration")
             if announce:
                 self.notifier.ready(
                     f"reload rejected, running the previous configuration; {supervisor.summary()}"
