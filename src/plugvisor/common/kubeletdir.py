@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Final
 
 import structlog
-from asyncinotify import Inotify, Mask
+from asyncinotify import Mask
 
+from plugvisor.common import inotify as inotify_
 from plugvisor.common.constants import KUBELET_SOCKET_NAME
 
 _MASK: Final = Mask.CREATE | Mask.MOVED_TO | Mask.DELETE | Mask.MOVED_FROM | Mask.DELETE_SELF | Mask.ONLYDIR
@@ -77,15 +78,23 @@ class KubeletDirWatch:
         self.kubelet_dir = kubelet_dir
         self.kubelet_socket = kubelet_dir / KUBELET_SOCKET_NAME
         self._on_event = on_event
-        self._inotify: Inotify | None = None
+        self._inotify: inotify_.WatchGroup | None = None
         self._log = structlog.get_logger("plugvisor.kubelet_dir")
 
     def open(self) -> None:
-        """Start watching, creating the directory as the kubelet would (mode 0750)."""
+        """Start watching, creating the directory as the kubelet would (mode 0750).
+
+        On the running loop's shared inotify instance (:mod:`plugvisor.common.inotify`);
+        raises :class:`~plugvisor.common.inotify.InotifyLimitError` when the budget is spent.
+        """
         self.kubelet_dir.mkdir(mode=0o750, parents=True, exist_ok=True)
-        inotify = Inotify(sync_timeout=0)
-        inotify.add_watch(self.kubelet_dir, _MASK)
-        self._inotify = inotify
+        watches = inotify_.open_watches()
+        try:
+            watches.add_watch(self.kubelet_dir, _MASK)
+        except BaseException:
+            watches.close()
+            raise
+        self._inotify = watches
 
     def close(self) -> None:
         """Stop watching."""

@@ -27,6 +27,7 @@ import uvloop
 from plugvisor.common import constants
 from plugvisor.common.exitcodes import EXIT_CONFIGURATION, EXIT_FAILURE, EXIT_KUBELET_RESTARTED, EXIT_OK
 from plugvisor.common.hostpaths import HostPaths
+from plugvisor.common.inotify import InotifyLimitError
 from plugvisor.common.monitoring import Owners
 from plugvisor.common.names import extended_resource_name_problem
 from plugvisor.common.notify import StatusReporter
@@ -392,7 +393,7 @@ def run_plugin(
     try:
         with asyncio.Runner(loop_factory=plugin_event_loop) as runner:
             runner.run(main())
-    except (ConfigurationError, RegistrationRejectedError) as exc:
+    except (ConfigurationError, RegistrationRejectedError, InotifyLimitError) as exc:
         log.error("cannot_run", error=str(exc))
         return EXIT_CONFIGURATION
     except SocketInUseError as exc:

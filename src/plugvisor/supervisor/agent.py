@@ -25,6 +25,8 @@ from typing import IO, TYPE_CHECKING, Final
 import structlog
 
 from plugvisor.common import monitoring
+from plugvisor.common.exitcodes import EXIT_CONFIGURATION
+from plugvisor.common.inotify import InotifyLimitError
 from plugvisor.common.validation import shorten
 from plugvisor.supervisor import prestart, signals
 from plugvisor.supervisor import status as status_
@@ -275,12 +277,9 @@ class Agent:
             reports = ReportListener(report_path, self._on_report)
             reports.open()
             cleanup.callback(reports.close)
-            watch = KubeletWatch(
-                self.config.kubelet_dir,
-                on_kubelet_started=self._on_kubelet_started,
-                on_socket_deleted=self._on_socket_deleted,
-            )
-            watch.open()
+            watch = self._open_kubelet_watch()
+            if watch is None:
+                return EXIT_CONFIGURATION
             cleanup.push_async_callback(watch.close)
             if self.config.metrics is not None:
                 # Imported only then: without an endpoint the agent needs no prometheus-client.
@@ -315,6 +314,20 @@ class Agent:
             await self._loop(supervisor, runtime_dir)
         _log.info("supervisor_stopped")
         return 0
+
+    def _open_kubelet_watch(self) -> KubeletWatch | None:
+        """The kubelet directory's watch, open; None (logged) when the node's inotify budget is spent."""
+        watch = KubeletWatch(
+            self.config.kubelet_dir,
+            on_kubelet_started=self._on_kubelet_started,
+            on_socket_deleted=self._on_socket_deleted,
+        )
+        try:
+            watch.open()
+        except InotifyLimitError as exc:
+            _log.error("cannot_run", error=str(exc))
+            return None
+        return watch
 
     @staticmethod
     def _kill_leftovers(supervisor: Supervisor) -> None:
