@@ -78,8 +78,14 @@ def resolve_in_root(root: Path, path: str | os.PathLike[str]) -> Path:
     return root.joinpath(*resolved)
 
 
-def writable_dir_problem(path: Path, *, purpose: str, mode: int = 0o750) -> str | None:
-    """Why ``path`` cannot be created (with ``mode``) or written (``purpose``: what goes there), or None."""
+def writable_dir_problem(path: Path, *, purpose: str, mode: int = 0o750, create: bool = True) -> str | None:
+    """Why ``path`` cannot be created (with ``mode``) or written (``purpose``: what goes there), or None.
+
+    ``create=False`` leaves a missing directory missing and checks that it could be
+    created (its nearest existing ancestor is a writable directory).
+    """
+    if not create and not path.exists():
+        return _uncreatable(path)
     try:
         path.mkdir(mode=mode, parents=True, exist_ok=True)
     except OSError as exc:
@@ -93,14 +99,31 @@ def writable_dir_problem(path: Path, *, purpose: str, mode: int = 0o750) -> str 
     return None
 
 
+def _uncreatable(path: Path) -> str | None:
+    """Why the missing ``path`` could not be created (its nearest existing ancestor), or None."""
+    ancestor = path.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return f"{path}: cannot create it: Not a directory"
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        read_only = os.statvfs(ancestor).f_flag & os.ST_RDONLY
+        why = "Read-only file system" if read_only else "Permission denied"
+        return f"{path}: cannot create it: {why}"
+    return None
+
+
 def kubelet_dir_problem(path: Path) -> str | None:
-    """Why no plugin could serve its socket in ``path``, or ``None``; the directory is created if missing.
+    """Why no plugin could serve its socket in ``path``, or ``None``.
 
     Checked before anything starts (``plugvisor plugin``, ``plugvisor run`` and
     every reload), so that a read-only, uncreatable or mistyped directory is one
-    clear error naming it, not a bind failure deep in gRPC in every child.
+    clear error naming it, not a bind failure deep in gRPC in every child. A
+    missing directory is not created here: the watch that creates it says so
+    (:class:`~plugvisor.common.kubeletdir.KubeletDirWatch`), since a directory
+    nobody else made may well be a typo.
     """
-    return writable_dir_problem(path, purpose="plugins create their sockets there")
+    return writable_dir_problem(path, purpose="plugins create their sockets there", create=False)
 
 
 def host_root_problem(root: Path) -> str | None:

@@ -27,6 +27,19 @@ def shorten(text: str, limit: int = 80) -> str:
     return f"{text[:limit]}... ({len(text)} characters)"
 
 
+def printable(text: str) -> str:
+    r"""``text`` with every character a terminal would act on written as an escape.
+
+    A newline becomes ``\n``, ESC ``\x1b``, a right-to-left override ``\u202e``, the way
+    ``/metrics`` escapes label values. Pod, namespace and container names come from the
+    kubelet, device IDs and causes from plugins: what ``plugvisor status`` prints must not
+    move the cursor, clear the screen or reorder the text of the operator's terminal.
+    """
+    if text.isprintable():
+        return text
+    return "".join(char if char.isprintable() else char.encode("unicode_escape").decode() for char in text)
+
+
 def field_path(loc: tuple[int | str, ...]) -> str:
     """Render a pydantic error location as ``a.b[0].c`` using the user's key names."""
     out = ""

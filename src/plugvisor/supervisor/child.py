@@ -36,6 +36,7 @@ from typing import Any, Final
 import structlog
 
 from plugvisor.common.exitcodes import EXIT_CONFIGURATION, EXIT_KUBELET_RESTARTED
+from plugvisor.common.validation import shorten
 from plugvisor.supervisor import states
 from plugvisor.supervisor.backoff import BackoffPolicy
 from plugvisor.supervisor.clock import Clock
@@ -144,6 +145,11 @@ class Child:
         self.registrations_total = 0
         self.endpoint: str | None = None
         self.devices: tuple[int, int] | None = None
+        self.waiting: str | None = None
+        """What the process says its registration waits for (no kubelet, a kubelet that does not answer)."""
+        self.taken_over_by: str | None = None
+        """The socket of another plugin of this resource that the kubelet follows now (a second agent's)."""
+        self.unregistered_reason: str | None = None
 
     @property
     def resource(self) -> str:
@@ -249,15 +255,33 @@ class Child:
                 self.devices = (int(healthy), int(total))
         if "ENDPOINT" in fields:
             self.endpoint = fields["ENDPOINT"]
-        if "KUBELET_RESTART" in fields and self.registered:
+        if "WAITING" in fields:
+            self.waiting = shorten(fields["WAITING"], 300) or None
+        lost = fields.get("KUBELET_RESTART") or fields.get("UNREGISTERED")
+        if lost:
+            self.unregistered_reason = shorten(lost, 300)
+            self._lose_registration()
+        taken_over_by = fields.get("TAKEN_OVER")
+        if taken_over_by and taken_over_by != self.taken_over_by:
+            self.taken_over_by = shorten(taken_over_by, 300)
+            self._log.warning(
+                "resource_taken_over",
+                pid=self.pid,
+                by=self.taken_over_by,
+                meaning="another plugin of this resource (a second agent?) registered it; the kubelet uses "
+                "that one now, and this child registers again when it stops",
+            )
             self._lose_registration()
         registered = fields.get("REGISTERED")
         if registered is not None and registered.isdigit():
+            if self.taken_over_by is not None:
+                self._log.info("resource_back", pid=self.pid, was_taken_over_by=self.taken_over_by)
             self.registrations = int(registered)
             self.registrations_total += 1
             self.registered = True
             self.unregistered_since = None
             self.registered_wall = self._clock.wall()
+            self.waiting = self.taken_over_by = self.unregistered_reason = None
             if self.state is states.STARTING:
                 self.change_state(states.RUNNING)
 
@@ -298,6 +322,10 @@ class Child:
         None when it is registered or has no process to blame (yet).
         """
         if self.state not in (states.STARTING, states.RUNNING) or self.registered or self.pid is None:
+            return None
+        if self.taken_over_by is not None:
+            # Not lost: handed over. A new process would take the resource back (the agent's children
+            # replace), and two agents would take it from each other every registrationTimeout.
             return None
         since = self.unregistered_since if self.unregistered_since is not None else self.started_at
         if since is None:
@@ -379,6 +407,9 @@ class Child:
             if exit_ is None
             else {"cause": exit_.cause, "status": exit_.detail, "at": exit_.wall, "uptime": exit_.uptime},
             "spawn_error": self.spawn_error,
+            "waiting": self.waiting,
+            "taken_over_by": self.taken_over_by,
+            "unregistered_reason": self.unregistered_reason,
         }
 
     # -- internals ------------------------------------------------------------------------
@@ -465,5 +496,6 @@ class Child:
         self.registrations = 0
         self.endpoint = None
         self.devices = None
+        self.waiting = self.taken_over_by = self.unregistered_reason = None
         self.stop_deadline = None
         self.killed = False
