@@ -18,7 +18,7 @@ import os
 import shutil
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Final
 
@@ -121,6 +121,8 @@ class Agent:
         self.supervisor: Supervisor | None = None
         self.metrics_address: tuple[str, int] | None = None
         self._state_error: str | None = None
+        self._follow_starts: Callable[[Callable[[float], float]], None] = lambda _: None
+        """After each tick: /metrics gives way to children being started (``metrics.ScrapeGate``)."""
 
     def _child_env(self) -> dict[str, str]:
         env = prestart.child_env(
@@ -290,6 +292,7 @@ class Agent:
                     multiproc_dir=multiproc_dir,
                     monitor_dir=monitor_dir if self.config.monitoring.enabled else None,
                 )
+                self._follow_starts = metrics.gate.follow
                 http = metrics_.HttpServer(
                     metrics,
                     supervisor.readiness,
@@ -360,6 +363,7 @@ class Agent:
             for exit_ in supervisor.spawner.reap():
                 supervisor.handle_exit(exit_.pid, exit_.returncode)
             deadline = supervisor.tick()
+            self._follow_starts(supervisor.starting_until)
             if supervisor.dirty:
                 supervisor.dirty = False
                 if not self._write_state(runtime_dir, supervisor):

@@ -313,6 +313,17 @@ class Supervisor:
                 upcoming.append(due)
         return min(upcoming) if upcoming else None
 
+    def starting_until(self, window: float) -> float:
+        """Until when (monotonic) a child started in the last ``window`` seconds may still be registering."""
+        return max(
+            (
+                child.started_at + window
+                for child in self.all_children()
+                if child.state is states.STARTING and not child.registered and child.started_at is not None
+            ),
+            default=0.0,
+        )
+
     # -- reporting -----------------------------------------------------------------------
 
     @property

@@ -170,9 +170,9 @@ class TestStatusCommand:
 
 
 class TestMetrics:
-    def test_the_supervisor_exposes_state_restarts_registrations_and_devices(self, running, tmp_path):
+    async def test_the_supervisor_exposes_state_restarts_registrations_and_devices(self, running, tmp_path):
         """Per-resource families from the supervisor's view, in Prometheus text format."""
-        text = Metrics(running.snapshot, multiproc_dir=tmp_path).render().decode()
+        text = (await Metrics(running.snapshot, multiproc_dir=tmp_path).render()).decode()
         assert 'plugvisor_child_up{resource="example.com/gpu"} 1.0' in text
         assert 'plugvisor_child_state{resource="example.com/nic",state="STARTING"} 1.0' in text
         assert 'plugvisor_resource_registered{resource="example.com/gpu"} 1.0' in text
