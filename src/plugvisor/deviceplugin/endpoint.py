@@ -93,8 +93,8 @@ class PluginEndpoint:
             raise ConfigurationError(
                 f"cannot create the plugin socket {self.path}: {_bind_problem(self.path)}"
             )
-        await server.start()
-        self._server = server
+        self._server = server  # from here on stop() stops it, whatever happens to this start
+        await _start_uncancelled(server)
         try:
             self._inode = self.path.lstat().st_ino
             self.path.chmod(stat.S_IRUSR | stat.S_IWUSR)
@@ -128,6 +128,24 @@ class PluginEndpoint:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
         self._log.info("stopped")
+
+
+async def _start_uncancelled(server: grpc.aio.Server) -> None:
+    """``server.start()``, which must not be cancelled half-way (a stop during start-up: a SIGTERM).
+
+    grpc.aio's start waits on a future that its own serving task completes; cancelled,
+    that task later fails with ``InvalidStateError`` and grpc's crash handler leaves a
+    "Task exception was never retrieved" traceback in the log (seen in SIGHUP storms,
+    children stopped an instant after they began). So the start is shielded and
+    finished before the cancellation goes on; :meth:`PluginEndpoint.stop` then stops it.
+    """
+    starting = asyncio.ensure_future(server.start())
+    try:
+        await asyncio.shield(starting)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            await starting
+        raise
 
 
 def _bind_problem(path: Path) -> str:

@@ -281,7 +281,11 @@ class DevicePluginRuntime:
             self.config.resource,
             extra_handlers=(*extra_handlers, *((proposed,) if proposed is not None else ())),
         )
-        await endpoint.start()
+        try:
+            await endpoint.start()
+        except asyncio.CancelledError:  # stopped while starting: the new server goes too
+            await endpoint.stop(grace=0)
+            raise
         # Said before registering, so that whoever reaps this process knows which socket
         # it leaves behind should it be killed before it could register.
         self.status.send(ENDPOINT=endpoint.name)

@@ -91,6 +91,7 @@ class TestKubeletCommand:
             (("--dir", "/tmp/" + "d" * 120), "--dir"),
             (("--dir", "/tmp/x", "--feature-gates", "Nope=true"), "--feature-gates"),
             (("--dir", "/tmp/x", "--replacement", "sometimes"), "--replacement"),
+            (("--dir", "/tmp/x", "--pods", "/nonexistent/pods"), "'/nonexistent/pods' does not exist"),
             (
                 ("--dir", "/tmp/x", "--kubelet-version", "1.20"),
                 "'1.20' is not supported: choose one of 1.26, 1.29",
@@ -113,6 +114,7 @@ class TestKubeletCommand:
             "socket-path-too-long",
             "unknown-gate",
             "bad-replacement",
+            "pods-dir-missing",
             "unknown-version",
             "gate-too-new-for-the-version",
         ],
