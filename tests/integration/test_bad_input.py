@@ -135,6 +135,19 @@ class TestHostAndKubeletDirectories:
         result = plugvisor("plugin", "generic", "--path", "/dev/null", "--kubelet-dir", f"{files['file']}/dp")
         assert_usage_error(result, f"--kubelet-dir: {files['file']}/dp: cannot create it: Not a directory")
 
+    def test_a_kubelet_dir_that_is_a_dangling_link(self, short_dir):
+        """It passed the check (nothing was created any more) and the watch's mkdir died on it."""
+        (short_dir / "dp").symlink_to(short_dir / "nowhere")
+        config = short_dir / "node.yaml"
+        config.write_text(
+            f"kubeletDir: {short_dir}/dp\nsupervisor: {{runtimeDir: {short_dir}/run}}\n"
+            "resources: [{name: example.com/null, kind: generic, paths: [/dev/null]}]\n"
+        )
+        expected = f"{short_dir}/dp: a symbolic link to {short_dir}/nowhere, which does not exist"
+        assert_usage_error(plugvisor("run", "--config", str(config)), f"kubeletDir: {expected}")
+        result = plugvisor("plugin", "generic", "--path", "/dev/null", "--kubelet-dir", str(short_dir / "dp"))
+        assert_usage_error(result, f"--kubelet-dir: {expected}")
+
     def test_an_uncreatable_kubelet_dir_for_the_agent(self, files, short_dir):
         config = short_dir / "node.yaml"
         config.write_text(

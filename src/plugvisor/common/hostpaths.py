@@ -101,6 +101,8 @@ def writable_dir_problem(path: Path, *, purpose: str, mode: int = 0o750, create:
 
 def _uncreatable(path: Path) -> str | None:
     """Why the missing ``path`` could not be created (its nearest existing ancestor), or None."""
+    if path.is_symlink():
+        return f"{path}: a symbolic link to {path.readlink()}, which does not exist"
     ancestor = path.parent
     while not ancestor.exists() and ancestor != ancestor.parent:
         ancestor = ancestor.parent

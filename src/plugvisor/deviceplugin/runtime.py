@@ -34,6 +34,7 @@ from plugvisor.common.monitoring import Owners
 from plugvisor.common.names import extended_resource_name_problem
 from plugvisor.common.notify import StatusReporter
 from plugvisor.common.sockets import socket_prefix
+from plugvisor.common.validation import printable
 from plugvisor.deviceplugin import metrics
 from plugvisor.deviceplugin.cell import SnapshotCell
 from plugvisor.deviceplugin.device_monitor import DeviceDescriber, DeviceMonitor, MonitorConfig
@@ -311,7 +312,7 @@ class DevicePluginRuntime:
         ``plugvisor status``; or in the log of a plugin of its own.
         """
         if self.status.enabled:
-            self.status.send(WAITING=what)
+            self.status.send(WAITING=printable(what))
             self._log.debug("waiting", waiting_for=what, **details)
         else:
             self._log.warning("waiting", waiting_for=what, **details)
@@ -336,24 +337,33 @@ class DevicePluginRuntime:
         restart policy: the same kubelet dials our socket once more, and nobody
         else has to learn of a new one.
         """
-        taken_over_by: str | None = None
-        while True:
-            reason = await registrar.wait_for_restart()
-            if reason == SIBLING_STARTED:
+        taken_over_by: list[str] = []
+        checks: set[asyncio.Task[None]] = set()
+
+        async def check(sibling: str) -> None:
+            # Apart from the wait below: a socket that never answers must not delay a restart.
+            if await wait_until_answers(endpoint.path.parent / sibling) and not taken_over_by:
+                taken_over_by.append(sibling)
+                self._taken_over(sibling)
+
+        try:
+            while True:
+                reason = await registrar.wait_for_restart()
                 sibling = registrar.dir_state.last_sibling
-                if (
-                    taken_over_by is None
-                    and sibling
-                    and await wait_until_answers(endpoint.path.parent / sibling)
-                ):
-                    taken_over_by = sibling
-                    self._taken_over(sibling)
-                continue
-            if reason != SIBLING_STOPPED:
-                return reason
-            if taken_over_by is None or not await asyncio.to_thread(registrar.dir_state.live_siblings):
-                self._log.info("registering_again", reason=reason, endpoint=endpoint.name)
-                return None
+                if reason == SIBLING_STARTED:
+                    if sibling and not taken_over_by:
+                        task = asyncio.create_task(check(sibling))
+                        checks.add(task)
+                        task.add_done_callback(checks.discard)
+                    continue
+                if reason != SIBLING_STOPPED:
+                    return reason
+                if not taken_over_by or not await asyncio.to_thread(registrar.dir_state.live_siblings):
+                    self._log.info("registering_again", reason=reason, endpoint=endpoint.name)
+                    return None
+        finally:
+            for task in checks:
+                task.cancel()
 
     async def _serve_for_plugin_watcher(self) -> None:
         """Serve in ``plugins_registry`` and count every time the kubelet dials back (restarts included).
@@ -415,7 +425,7 @@ class DevicePluginRuntime:
                     lost.cancel()
                 reason = lost.result()
                 self._log.warning("registration_lost", reason=reason, action="serving a fresh socket")
-                self.status.send(UNREGISTERED=reason)
+                self.status.send(UNREGISTERED=printable(reason))
 
     async def _report_devices(self) -> None:
         seen = -1

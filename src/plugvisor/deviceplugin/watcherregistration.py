@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -202,7 +203,10 @@ async def wait_until_answers(path: Path, timeout: float = 2.0) -> bool:
 
 
 def _answers(path: Path) -> bool | None:
-    """True: a process answers; False: nobody will (the file is gone); None: not (yet)."""
-    if socket_answers(path):
-        return True
-    return None if path.exists() else False
+    """True: a process answers; False: nobody will (gone, or not a socket); None: not (yet)."""
+    try:
+        if not stat.S_ISSOCK(path.lstat().st_mode):
+            return False
+    except OSError:
+        return False
+    return True if socket_answers(path) else None

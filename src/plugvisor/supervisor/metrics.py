@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -52,6 +52,8 @@ START_PRIORITY: Final = 1.0
 """Seconds after a child's start during which scrapes give way to it (:class:`ScrapeGate`)."""
 REUSE_FOR: Final = 1.0
 """Seconds a rendering answers later scrapes too (concurrent scrapers, a storm)."""
+MAX_CONNECTIONS: Final = 256
+"""Connections served at once; more are closed at once (each holds a file descriptor)."""
 MAX_SCRAPES: Final = 64
 """Scrapes sent at once; more wait for their turn (each holds a socket buffer meanwhile)."""
 CHUNK: Final = 64 * 1024
@@ -146,8 +148,9 @@ class ScrapeGate:
     a child forked meanwhile then took seconds to register, where it takes tens of
     milliseconds. The agent sets :attr:`hold_until` (monotonic) while a child that
     started less than :data:`START_PRIORITY` seconds ago has not registered yet;
-    renderings and bodies being sent wait until then (never longer than that window
-    per start, so a child that never registers cannot stop ``/metrics``).
+    renderings and bodies being sent wait until then, each for at most
+    :data:`START_PRIORITY` seconds in all (:meth:`pacer`), so that children that keep
+    restarting, or 256 of them starting at once, cannot stop ``/metrics``.
     ``/healthz`` and ``/readyz`` never wait.
     """
 
@@ -158,10 +161,21 @@ class ScrapeGate:
         """Take the supervisor's word (``Supervisor.starting_until``) after each of its ticks."""
         self.hold_until = starting_until(START_PRIORITY)
 
-    async def pause(self) -> None:
-        """Let the loop run; and wait while a child's start has priority."""
-        delay = self.hold_until - time.monotonic()
-        await asyncio.sleep(min(max(delay, 0.0), START_PRIORITY))
+    def pacer(self) -> Callable[[], Awaitable[None]]:
+        """The pause of one rendering or one response.
+
+        Each call lets the loop run, and gives way to starts for at most
+        :data:`START_PRIORITY` seconds over all the calls together.
+        """
+        allowance = START_PRIORITY
+
+        async def pause() -> None:
+            nonlocal allowance
+            delay = min(max(self.hold_until - time.monotonic(), 0.0), allowance)
+            allowance -= delay
+            await asyncio.sleep(delay)
+
+        return pause
 
 
 @dataclass(eq=False, slots=True)
@@ -321,12 +335,13 @@ class Metrics:
             if writer != pid:  # a previous process's last report is not the present
                 return None
             out = device_metrics.device_lines()
+            pause = self.gate.pacer()
             budget = time.monotonic() + SLICE_SECONDS
             for line in lines[1:]:
                 if line:
                     device_metrics.add_device(out, resource, monitoring.parse_device(line), holders)
                 if time.monotonic() >= budget:
-                    await self.gate.pause()
+                    await pause()
                     budget = time.monotonic() + SLICE_SECONDS
         except (OSError, ValueError, KeyError, TypeError):  # a half-dead writer, a full disk: no report
             return None
@@ -358,7 +373,8 @@ class HttpServer:
     a scrape renders in slices and streams its body :data:`CHUNK` bytes at a time
     (so a slow reader costs a socket buffer, not a copy of the body), at most
     :data:`MAX_SCRAPES` at once (others wait for their turn), each within
-    :data:`SEND_DEADLINE`. A request whose line or headers exceed
+    :data:`SEND_DEADLINE`; beyond :data:`MAX_CONNECTIONS` open connections, new ones
+    are closed at once. A request whose line or headers exceed
     :data:`MAX_REQUEST_LINE` gets a 431, not a traceback.
     """
 
@@ -369,6 +385,7 @@ class HttpServer:
         self._port = port
         self._server: asyncio.Server | None = None
         self._scrapes = asyncio.Semaphore(MAX_SCRAPES)
+        self._connections = 0
         self._log = structlog.get_logger("plugvisor.supervisor.metrics")
 
     @property
@@ -392,6 +409,22 @@ class HttpServer:
         self._log.info("metrics_listening", url=f"http://{host}:{port}/metrics")
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._connections >= MAX_CONNECTIONS:
+            # Each connection is a descriptor: thousands held open would leave the agent none
+            # to restart a child with.
+            writer.transport.abort()
+            return
+        self._connections += 1
+        try:
+            await self._serve_one(reader, writer)
+        except asyncio.CancelledError:
+            # The agent stopping: the connection just ends. (Python 3.11's stream server logs
+            # "Exception in callback" for a connection task that ends cancelled.)
+            writer.transport.abort()
+        finally:
+            self._connections -= 1
+
+    async def _serve_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             method, path = await self._read_request(reader)
             if method in {"GET", "HEAD"}:
@@ -451,12 +484,13 @@ class HttpServer:
                     writer.write(_head("200 OK", prometheus_client.CONTENT_TYPE_LATEST, len(body.data)))
                     if not head_only:
                         view = memoryview(body.data)
+                        pause = self._metrics.gate.pacer()
                         for offset in range(0, len(view), CHUNK):
                             writer.write(view[offset : offset + CHUNK])
                             await writer.drain()
                             # drain() returns without yielding while the client keeps up: a fast
                             # client would otherwise have the loop for its whole body.
-                            await self._metrics.gate.pause()
+                            await pause()
                     await writer.drain()
             finally:
                 self._metrics.release(body)

@@ -26,12 +26,16 @@ def port_of(agent: Agent) -> int:
 
 
 async def request(port: int, raw: bytes) -> bytes:
+    """The whole answer to ``raw``; empty when the server closed the connection without one."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(raw)
-    await writer.drain()
-    answer = await asyncio.wait_for(reader.read(), 60)
-    writer.close()
-    return answer
+    try:
+        writer.write(raw)
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(), 60)
+    except ConnectionResetError:
+        return b""
+    finally:
+        writer.close()
 
 
 async def test_an_over_long_request_line_or_header_is_a_431_not_a_traceback(node, kubelet, agents):
@@ -76,3 +80,29 @@ async def test_scrapes_that_never_read_do_not_hold_health_or_other_scrapes(node,
     for writer in stalled:
         writer.close()
     assert await agent.stop() == 0
+
+
+async def test_connections_beyond_the_cap_are_closed_at_once(monkeypatch):
+    """Each held connection is a descriptor the agent needs to restart children: they are bounded."""
+    from plugvisor.supervisor import metrics as metrics_
+
+    monkeypatch.setattr(metrics_, "MAX_CONNECTIONS", 5)
+    metrics = metrics_.Metrics(lambda: {"supervisor": {}, "children": []}, multiproc_dir=None)
+    server = metrics_.HttpServer(metrics, lambda: (True, "ready"), host="127.0.0.1", port=0)
+    await server.start()
+    try:
+        _, port = server.address
+        idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(5)]
+        await asyncio.sleep(0.2)  # let the server take them (they say nothing)
+        assert await request(port, b"GET /healthz HTTP/1.0\r\n\r\n") == b""  # closed at once
+        for _, writer in idle:
+            writer.close()
+        answer = b""
+        for _ in range(100):  # the server notices the closes as it reads
+            answer = await request(port, b"GET /healthz HTTP/1.0\r\n\r\n")
+            if answer:
+                break
+            await asyncio.sleep(0.05)
+        assert answer.endswith(b"ok\n")
+    finally:
+        await server.close()
