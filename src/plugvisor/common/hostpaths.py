@@ -92,11 +92,19 @@ def writable_dir_problem(path: Path, *, purpose: str, mode: int = 0o750, create:
         return f"{path}: cannot create it: {exc.strerror or exc}"
     if not path.is_dir():
         return f"{path}: not a directory"
-    if not os.access(path, os.W_OK | os.X_OK):
-        read_only = os.statvfs(path).f_flag & os.ST_RDONLY
-        why = "on a read-only filesystem" if read_only else "not writable by this process"
-        return f"{path}: {why}; {purpose}"
-    return None
+    why = _not_writable(path)
+    return None if why is None else f"{path}: {why}; {purpose}"
+
+
+def _not_writable(path: Path) -> str | None:
+    """Why this process cannot create entries in the directory ``path``, or None when it can."""
+    if os.access(path, os.W_OK | os.X_OK):
+        return None
+    return (
+        "on a read-only filesystem"
+        if os.statvfs(path).f_flag & os.ST_RDONLY
+        else "not writable by this process"
+    )
 
 
 def _uncreatable(path: Path) -> str | None:
@@ -108,11 +116,8 @@ def _uncreatable(path: Path) -> str | None:
         ancestor = ancestor.parent
     if not ancestor.is_dir():
         return f"{path}: cannot create it: Not a directory"
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        read_only = os.statvfs(ancestor).f_flag & os.ST_RDONLY
-        why = "Read-only file system" if read_only else "Permission denied"
-        return f"{path}: cannot create it: {why}"
-    return None
+    why = _not_writable(ancestor)
+    return None if why is None else f"{path}: cannot create it: {ancestor} is {why}"
 
 
 def kubelet_dir_problem(path: Path) -> str | None:

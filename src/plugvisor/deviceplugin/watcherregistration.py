@@ -147,7 +147,9 @@ class RegistrySocketWatch:
     async def lost(self, path: Path) -> str:
         """Return why the socket at ``path`` (ours, just bound) no longer brings registrations."""
         directory = path.parent
-        with contextlib.suppress(OSError):  # a directory that cannot be watched is looked at every interval
+        # A directory that cannot be watched (gone a moment, the watch budget spent) is looked at
+        # every interval instead.
+        with contextlib.suppress(OSError, inotify_.InotifyLimitError):
             self._watches.add_watch(directory, REGISTRY_MASK)
         identity = SocketIdentity.of(path)
         taken_over_by: str | None = None

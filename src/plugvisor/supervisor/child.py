@@ -150,6 +150,7 @@ class Child:
         self.taken_over_by: str | None = None
         """The socket of another plugin of this resource that the kubelet follows now (a second agent's)."""
         self.unregistered_reason: str | None = None
+        """Why the process said it lost its registration (a kubelet restart, its socket removed)."""
 
     @property
     def resource(self) -> str:

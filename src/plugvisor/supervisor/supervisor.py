@@ -319,7 +319,7 @@ class Supervisor:
             (
                 child.started_at + window
                 for child in self.all_children()
-                if child.state is states.STARTING and not child.registered and child.started_at is not None
+                if child.state is states.STARTING and child.started_at is not None
             ),
             default=0.0,
         )

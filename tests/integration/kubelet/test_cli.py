@@ -154,30 +154,34 @@ class TestPodsDirectory:
                 kubelet.process.wait()
 
 
+@pytest.fixture
+def pods_kubelet(socket_dir: Path) -> Iterator[tuple[Kubelet, Path]]:
+    """A kubelet with a --pods directory, started; killed at the end if the test did not stop it."""
+    pods_dir = socket_dir / "pods"
+    pods_dir.mkdir()
+    kubelet = Kubelet("--dir", str(socket_dir / "dp"), "--pods", str(pods_dir), "--node-name", "n1")
+    kubelet.wait_for_line("event='started'")
+    yield kubelet, pods_dir
+    if kubelet.process.poll() is None:
+        kubelet.process.kill()
+        kubelet.process.wait()
+
+
 class TestAnIntegerTooLongToConvert:
-    def test_is_a_pod_invalid_naming_the_field_and_the_node_goes_on(self, socket_dir: Path) -> None:
+    def test_is_a_pod_invalid_naming_the_field_and_the_node_goes_on(self, pods_kubelet) -> None:
         """5,000 digits (beyond Python's int-str limit): it used to end the emulated kubelet."""
-        pods_dir = socket_dir / "pods"
-        pods_dir.mkdir()
-        kubelet = Kubelet("--dir", str(socket_dir / "dp"), "--pods", str(pods_dir), "--node-name", "n1")
-        try:
-            kubelet.wait_for_line("event='started'")
-            (pods_dir / "huge.yaml").write_text(
-                "apiVersion: v1\nkind: Pod\nmetadata: {name: huge}\nspec:\n  containers:\n"
-                f"  - {{name: c, image: i, resources: {{limits: {{example.com/good: {'9' * 5000}}}}}}}\n"
-            )
-            line = kubelet.wait_for_line("event='pod_invalid'")
-            assert "limits.example.com/good: line 6, column 64: an integer of 5000 digits" in line
-            (pods_dir / "web.yaml").write_text(
-                "apiVersion: v1\nkind: Pod\nmetadata: {name: web}\nspec:\n"
-                "  containers: [{name: c, image: i}]\n"
-            )
-            kubelet.wait_for_line("event='container_started'", "default/web-n1/c")
-            assert kubelet.stop() == 0
-        finally:
-            if kubelet.process.poll() is None:
-                kubelet.process.kill()
-                kubelet.process.wait()
+        kubelet, pods_dir = pods_kubelet
+        (pods_dir / "huge.yaml").write_text(
+            "apiVersion: v1\nkind: Pod\nmetadata: {name: huge}\nspec:\n  containers:\n"
+            f"  - {{name: c, image: i, resources: {{limits: {{example.com/good: {'9' * 5000}}}}}}}\n"
+        )
+        line = kubelet.wait_for_line("event='pod_invalid'")
+        assert "limits.example.com/good: line 6, column 64: an integer of 5000 digits" in line
+        (pods_dir / "web.yaml").write_text(
+            "apiVersion: v1\nkind: Pod\nmetadata: {name: web}\nspec:\n  containers: [{name: c, image: i}]\n"
+        )
+        kubelet.wait_for_line("event='container_started'", "default/web-n1/c")
+        assert kubelet.stop() == 0
 
 
 class TestANegativeExtendedResourceLimit:
