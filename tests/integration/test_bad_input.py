@@ -85,6 +85,45 @@ class TestConfigurationFiles:
         assert_usage_error(result, "--options-json", "nested too deeply")
 
 
+HUGE = "9" * 5000
+"""5,000 digits: beyond Python's int-str conversion limit (4300), a bare ValueError in every reader."""
+
+
+class TestAnIntegerTooLongToConvert:
+    @pytest.mark.parametrize("command", [["run"], ["export", "supervisord"], ["status"]])
+    def test_in_the_node_configuration_it_is_named_with_file_field_and_line(self, command, short_dir):
+        config = short_dir / "node.yaml"
+        config.write_text(
+            f"supervisor: {{runtimeDir: {short_dir}/run}}\n"
+            f"resources:\n  - {{name: example.com/null, kind: generic, paths: [/dev/null], count: {HUGE}}}\n"
+        )
+        result = plugvisor(*command, "--config", str(config))
+        assert_usage_error(
+            result, f"{config}: resources[0].count: line 3, column 72: an integer of 5000 digits; expected"
+        )
+
+    def test_in_the_options_file_of_a_plugin(self, short_dir):
+        options = short_dir / "options.yaml"
+        options.write_text(f"paths: [/dev/null]\ncount: {HUGE}\n")
+        result = plugvisor(
+            "plugin", "generic", "--kubelet-dir", str(short_dir / "dp"), "--options-file", str(options)
+        )
+        expected = f"{options}: count: line 2, column 8: an integer of 5000"
+        assert_usage_error(result, "--options-file", expected)
+
+    def test_in_the_options_json_of_a_plugin(self, short_dir):
+        options = f'{{"count": {HUGE}}}'
+        dp = str(short_dir / "dp")
+        result = plugvisor("plugin", "generic", "--kubelet-dir", dp, "--options-json", options)
+        assert_usage_error(result, "--options-json", "count: an integer of 5000 digits")
+
+    def test_in_a_lab_profile(self, short_dir):
+        profile = short_dir / "profile.yaml"
+        profile.write_text(f"gpus: {{count: {HUGE}}}\n")
+        result = plugvisor("lab", "create", str(short_dir / "lab"), "--profile", str(profile))
+        assert_usage_error(result, f"{profile}: gpus.count: line 1, column 15: an integer of 5000 digits")
+
+
 class TestHostAndKubeletDirectories:
     def test_a_host_root_that_does_not_exist(self, short_dir):
         result = plugvisor(
@@ -95,6 +134,19 @@ class TestHostAndKubeletDirectories:
     def test_an_uncreatable_kubelet_dir_for_a_plugin(self, files):
         result = plugvisor("plugin", "generic", "--path", "/dev/null", "--kubelet-dir", f"{files['file']}/dp")
         assert_usage_error(result, f"--kubelet-dir: {files['file']}/dp: cannot create it: Not a directory")
+
+    def test_a_kubelet_dir_that_is_a_dangling_link(self, short_dir):
+        """It passed the check (nothing was created any more) and the watch's mkdir died on it."""
+        (short_dir / "dp").symlink_to(short_dir / "nowhere")
+        config = short_dir / "node.yaml"
+        config.write_text(
+            f"kubeletDir: {short_dir}/dp\nsupervisor: {{runtimeDir: {short_dir}/run}}\n"
+            "resources: [{name: example.com/null, kind: generic, paths: [/dev/null]}]\n"
+        )
+        expected = f"{short_dir}/dp: a symbolic link to {short_dir}/nowhere, which does not exist"
+        assert_usage_error(plugvisor("run", "--config", str(config)), f"kubeletDir: {expected}")
+        result = plugvisor("plugin", "generic", "--path", "/dev/null", "--kubelet-dir", str(short_dir / "dp"))
+        assert_usage_error(result, f"--kubelet-dir: {expected}")
 
     def test_an_uncreatable_kubelet_dir_for_the_agent(self, files, short_dir):
         config = short_dir / "node.yaml"

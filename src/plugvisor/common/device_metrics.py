@@ -11,7 +11,8 @@ current holders, never allocation history. gRPC-free, like
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Final
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -98,63 +99,95 @@ def _labels(names: Sequence[str], values: Sequence[str]) -> str:
     return ",".join(f'{name}="{_escape(value)}"' for name, value in zip(names, values, strict=True))
 
 
-def render(view: m.View) -> bytes:
-    """The same families as :func:`collect`, in the Prometheus text format, written directly.
+DEVICE_FAMILIES: Final = (*m.BASE_FAMILIES, *m.TELEMETRY.values())
+"""The per-device families, in the order the text lists them."""
 
-    The agent's scrape path. prometheus-client's generic writer validates and
-    escapes every label name of every sample (about 8 per series here), which
-    made a 10,000-device scrape take seconds; these label names are constants,
-    so only values are escaped. ``tests/unit/deviceplugin/test_monitoring.py``
-    checks that both writers give the same samples.
+Holders = Mapping[tuple[str, str], Sequence[m.Holder]]
+
+
+def device_lines() -> dict[str, list[str]]:
+    """An empty accumulator for :func:`add_device`: family name -> its sample lines."""
+    return {family.name: [] for family in DEVICE_FAMILIES}
+
+
+def add_device(out: dict[str, list[str]], resource: str, device: m.DeviceReport, holders: Holders) -> None:
+    """Append ``device``'s sample lines (each whole, newline included) to ``out``, family by family.
+
+    One device at a time, so that a caller on an event loop can render a node of
+    thousands of devices in slices (the agent's scrape does).
     """
-    out: dict[str, list[str]] = {f.name: [] for f in (*m.BASE_FAMILIES, *m.TELEMETRY.values())}
-    info, healthy, allocated = (out[f.name] for f in m.BASE_FAMILIES)
-    extra = {name: family.labels for name, family in m.TELEMETRY.items()}
-    holders = view.owners.holders if view.owners is not None else {}
-    stamps = []
-    for report in view.reports:
-        stamps.append(f'{{resource="{_escape(report.resource)}"}} {_number(report.written_at)}')
-        for device in report.devices:
-            d = device.description
-            owner = m.holder_labels(holders.get((report.resource, device.id), ()))
-            base = _labels(
-                m.DEVICE_LABELS,
-                (report.resource, device.id, _numa_label(device.numa_nodes), d.pci_address, *owner),
-            )
-            identity = _labels(
-                ("kind", *m.IDENTITY_LABELS), (d.kind, *(d.identity.get(k, "") for k in m.IDENTITY_LABELS))
-            )
-            info.append(f"{{{base},{identity}}} 1.0")
-            cause = "" if device.healthy else (d.cause_code or "unknown")
-            healthy.append(f'{{{base},cause="{_escape(cause)}"}} {"1.0" if device.healthy else "0.0"}')
-            allocated.append(f"{{{base}}} {'1.0' if owner[0] else '0.0'}")
-            for reading in d.readings:
-                names = extra[reading.family]
-                labels = f"{base},{_labels(names, [reading.labels[k] for k in names])}" if names else base
-                out[reading.family].append(f"{{{labels}}} {_number(reading.value)}")
-    text: list[str] = []
-    for family in (*m.BASE_FAMILIES, *m.TELEMETRY.values()):
-        kind = "counter" if family.counter else "gauge"
+    d = device.description
+    owner = m.holder_labels(holders.get((resource, device.id), ()))
+    base = _labels(
+        m.DEVICE_LABELS, (resource, device.id, _numa_label(device.numa_nodes), d.pci_address, *owner)
+    )
+    identity = _labels(
+        ("kind", *m.IDENTITY_LABELS), (d.kind, *(d.identity.get(k, "") for k in m.IDENTITY_LABELS))
+    )
+    info, healthy, allocated = (m.BASE_FAMILIES[i].name for i in range(3))
+    out[info].append(f"{info}{{{base},{identity}}} 1.0\n")
+    cause = "" if device.healthy else (d.cause_code or "unknown")
+    out[healthy].append(
+        f'{healthy}{{{base},cause="{_escape(cause)}"}} {"1.0" if device.healthy else "0.0"}\n'
+    )
+    out[allocated].append(f"{allocated}{{{base}}} {'1.0' if owner[0] else '0.0'}\n")
+    for reading in d.readings:
+        family = m.TELEMETRY[reading.family]
         sample = f"{family.name}_total" if family.counter else family.name
-        text.append(f"# HELP {family.name} {family.help}\n# TYPE {family.name} {kind}\n")
-        text.extend(f"{sample}{line}\n" for line in out[family.name])
+        names = family.labels
+        labels = f"{base},{_labels(names, [reading.labels[k] for k in names])}" if names else base
+        out[family.name].append(f"{sample}{{{labels}}} {_number(reading.value)}\n")
+
+
+def assemble(
+    resources: Sequence[Mapping[str, str]], stamps: Sequence[tuple[str, float]], owners: m.Owners | None
+) -> Iterator[str]:
+    """The text of the per-device families: each family's header, then its lines from every resource.
+
+    ``resources``: per resource, family name -> its lines joined (``"".join`` of an
+    :func:`add_device` accumulator); ``stamps``: ``(resource, written_at)`` of each report.
+    """
+    for family in DEVICE_FAMILIES:
+        kind = "counter" if family.counter else "gauge"
+        yield f"# HELP {family.name} {family.help}\n# TYPE {family.name} {kind}\n"
+        for texts in resources:
+            yield texts.get(family.name, "")
     stamp = m.AGENT_FAMILIES[0]
-    text.append(f"# HELP {stamp.name} {stamp.help}\n# TYPE {stamp.name} gauge\n")
-    text.extend(f"{stamp.name}{line}\n" for line in stamps)
-    owners = view.owners
+    yield f"# HELP {stamp.name} {stamp.help}\n# TYPE {stamp.name} gauge\n"
+    for resource, written_at in stamps:
+        yield f'{stamp.name}{{resource="{_escape(resource)}"}} {_number(written_at)}\n'
     if owners is not None:
         up, last, calls = m.AGENT_FAMILIES[1:]
-        text.append(
-            f"# HELP {up.name} {up.help}\n# TYPE {up.name} gauge\n{up.name} {'1.0' if owners.up else '0.0'}\n"
-        )
+        yield f"# HELP {up.name} {up.help}\n# TYPE {up.name} gauge\n"
+        yield f"{up.name} {'1.0' if owners.up else '0.0'}\n"
         if owners.last_success is not None:
-            text.append(
+            yield (
                 f"# HELP {last.name} {last.help}\n# TYPE {last.name} gauge\n"
                 f"{last.name} {_number(owners.last_success)}\n"
             )
-        text.append(
+        yield (
             f"# HELP {calls.name} {calls.help}\n# TYPE {calls.name} counter\n"
             f'{calls.name}_total{{result="ok"}} {_number(owners.calls_ok)}\n'
             f'{calls.name}_total{{result="error"}} {_number(owners.calls_failed)}\n'
         )
-    return "".join(text).encode()
+
+
+def render(view: m.View) -> bytes:
+    """The same families as :func:`collect`, in the Prometheus text format, written directly.
+
+    prometheus-client's generic writer validates and escapes every label name of
+    every sample (about 8 per series here), which made a 10,000-device scrape take
+    seconds; these label names are constants, so only values are escaped.
+    ``tests/unit/deviceplugin/test_monitoring.py`` checks that both writers give
+    the same samples. (The agent renders the same way, resource by resource and
+    in slices: :mod:`plugvisor.supervisor.metrics`.)
+    """
+    holders = view.owners.holders if view.owners is not None else {}
+    resources = []
+    for report in view.reports:
+        out = device_lines()
+        for device in report.devices:
+            add_device(out, report.resource, device, holders)
+        resources.append({name: "".join(lines) for name, lines in out.items()})
+    stamps = [(report.resource, report.written_at) for report in view.reports]
+    return "".join(assemble(resources, stamps, view.owners)).encode()

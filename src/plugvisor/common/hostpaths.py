@@ -78,29 +78,59 @@ def resolve_in_root(root: Path, path: str | os.PathLike[str]) -> Path:
     return root.joinpath(*resolved)
 
 
-def writable_dir_problem(path: Path, *, purpose: str, mode: int = 0o750) -> str | None:
-    """Why ``path`` cannot be created (with ``mode``) or written (``purpose``: what goes there), or None."""
+def writable_dir_problem(path: Path, *, purpose: str, mode: int = 0o750, create: bool = True) -> str | None:
+    """Why ``path`` cannot be created (with ``mode``) or written (``purpose``: what goes there), or None.
+
+    ``create=False`` leaves a missing directory missing and checks that it could be
+    created (its nearest existing ancestor is a writable directory).
+    """
+    if not create and not path.exists():
+        return _uncreatable(path)
     try:
         path.mkdir(mode=mode, parents=True, exist_ok=True)
     except OSError as exc:
         return f"{path}: cannot create it: {exc.strerror or exc}"
     if not path.is_dir():
         return f"{path}: not a directory"
-    if not os.access(path, os.W_OK | os.X_OK):
-        read_only = os.statvfs(path).f_flag & os.ST_RDONLY
-        why = "on a read-only filesystem" if read_only else "not writable by this process"
-        return f"{path}: {why}; {purpose}"
-    return None
+    why = _not_writable(path)
+    return None if why is None else f"{path}: {why}; {purpose}"
+
+
+def _not_writable(path: Path) -> str | None:
+    """Why this process cannot create entries in the directory ``path``, or None when it can."""
+    if os.access(path, os.W_OK | os.X_OK):
+        return None
+    return (
+        "on a read-only filesystem"
+        if os.statvfs(path).f_flag & os.ST_RDONLY
+        else "not writable by this process"
+    )
+
+
+def _uncreatable(path: Path) -> str | None:
+    """Why the missing ``path`` could not be created (its nearest existing ancestor), or None."""
+    if path.is_symlink():
+        return f"{path}: a symbolic link to {path.readlink()}, which does not exist"
+    ancestor = path.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return f"{path}: cannot create it: Not a directory"
+    why = _not_writable(ancestor)
+    return None if why is None else f"{path}: cannot create it: {ancestor} is {why}"
 
 
 def kubelet_dir_problem(path: Path) -> str | None:
-    """Why no plugin could serve its socket in ``path``, or ``None``; the directory is created if missing.
+    """Why no plugin could serve its socket in ``path``, or ``None``.
 
     Checked before anything starts (``plugvisor plugin``, ``plugvisor run`` and
     every reload), so that a read-only, uncreatable or mistyped directory is one
-    clear error naming it, not a bind failure deep in gRPC in every child.
+    clear error naming it, not a bind failure deep in gRPC in every child. A
+    missing directory is not created here: the watch that creates it says so
+    (:class:`~plugvisor.common.kubeletdir.KubeletDirWatch`), since a directory
+    nobody else made may well be a typo.
     """
-    return writable_dir_problem(path, purpose="plugins create their sockets there")
+    return writable_dir_problem(path, purpose="plugins create their sockets there", create=False)
 
 
 def host_root_problem(root: Path) -> str | None:

@@ -10,9 +10,10 @@ kubelet's own test stub). This watch reports both, with inotify, so a reaction
 starts within milliseconds rather than at the next poll.
 
 One watch serves both users, so it reports every sign and leaves the choice of
-which matter to them: a ``kubelet.sock`` created or moved in, any file deleted or
-moved away (the plugin cares about its own socket, the agent about any of its
-children's), and the directory itself going away.
+which matter to them: a ``kubelet.sock`` created or moved in, any other file
+created (a plugin cares about another one taking its resource over), any file
+deleted or moved away (the plugin cares about its own socket, the agent about any
+of its children's), and the directory itself going away.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from pathlib import Path
 from typing import Final
 
 import structlog
-from asyncinotify import Inotify, Mask
+from asyncinotify import Mask
 
+from plugvisor.common import inotify as inotify_
 from plugvisor.common.constants import KUBELET_SOCKET_NAME
 
 _MASK: Final = Mask.CREATE | Mask.MOVED_TO | Mask.DELETE | Mask.MOVED_FROM | Mask.DELETE_SELF | Mask.ONLYDIR
@@ -36,6 +38,8 @@ class DirChange(enum.Enum):
 
     KUBELET_SOCKET_CREATED = "kubelet-socket-created"
     """``kubelet.sock`` was created or moved in: a kubelet (possibly a new one) listens."""
+    FILE_CREATED = "file-created"
+    """Another file was created or moved in (another plugin's socket, perhaps of our resource)."""
     FILE_REMOVED = "file-removed"
     """A file was deleted or moved away (a starting kubelet removes every socket)."""
     DIR_REMOVED = "dir-removed"
@@ -57,7 +61,8 @@ def classify(mask: Mask, name: str) -> DirEvent | None:
     if mask & Mask.Q_OVERFLOW:
         return DirEvent(DirChange.EVENTS_LOST, "")
     if mask & (Mask.CREATE | Mask.MOVED_TO):
-        return DirEvent(DirChange.KUBELET_SOCKET_CREATED, name) if name == KUBELET_SOCKET_NAME else None
+        change = DirChange.KUBELET_SOCKET_CREATED if name == KUBELET_SOCKET_NAME else DirChange.FILE_CREATED
+        return DirEvent(change, name)
     if mask & (Mask.DELETE | Mask.MOVED_FROM):
         return DirEvent(DirChange.FILE_REMOVED, name)
     if mask & Mask.DELETE_SELF:
@@ -77,15 +82,30 @@ class KubeletDirWatch:
         self.kubelet_dir = kubelet_dir
         self.kubelet_socket = kubelet_dir / KUBELET_SOCKET_NAME
         self._on_event = on_event
-        self._inotify: Inotify | None = None
+        self._inotify: inotify_.WatchGroup | None = None
         self._log = structlog.get_logger("plugvisor.kubelet_dir")
 
     def open(self) -> None:
-        """Start watching, creating the directory as the kubelet would (mode 0750)."""
-        self.kubelet_dir.mkdir(mode=0o750, parents=True, exist_ok=True)
-        inotify = Inotify(sync_timeout=0)
-        inotify.add_watch(self.kubelet_dir, _MASK)
-        self._inotify = inotify
+        """Start watching, creating the directory as the kubelet would (mode 0750).
+
+        On the running loop's shared inotify instance (:mod:`plugvisor.common.inotify`);
+        raises :class:`~plugvisor.common.inotify.InotifyLimitError` when the budget is spent.
+        """
+        if not self.kubelet_dir.exists():
+            self.kubelet_dir.mkdir(mode=0o750, parents=True, exist_ok=True)
+            self._log.warning(
+                "kubelet_dir_created",
+                dir=str(self.kubelet_dir),
+                note="it did not exist; a kubelet creates it when it starts. If that is not the kubelet's "
+                "directory (a typo?), nothing will ever register here",
+            )
+        watches = inotify_.open_watches()
+        try:
+            watches.add_watch(self.kubelet_dir, _MASK)
+        except BaseException:
+            watches.close()
+            raise
+        self._inotify = watches
 
     def close(self) -> None:
         """Stop watching."""

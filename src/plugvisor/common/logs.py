@@ -66,10 +66,28 @@ class LineWriter:
     log = debug = info = warn = warning = error = err = critical = exception = fatal = failure = msg
 
 
+class _StdlibBridge(logging.Handler):
+    """Records of the standard library's loggers (asyncio's above all) as plugvisor's own lines.
+
+    asyncio reports what it cannot hand to anyone (an exception in a connection
+    callback, a task nobody awaited) through ``logging``, which by default prints a
+    multi-line traceback in plain text: a log shipper reading ``--log-format json``
+    then gets lines that are not JSON. Here such a record is one structlog event,
+    its traceback inside (escaped onto the line).
+    """
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with contextlib.suppress(Exception):  # logging must never raise
+            structlog.get_logger(record.name).log(
+                record.levelno, record.getMessage(), logger=record.name, exc_info=record.exc_info or False
+            )
+
+
 def configure_logging(*, level: str = "info", fmt: LogFormat = "kv", stream: TextIO | None = None) -> None:
     """Configure structlog for a plugvisor process (idempotent; last call wins).
 
     ``stream`` defaults to the process's standard error at the time of the call.
+    The standard library's loggers (asyncio's, gRPC's Python side) go through it too.
     """
     numeric = logging.getLevelNamesMapping().get(level.upper())
     if numeric is None:
@@ -94,6 +112,9 @@ def configure_logging(*, level: str = "info", fmt: LogFormat = "kv", stream: Tex
         logger_factory=lambda *_args: writer,
         cache_logger_on_first_use=False,
     )
+    root = logging.getLogger()
+    root.handlers = [handler for handler in root.handlers if not isinstance(handler, _StdlibBridge)]
+    root.addHandler(_StdlibBridge(logging.WARNING))
 
 
 def log_options(*, scope: str = "") -> Callable[[Any], Any]:

@@ -18,10 +18,13 @@ plugin serves:
   in the next scrape: cardinality is bounded by devices x current holders, never
   by allocation history.
 
-Under the supervisor the reports and owners travel through small JSON files in
+Under the supervisor the reports and owners travel through files in
 ``<runtimeDir>/monitor`` (:func:`write_report`, :func:`write_owners`, written
 atomically by rename); a standalone plugin keeps them in memory. Telemetry
 values are sampled by the plugin processes, so a scrape only reads those files.
+A report is JSON Lines, a header then one line per device: a node of thousands
+of devices is megabytes, and the agent parses it a slice at a time, between
+which its event loop goes on supervising (:func:`report_header`, :func:`parse_device`).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import contextlib
 import json
 import os
 import urllib.parse
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -264,24 +267,29 @@ class ResourceReport:
     written_at: float
     devices: tuple[DeviceReport, ...]
 
-    def to_json(self) -> dict[str, Any]:
-        """The report file's document."""
-        return {
-            "resource": self.resource,
-            "pid": self.pid,
-            "written_at": self.written_at,
-            "devices": [d.to_json() for d in self.devices],
-        }
+    def to_lines(self) -> Iterator[str]:
+        """The report file's lines (JSON Lines): the header, then one record per device."""
+        yield json.dumps({"resource": self.resource, "pid": self.pid, "written_at": self.written_at})
+        for device in self.devices:
+            yield json.dumps(device.to_json(), separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> ResourceReport:
-        """Parse a report document (raises on a malformed one)."""
-        return cls(
-            str(data["resource"]),
-            int(data["pid"]),
-            float(data["written_at"]),
-            tuple(DeviceReport.from_json(d) for d in data["devices"]),
-        )
+    def from_lines(cls, lines: Iterable[bytes | str]) -> ResourceReport:
+        """Parse a report file's lines (raises ``ValueError``, ``KeyError`` or ``TypeError`` if malformed)."""
+        records = iter(lines)
+        resource, pid, written_at = report_header(next(records, b""))
+        return cls(resource, pid, written_at, tuple(parse_device(line) for line in records if line.strip()))
+
+
+def report_header(line: bytes | str) -> tuple[str, int, float]:
+    """``(resource, pid, written_at)`` from a report's first line (raises on a malformed one)."""
+    data = json.loads(line)
+    return str(data["resource"]), int(data["pid"]), float(data["written_at"])
+
+
+def parse_device(line: bytes | str) -> DeviceReport:
+    """One device record of a report (raises on a malformed one)."""
+    return DeviceReport.from_json(json.loads(line))
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,14 +356,14 @@ class Owners:
 
 def report_path(monitor_dir: Path, resource: str) -> Path:
     """The report file of one resource (the name is URL-quoted: resource names contain ``/``)."""
-    return monitor_dir / REPORTS_DIR / f"{urllib.parse.quote(resource, safe='')}.json"
+    return monitor_dir / REPORTS_DIR / f"{urllib.parse.quote(resource, safe='')}.jsonl"
 
 
-def _write_atomically(path: Path, document: Mapping[str, Any]) -> None:
+def _write_atomically(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.{os.getpid()}")
     try:
-        temporary.write_text(json.dumps(document, separators=(",", ":")))
+        temporary.write_text(text)
         temporary.replace(path)
     except OSError:
         with contextlib.suppress(OSError):  # a full disk must not keep half a file
@@ -365,7 +373,7 @@ def _write_atomically(path: Path, document: Mapping[str, Any]) -> None:
 
 def write_report(monitor_dir: Path, report: ResourceReport) -> None:
     """Replace the resource's report file (readers never see half a file); raises ``OSError``."""
-    _write_atomically(report_path(monitor_dir, report.resource), report.to_json())
+    _write_atomically(report_path(monitor_dir, report.resource), "\n".join(report.to_lines()) + "\n")
 
 
 def remove_report(monitor_dir: Path, resource: str) -> None:
@@ -376,13 +384,13 @@ def remove_report(monitor_dir: Path, resource: str) -> None:
 
 def write_owners(monitor_dir: Path, owners: Owners) -> None:
     """Replace the owners file; raises ``OSError``."""
-    _write_atomically(monitor_dir / OWNERS_FILE, owners.to_json())
+    _write_atomically(monitor_dir / OWNERS_FILE, json.dumps(owners.to_json(), separators=(",", ":")))
 
 
 def read_report(monitor_dir: Path, resource: str) -> ResourceReport | None:
     """The resource's latest report; ``None`` when absent or unreadable (a half-dead writer, a full disk)."""
     try:
-        return ResourceReport.from_json(json.loads(report_path(monitor_dir, resource).read_bytes()))
+        return ResourceReport.from_lines(report_path(monitor_dir, resource).read_bytes().splitlines())
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

@@ -11,6 +11,10 @@ lines. The plugin's fields are::
     DEVICES=7/8             healthy/total
     KUBELET_RESTART=plugin socket deleted   (a restart was detected)
     SLICES=synced           a DRA driver's ResourceSlices: synced, pending, or failing: <why>
+    UNREGISTERED=its socket ... was deleted (the registration was lost otherwise; registering again)
+    WAITING=a kubelet: /var/lib/kubelet/device-plugins/kubelet.sock does not exist
+                            (what registration waits for; cleared by the next REGISTERED)
+    TAKEN_OVER=plugvisor-gpu-1a2b3c-0badc0de.sock   (another plugin of the resource took it over)
 
 Speaking it directly keeps libsystemd out of the dependencies. Sending is best
 effort in both directions: a missing or full socket only drops the message, and

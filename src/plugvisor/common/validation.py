@@ -7,7 +7,9 @@ separate lines); operators reading a systemd journal need
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # only annotations: readers of YAML files (the agent's first lines) need no pydantic
     import pydantic
@@ -23,6 +25,19 @@ def shorten(text: str, limit: int = 80) -> str:
     if len(text) <= limit:
         return text
     return f"{text[:limit]}... ({len(text)} characters)"
+
+
+def printable(text: str) -> str:
+    r"""``text`` with every character a terminal would act on written as an escape.
+
+    A newline becomes ``\n``, ESC ``\x1b``, a right-to-left override ``\u202e``, the way
+    ``/metrics`` escapes label values. Pod, namespace and container names come from the
+    kubelet, device IDs and causes from plugins: what ``plugvisor status`` prints must not
+    move the cursor, clear the screen or reorder the text of the operator's terminal.
+    """
+    if text.isprintable():
+        return text
+    return "".join(char if char.isprintable() else char.encode("unicode_escape").decode() for char in text)
 
 
 def field_path(loc: tuple[int | str, ...]) -> str:
@@ -50,3 +65,55 @@ def describe(error: pydantic.ValidationError, *, source: str) -> str:
             message = "required key is missing"
         lines.append(f"{source}: {where}: {message}")
     return "\n".join(lines)
+
+
+@dataclass(frozen=True, slots=True)
+class HugeInteger:
+    """Stands in for an integer written with more digits than Python converts.
+
+    CPython refuses to convert a decimal string of more than
+    ``sys.get_int_max_str_digits()`` digits (4300 by default: the conversion is
+    quadratic, a denial of service) with a ``ValueError`` that every reader of a
+    file would have to catch. The readers of operator-written YAML and JSON put
+    this marker where the integer was, and turn it into one error naming the
+    field once the document is whole.
+    """
+
+    digits: int
+    line: int | None = None
+    """1-based line in the file (YAML only: Python's JSON decoder does not say where)."""
+    column: int | None = None
+
+
+def json_integer(text: str) -> int | HugeInteger:
+    """``json.loads(..., parse_int=json_integer)``: an integer, or a :class:`HugeInteger` past the limit."""
+    try:
+        return int(text)
+    except ValueError:
+        return HugeInteger(len(text.lstrip("+-")))
+
+
+def huge_integer_problem(data: Any) -> str | None:
+    """``field: an integer of N digits...`` for the first :class:`HugeInteger` in ``data``, else None."""
+    stack: list[tuple[tuple[int | str, ...], Any]] = [((), data)]
+    while stack:
+        loc, item = stack.pop()
+        if isinstance(item, HugeInteger):
+            return _huge_message(loc, item)
+        if isinstance(item, dict):
+            for key, value in item.items():
+                if isinstance(key, HugeInteger):
+                    return _huge_message(loc, key)
+                stack.append(((*loc, str(key)), value))
+        elif isinstance(item, list):
+            stack.extend(((*loc, index), value) for index, value in enumerate(item))
+    return None
+
+
+def _huge_message(loc: tuple[int | str, ...], huge: HugeInteger) -> str:
+    where = f"line {huge.line}, column {huge.column}: " if huge.line is not None else ""
+    limit = sys.get_int_max_str_digits()
+    return (
+        f"{field_path(loc)}: {where}an integer of {huge.digits} digits; expected a number of at most "
+        f"{limit} digits"
+    )

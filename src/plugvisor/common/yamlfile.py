@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
 from pathlib import Path
 from typing import Any, Final
 
 import yaml
 
-from plugvisor.common.validation import shorten
+from plugvisor.common.validation import HugeInteger, huge_integer_problem, shorten
 
 MAX_FILE_BYTES: Final = 1 << 20
 """Largest file read (1 MiB): a node configuration of hundreds of resources is tens of kilobytes."""
@@ -42,8 +43,48 @@ class YamlFileError(ValueError):
     """The file cannot be used; the message names it (and the line and key when known)."""
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, refusing a repeated key and nesting deeper than :data:`MAX_DEPTH`."""
+class BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, where a value its constructors cannot build is an error with a line.
+
+    PyYAML's own constructors raise bare ``ValueError``, ``KeyError`` or
+    ``AttributeError`` from deep inside for ``date: 2024-13-01``, ``!!int abc`` or
+    ``!!bool maybe``, with no position: every such value becomes a
+    :class:`yaml.constructor.ConstructorError` at its line and column. An integer
+    too long for Python to convert becomes a
+    :class:`~plugvisor.common.validation.HugeInteger`, so that
+    :func:`~plugvisor.common.validation.huge_integer_problem` can name its field.
+    """
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        """PyYAML's, with a constructor's bare exception turned into an error at the node's position."""
+        try:
+            return super().construct_object(node, deep=deep)
+        except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:
+            kind = str(node.tag).rsplit(":", 1)[-1]
+            value = shorten(str(node.value), 40) if isinstance(node, yaml.ScalarNode) else "this value"
+            # A ValueError says why ("month must be in 1..12"); the others only how PyYAML tripped.
+            why = f" ({shorten(str(exc))})" if type(exc) is ValueError else ""
+            raise yaml.constructor.ConstructorError(
+                None, None, f"{value!r} is not a valid {kind}{why}", node.start_mark
+            ) from None
+
+    def construct_bounded_int(self, node: yaml.ScalarNode) -> int | HugeInteger:
+        """PyYAML's integer, or a :class:`~plugvisor.common.validation.HugeInteger` past Python's limit."""
+        try:
+            value: int = self.construct_yaml_int(node)
+        except ValueError:
+            digits = sum(char.isdigit() for char in str(node.value))
+            if digits <= sys.get_int_max_str_digits():
+                raise
+            return HugeInteger(digits, node.start_mark.line + 1, node.start_mark.column + 1)
+        return value
+
+
+BoundedLoader.add_constructor("tag:yaml.org,2002:int", BoundedLoader.construct_bounded_int)
+
+
+class _StrictLoader(BoundedLoader):
+    """The bounded loader, refusing a repeated key and nesting deeper than :data:`MAX_DEPTH`."""
 
     def __init__(self, stream: str) -> None:
         super().__init__(stream)
@@ -100,7 +141,7 @@ def _count_values(data: Any, budget: int) -> int:
 
 
 def parse_yaml(text: str, *, source: str) -> Any:
-    """Parse one YAML document strictly (no repeated keys, at most :data:`MAX_VALUES` values)."""
+    """Parse one YAML document strictly: no repeated key, no integer too long to convert, bounded size."""
     try:
         data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.MarkedYAMLError as exc:
@@ -115,6 +156,9 @@ def parse_yaml(text: str, *, source: str) -> Any:
             f"{source}: more than {MAX_VALUES} values once anchors and aliases are expanded; "
             "a configuration file this large is a mistake"
         )
+    huge = huge_integer_problem(data)
+    if huge is not None:
+        raise YamlFileError(f"{source}: {huge}")
     return data
 
 

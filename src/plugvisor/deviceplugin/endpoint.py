@@ -59,6 +59,7 @@ class PluginEndpoint:
         self._resource = resource
         self.path = socket_dir / socket_name(resource)
         self._server: grpc.aio.Server | None = None
+        self._inode: int | None = None
         self._log = structlog.get_logger("plugvisor.endpoint").bind(resource=resource, socket=self.path.name)
 
     @property
@@ -84,13 +85,18 @@ class PluginEndpoint:
         old_umask = os.umask(0o177)
         try:
             bound = server.add_insecure_port(f"unix:{self.path}")
+        except RuntimeError:  # grpcio >= 1.60 raises "Failed to bind" where older ones returned 0
+            bound = 0
         finally:
             os.umask(old_umask)
         if not bound:
-            raise ConfigurationError(f"could not bind the plugin socket {self.path}")
-        await server.start()
-        self._server = server
+            raise ConfigurationError(
+                f"cannot create the plugin socket {self.path}: {_bind_problem(self.path)}"
+            )
+        self._server = server  # from here on stop() stops it, whatever happens to this start
+        await _start_uncancelled(server)
         try:
+            self._inode = self.path.lstat().st_ino
             self.path.chmod(stat.S_IRUSR | stat.S_IWUSR)
         except FileNotFoundError:
             # A restarting kubelet wiped its directory between our bind and now. Not an
@@ -100,8 +106,16 @@ class PluginEndpoint:
             return
         self._log.info("serving")
 
+    def is_ours(self) -> bool:
+        """Whether the file at :attr:`path` is still the socket this server bound."""
+        try:
+            info = self.path.lstat()
+        except OSError:
+            return False
+        return stat.S_ISSOCK(info.st_mode) and info.st_ino == self._inode
+
     async def stop(self, grace: float | None = 0.5) -> None:
-        """Stop serving and remove the socket file if it is still ours.
+        """Stop serving and remove the socket file if it is still ours (a file put there since is kept).
 
         RPCs still running after ``grace`` seconds are cancelled; close the device
         cell first so that ListAndWatch streams end normally within the grace.
@@ -110,6 +124,38 @@ class PluginEndpoint:
         if server is None:
             return
         await server.stop(grace)
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
+        if self.is_ours():
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
         self._log.info("stopped")
+
+
+async def _start_uncancelled(server: grpc.aio.Server) -> None:
+    """``server.start()``, which must not be cancelled half-way (a stop during start-up: a SIGTERM).
+
+    grpc.aio's start waits on a future that its own serving task completes; cancelled,
+    that task later fails with ``InvalidStateError`` and grpc's crash handler leaves a
+    "Task exception was never retrieved" traceback in the log (seen in SIGHUP storms,
+    children stopped an instant after they began). So the start is shielded and
+    finished before the cancellation goes on; :meth:`PluginEndpoint.stop` then stops it.
+    """
+    starting = asyncio.ensure_future(server.start())
+    try:
+        await asyncio.shield(starting)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            await starting
+        raise
+
+
+def _bind_problem(path: Path) -> str:
+    """Why a socket cannot be bound at ``path``, as an operator can act on it."""
+    directory = path.parent
+    if not directory.is_dir():
+        return f"{directory} is not a directory"
+    if not os.access(directory, os.W_OK | os.X_OK):
+        read_only = os.statvfs(directory).f_flag & os.ST_RDONLY
+        return (
+            f"{directory} is {'on a read-only filesystem' if read_only else 'not writable by this process'}"
+        )
+    return "gRPC could not bind it"

@@ -44,6 +44,9 @@ if TYPE_CHECKING:
 DEFAULT_INTERVAL: Final = 5.0
 CALL_TIMEOUT: Final = 5.0
 MAX_BACKOFF_FACTOR: Final = 8
+MAX_ANSWER_BYTES: Final = 64 << 20
+"""The largest ``List`` answer taken (gRPC's default is 4 MiB). A node of thousands of devices held by
+hundreds of containers answers megabytes; 64 MiB is a node no kubelet serves, and still bounded."""
 
 
 def holders_from(
@@ -71,7 +74,10 @@ def holders_from(
 def _condition(error: grpc.RpcError) -> str:
     code = error.code() if isinstance(error, grpc.aio.AioRpcError | grpc.Call) else None
     if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return "rate-limited"
+        # gRPC says the same of an answer larger than the client takes as the kubelet says of its
+        # rate limiter; only the text tells them apart (a too-large answer is no reason to back off).
+        details = error.details() if isinstance(error, grpc.aio.AioRpcError | grpc.Call) else ""
+        return "too-large" if "larger than max" in (details or "") else "rate-limited"
     if code is grpc.StatusCode.DEADLINE_EXCEEDED:
         return "slow"
     if code is grpc.StatusCode.UNAVAILABLE:
@@ -121,6 +127,7 @@ class OwnerWatch:
         interval: float = DEFAULT_INTERVAL,
         monitor_dir: Path | None = None,
         timeout: float = CALL_TIMEOUT,
+        max_answer_bytes: int = MAX_ANSWER_BYTES,
     ) -> None:
         if interval <= 0:
             raise ValueError(f"PodResources poll interval must be positive, got {interval}")
@@ -128,6 +135,7 @@ class OwnerWatch:
         self.interval = interval
         self.monitor_dir = monitor_dir
         self.timeout = timeout
+        self.max_answer_bytes = max_answer_bytes
         self.owners: SnapshotCell[monitoring.Owners] = SnapshotCell(monitoring.Owners(pid=os.getpid()))
         self._leadership = None if monitor_dir is None else _Leadership(monitor_dir / monitoring.LEADER_LOCK)
         self._condition: str | None = None
@@ -173,6 +181,9 @@ class OwnerWatch:
         except grpc.RpcError as error:
             condition = _condition(error)
             details = error.details() if isinstance(error, grpc.aio.AioRpcError) else str(error)
+            if condition == "too-large":
+                limit = f"{self.max_answer_bytes >> 20} MiB"
+                details = f"the kubelet's answer is larger than this client takes ({limit}): {details}"
             self._publish(self._failed(current, condition, str(details)))
             if condition == "rate-limited":
                 return min(factor * 2, MAX_BACKOFF_FACTOR)
@@ -199,7 +210,10 @@ class OwnerWatch:
 
         # A fresh channel per call with a private subchannel pool: a socket that was missing a
         # moment ago must not keep failing for gRPC's reconnect backoff (up to two minutes).
-        options = [("grpc.use_local_subchannel_pool", 1)]
+        options = [
+            ("grpc.use_local_subchannel_pool", 1),
+            ("grpc.max_receive_message_length", self.max_answer_bytes),
+        ]
         async with grpc.aio.insecure_channel(f"unix:{self.socket}", options=options) as channel:
             stub = api_pb2_grpc.PodResourcesListerStub(channel)
             response: api_pb2.ListPodResourcesResponse = await stub.List(

@@ -35,6 +35,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -45,7 +46,7 @@ import structlog
 from plugvisor.api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from plugvisor.common import constants
 from plugvisor.common.kubeletdir import DirChange, DirEvent, KubeletDirWatch
-from plugvisor.common.sockets import is_instance_name, socket_prefix
+from plugvisor.common.sockets import is_instance_name, socket_answers, socket_files, socket_prefix
 from plugvisor.deviceplugin.cell import SnapshotCell
 from plugvisor.deviceplugin.errors import RegistrationRejectedError
 
@@ -69,6 +70,9 @@ class SocketIdentity:
 
 SIBLING_STOPPED: Final = "another plugin of this resource stopped"
 """:meth:`Registrar.wait_for_restart`'s reason when a plugin that may have superseded us went away."""
+SIBLING_STARTED: Final = "another plugin of this resource started"
+""":meth:`Registrar.wait_for_restart`'s reason when a socket of our resource that we never served appeared
+(:attr:`KubeletDirState.last_sibling`): another plugin, which the kubelet follows once it registers."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +85,9 @@ class DirState:
     sibling_removals: int = 0
     """Sockets of our resource that this process never served, removed: a plugin that may have
     superseded us has gone."""
+    sibling_creations: int = 0
+    """Sockets of our resource that this process never served, created: another plugin of our resource
+    starts, and takes the resource over once it registers."""
 
 
 class KubeletDirState:
@@ -99,6 +106,8 @@ class KubeletDirState:
         """Socket names ``<prefix>-*.sock`` are our resource's (see :func:`socket_prefix`)."""
         self.served: set[str] = set()
         """Every socket name this process has registered (so our own old ones are no siblings)."""
+        self.last_sibling: str | None = None
+        """The latest sibling socket created (see :data:`SIBLING_STARTED`)."""
         self._watch = KubeletDirWatch(kubelet_dir, self._apply)
 
     def open(self) -> None:
@@ -126,6 +135,9 @@ class KubeletDirState:
             state = dataclasses.replace(state, socket_deletions=state.socket_deletions + 1)
         elif event.change is DirChange.FILE_REMOVED and self._is_sibling(event.name):
             state = dataclasses.replace(state, sibling_removals=state.sibling_removals + 1)
+        elif event.change is DirChange.FILE_CREATED and self._is_sibling(event.name):
+            self.last_sibling = event.name
+            state = dataclasses.replace(state, sibling_creations=state.sibling_creations + 1)
         elif event.change is DirChange.EVENTS_LOST:
             # Count it as a possible restart, so that every waiter looks at the files
             # rather than trusting counters that missed an event.
@@ -137,6 +149,17 @@ class KubeletDirState:
     async def run(self) -> None:
         """Turn directory events into DirState changes, forever."""
         await self._watch.run()
+
+    def live_siblings(self) -> list[str]:
+        """Names of the sockets of our resource that another live process serves here (blocking probes)."""
+        prefix = self.sibling_prefix
+        if prefix is None:
+            return []
+        return [
+            path.name
+            for path in socket_files(self.kubelet_dir, prefix + "-")
+            if path.name not in self.served and socket_answers(path)
+        ]
 
     async def wait_for_kubelet(self, safety_interval: float = 1.0) -> None:
         """Return once kubelet.sock exists: event-driven, with a periodic look in case an event was lost."""
@@ -199,8 +222,12 @@ class Registrar:
         resource: str,
         register_timeout: float = 30.0,
         safety_interval: float = 1.0,
+        on_waiting: Callable[[str], None] | None = None,
     ) -> None:
+        """``on_waiting`` is told (once per registration and reason) what registration waits for."""
         self._watch = watch
+        self._on_waiting = on_waiting
+        self._waiting_for: str | None = None
         self._resource = resource
         self._timeout = register_timeout
         self._safety_interval = safety_interval
@@ -210,6 +237,11 @@ class Registrar:
         self._log = structlog.get_logger("plugvisor.registration").bind(resource=resource)
         self.registrations = 0
         watch.sibling_prefix = socket_prefix(resource)
+
+    @property
+    def dir_state(self) -> KubeletDirState:
+        """The kubelet directory this registrar follows."""
+        return self._watch
 
     async def register(self, endpoint: str, options: api_pb2.DevicePluginOptions) -> float:
         """Register ``endpoint`` (a bare socket file name); returns the seconds it took, retries included.
@@ -225,7 +257,9 @@ class Registrar:
         own_socket = self._watch.kubelet_dir / endpoint
         delay = 0.05
         while True:
-            await self._watch.wait_for_kubelet()
+            if not self._watch.kubelet_socket.exists():
+                self._waiting(f"a kubelet: {self._watch.kubelet_socket} does not exist")
+                await self._watch.wait_for_kubelet()
             if not own_socket.exists():
                 raise EndpointLostError(f"{endpoint} was deleted before it could be registered")
             identity = SocketIdentity.of(self._watch.kubelet_socket)
@@ -239,11 +273,14 @@ class Registrar:
                 self._log.warning(
                     "register_failed", code=err.code().name, error=err.details(), retry_in=delay
                 )
+                socket = self._watch.kubelet_socket
+                self._waiting(f"the kubelet to answer on {socket} ({err.code().name})")
                 # Whichever comes first: a new kubelet.sock, or the backoff delay.
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._watch.state.wait_newer(seen), delay)
                 delay = min(delay * 2, 5.0)
                 continue
+            self._waiting_for = None
             self._registered_kubelet = identity
             self._registered_endpoint = own_socket
             self._baseline = before
@@ -251,6 +288,18 @@ class Registrar:
             elapsed = time.monotonic() - started
             self._log.info("registered", endpoint=endpoint, seconds=round(elapsed, 4))
             return elapsed
+
+    def _waiting(self, what: str) -> None:
+        """Say once (per registration and reason) what registration waits for.
+
+        The operator is not left guessing (a mistyped kubelet directory, a kubelet that
+        is not running), and the log is not flooded.
+        """
+        if what == self._waiting_for:
+            return
+        self._waiting_for = what
+        if self._on_waiting is not None:
+            self._on_waiting(what)
 
     async def _register_unless_lost(self, endpoint: str, options: api_pb2.DevicePluginOptions) -> None:
         """Call Register, abandoning it at once if our socket is deleted meanwhile.
@@ -307,7 +356,15 @@ class Registrar:
                 )
             reason = self._restart_seen_in_files()
             if reason is None and state.sibling_removals > baseline.sibling_removals:
+                # Taken into the baseline: the caller decides (a live sibling may remain), and the
+                # next wait must not report the same removal again.
+                self._baseline = dataclasses.replace(self._baseline, sibling_removals=state.sibling_removals)
                 return SIBLING_STOPPED
+            if reason is None and state.sibling_creations > baseline.sibling_creations:
+                self._baseline = dataclasses.replace(
+                    self._baseline, sibling_creations=state.sibling_creations
+                )
+                return SIBLING_STARTED
             if reason is not None:
                 if seen >= 0:
                     self._log.warning("kubelet_restart_missed_by_watch", reason=reason)

@@ -28,6 +28,7 @@ import structlog
 from plugvisor.common import constants, monitoring
 from plugvisor.deviceplugin.cell import SnapshotCell
 from plugvisor.deviceplugin.hooks import ReleaseHandler
+from plugvisor.deviceplugin.owners import MAX_ANSWER_BYTES
 from plugvisor.deviceplugin.snapshot import Snapshot
 
 LIST_TIMEOUT: Final = 5.0
@@ -106,7 +107,8 @@ class PodResourcesWatch:
 
         self._log.info("release_watch_started", socket=str(self.socket), interval=self.interval)
         failing: str | None = None
-        async with grpc.aio.insecure_channel(f"unix:{self.socket}") as channel:
+        options = [("grpc.max_receive_message_length", MAX_ANSWER_BYTES)]
+        async with grpc.aio.insecure_channel(f"unix:{self.socket}", options=options) as channel:
             stub = api_pb2_grpc.PodResourcesListerStub(channel)
             while True:
                 try:

@@ -19,17 +19,22 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
+import grpc
 import structlog
 import uvloop
 
 from plugvisor.common import constants
+from plugvisor.common import inotify as inotify_
 from plugvisor.common.exitcodes import EXIT_CONFIGURATION, EXIT_FAILURE, EXIT_KUBELET_RESTARTED, EXIT_OK
 from plugvisor.common.hostpaths import HostPaths
+from plugvisor.common.inotify import InotifyLimitError
 from plugvisor.common.monitoring import Owners
 from plugvisor.common.names import extended_resource_name_problem
 from plugvisor.common.notify import StatusReporter
+from plugvisor.common.sockets import socket_prefix
+from plugvisor.common.validation import printable
 from plugvisor.deviceplugin import metrics
 from plugvisor.deviceplugin.cell import SnapshotCell
 from plugvisor.deviceplugin.device_monitor import DeviceDescriber, DeviceMonitor, MonitorConfig
@@ -37,6 +42,7 @@ from plugvisor.deviceplugin.endpoint import PluginEndpoint
 from plugvisor.deviceplugin.errors import ConfigurationError, RegistrationRejectedError, SocketInUseError
 from plugvisor.deviceplugin.hooks import DeviceSource, Hooks, resolve_hooks
 from plugvisor.deviceplugin.registration import (
+    SIBLING_STARTED,
     SIBLING_STOPPED,
     EndpointLostError,
     KubeletDirState,
@@ -46,7 +52,14 @@ from plugvisor.deviceplugin.release import PodResourcesWatch, Releases, default_
 from plugvisor.deviceplugin.server import PluginServer
 from plugvisor.deviceplugin.snapshot import Snapshot
 from plugvisor.deviceplugin.watch import DeviceWatcher
-from plugvisor.deviceplugin.watcherregistration import WatcherRegistrar
+from plugvisor.deviceplugin.watcherregistration import (
+    RegistrySocketWatch,
+    WatcherRegistrar,
+    wait_until_answers,
+)
+
+WATCHER_SILENCE: Final = 5.0
+"""Seconds without a plugin-watcher registration after which the plugin says what it waits for."""
 
 KubeletRestartPolicy = Literal["reregister", "exit"]
 RegistrationMode = Literal["kubelet-sock", "plugin-watcher"]
@@ -183,7 +196,10 @@ class DevicePluginRuntime:
         dir_watch = KubeletDirState(self.config.paths.kubelet_dir)
         dir_watch.open()
         registrar = Registrar(
-            dir_watch, resource=self.config.resource, register_timeout=self.config.register_timeout
+            dir_watch,
+            resource=self.config.resource,
+            register_timeout=self.config.register_timeout,
+            on_waiting=self._waiting,
         )
         tasks = [
             asyncio.create_task(self.watcher.run(), name="discovery"),
@@ -233,20 +249,7 @@ class DevicePluginRuntime:
         while True:
             detected = time.monotonic()
             if endpoint is None:
-                proposed = self.server.proposed_handler()
-                endpoint = PluginEndpoint(
-                    self.server,
-                    self.config.paths.kubelet_dir,
-                    self.config.resource,
-                    extra_handlers=(proposed,) if proposed is not None else (),
-                )
-                await endpoint.start()
-                # Said before registering, so that whoever reaps this process knows which socket
-                # it leaves behind should it be killed before it could register.
-                self.status.send(ENDPOINT=endpoint.name)
-                old, self.endpoint = self.endpoint, endpoint
-                if old is not None:
-                    await old.stop(grace=0)
+                endpoint = await self._serve(self.config.paths.kubelet_dir)
             try:
                 await registrar.register(endpoint.name, self.server.options)
             except EndpointLostError as exc:
@@ -255,59 +258,174 @@ class DevicePluginRuntime:
                 endpoint = None
                 continue
             number += 1
-            metrics.PLUGIN_REGISTRATIONS.labels(self.config.resource).inc()
-            self.registrations.publish(
+            self._registered(
                 Registration(number, endpoint.name, round(time.monotonic() - detected, 6), reason)
             )
-            devices = self.snapshot.value.devices
-            self.status.send(
-                REGISTERED=number,
-                ENDPOINT=endpoint.name,
-                DEVICES=f"{len(devices.healthy_ids)}/{len(devices)}",
-            )
-            reason = await registrar.wait_for_restart()
-            if reason == SIBLING_STOPPED:
-                # Not a kubelet restart: the kubelet may have followed that plugin and forgotten us.
-                # Registering again on the socket we serve brings the resource back (the same
-                # kubelet dials it once more), whatever the restart policy, and nobody else has to
-                # learn of a new socket.
-                self._log.info("registering_again", reason=reason, endpoint=endpoint.name)
-                continue
+            restart = await self._until_kubelet_restart(registrar, endpoint)
+            if restart is None:
+                continue  # registering again, on the socket we serve
+            reason = restart
             self._log.info("kubelet_restart_detected", reason=reason)
             self.status.send(KUBELET_RESTART=reason)
             if self.config.on_kubelet_restart == "exit":
                 raise KubeletRestartedError(reason)
             endpoint = None
 
-    async def _serve_for_plugin_watcher(self) -> None:
-        """Serve in ``plugins_registry`` and count every time the kubelet dials back (restarts included)."""
-        registrar = WatcherRegistrar(self.config.resource)
+    async def _serve(
+        self, directory: Path, extra_handlers: tuple[grpc.GenericRpcHandler, ...] = ()
+    ) -> PluginEndpoint:
+        """A new server on a fresh socket in ``directory``; the previous one stops once this one serves."""
         proposed = self.server.proposed_handler()
-        registry = self.config.registry_dir
-        registry.mkdir(parents=True, exist_ok=True)
         endpoint = PluginEndpoint(
             self.server,
-            registry,
+            directory,
             self.config.resource,
-            extra_handlers=(registrar.handler(), *((proposed,) if proposed is not None else ())),
+            extra_handlers=(*extra_handlers, *((proposed,) if proposed is not None else ())),
         )
-        await endpoint.start()
-        self.endpoint = endpoint
+        try:
+            await endpoint.start()
+        except asyncio.CancelledError:  # stopped while starting: the new server goes too
+            await endpoint.stop(grace=0)
+            raise
+        # Said before registering, so that whoever reaps this process knows which socket
+        # it leaves behind should it be killed before it could register.
+        self.status.send(ENDPOINT=endpoint.name)
+        old, self.endpoint = self.endpoint, endpoint
+        if old is not None:
+            await old.stop(grace=0)
+        return endpoint
+
+    def _registered(self, registration: Registration) -> None:
+        metrics.PLUGIN_REGISTRATIONS.labels(self.config.resource).inc()
+        self.registrations.publish(registration)
+        devices = self.snapshot.value.devices
+        self.status.send(
+            REGISTERED=registration.number,
+            ENDPOINT=registration.endpoint,
+            DEVICES=f"{len(devices.healthy_ids)}/{len(devices)}",
+        )
+
+    def _waiting(self, what: str, **details: str) -> None:
+        """Say once what registration waits for.
+
+        To the agent, which says it once for all its children and shows it in
+        ``plugvisor status``; or in the log of a plugin of its own.
+        """
+        if self.status.enabled:
+            self.status.send(WAITING=printable(what))
+            self._log.debug("waiting", waiting_for=what, **details)
+        else:
+            self._log.warning("waiting", waiting_for=what, **details)
+
+    def _taken_over(self, by: str) -> None:
+        self._log.warning(
+            "taken_over",
+            by=by,
+            meaning="another plugin of this resource registered; the kubelet now uses it. This one stands "
+            "by and registers again when that one stops",
+        )
+        self.status.send(TAKEN_OVER=by)
+
+    async def _until_kubelet_restart(self, registrar: Registrar, endpoint: PluginEndpoint) -> str | None:
+        """Wait for a kubelet restart and return its reason; None: register again on the same socket.
+
+        Another plugin of this resource (one started by hand with ``--replace``, a
+        second agent on the node) makes the kubelet follow it once it registers,
+        and nobody tells us. When one starts, we say so and stand by: registering
+        back would take the resource from it, and two agents would take it from
+        each other for ever. When none is left, we register again, whatever the
+        restart policy: the same kubelet dials our socket once more, and nobody
+        else has to learn of a new one.
+        """
+        taken_over_by: list[str] = []
+        checks: set[asyncio.Task[None]] = set()
+
+        async def check(sibling: str) -> None:
+            # Apart from the wait below: a socket that never answers must not delay a restart.
+            if await wait_until_answers(endpoint.path.parent / sibling) and not taken_over_by:
+                taken_over_by.append(sibling)
+                self._taken_over(sibling)
+
+        try:
+            while True:
+                reason = await registrar.wait_for_restart()
+                sibling = registrar.dir_state.last_sibling
+                if reason == SIBLING_STARTED:
+                    if sibling and not taken_over_by:
+                        task = asyncio.create_task(check(sibling))
+                        checks.add(task)
+                        task.add_done_callback(checks.discard)
+                    continue
+                if reason != SIBLING_STOPPED:
+                    return reason
+                if not taken_over_by or not await asyncio.to_thread(registrar.dir_state.live_siblings):
+                    self._log.info("registering_again", reason=reason, endpoint=endpoint.name)
+                    return None
+        finally:
+            for task in checks:
+                task.cancel()
+
+    async def _serve_for_plugin_watcher(self) -> None:
+        """Serve in ``plugins_registry`` and count every time the kubelet dials back (restarts included).
+
+        A socket that is no longer ours (deleted, replaced) is served afresh at once:
+        the kubelet deregistered the old one and registers only a new one.
+        """
+        registry = self.config.registry_dir
         reason = "start"
         number = 0
-        while True:
-            verdict = await registrar.wait_registered()
-            number += 1
-            metrics.PLUGIN_REGISTRATIONS.labels(self.config.resource).inc()
-            self.registrations.publish(Registration(number, endpoint.name, verdict.seconds, reason))
-            devices = self.snapshot.value.devices
-            self.status.send(
-                REGISTERED=number,
-                ENDPOINT=endpoint.name,
-                DEVICES=f"{len(devices.healthy_ids)}/{len(devices)}",
+        served: set[str] = set()
+        with inotify_.open_watches() as watches:
+            socket_watch = RegistrySocketWatch(
+                watches,
+                prefix=socket_prefix(self.config.resource),
+                served=served,
+                on_taken_over=self._taken_over,
             )
-            self._log.info("registered", via="plugin-watcher", number=number, seconds=verdict.seconds)
-            reason = "kubelet dialled back"
+            while True:
+                registrar = WatcherRegistrar(self.config.resource)
+                try:
+                    registry.mkdir(parents=True, exist_ok=True)
+                except OSError as exc:
+                    raise ConfigurationError(f"cannot create {registry}: {exc.strerror or exc}") from None
+                endpoint = await self._serve(registry, (registrar.handler(),))
+                served.add(endpoint.name)
+                lost = asyncio.create_task(socket_watch.lost(endpoint.path))
+                said = False
+                try:
+                    while True:
+                        verdict = asyncio.ensure_future(registrar.wait_registered())
+                        done, _ = await asyncio.wait(
+                            {verdict, lost},
+                            timeout=None if said else WATCHER_SILENCE,
+                            return_when=asyncio.FIRST_COMPLETED,
+                        )
+                        if not done:  # the kubelet has not dialled: say once what we wait for
+                            verdict.cancel()
+                            said = True
+                            what = f"the kubelet's plugin watcher to dial {endpoint.path}"
+                            self._waiting(what, check="is that the kubelet's plugins_registry?")
+                            continue
+                        if not verdict.done():
+                            verdict.cancel()
+                            break
+                        said = True
+                        number += 1
+                        self._registered(
+                            Registration(number, endpoint.name, verdict.result().seconds, reason)
+                        )
+                        self._log.info(
+                            "registered",
+                            via="plugin-watcher",
+                            number=number,
+                            seconds=verdict.result().seconds,
+                        )
+                        reason = "kubelet dialled back"
+                finally:
+                    lost.cancel()
+                reason = lost.result()
+                self._log.warning("registration_lost", reason=reason, action="serving a fresh socket")
+                self.status.send(UNREGISTERED=printable(reason))
 
     async def _report_devices(self) -> None:
         seen = -1
@@ -392,7 +510,7 @@ def run_plugin(
     try:
         with asyncio.Runner(loop_factory=plugin_event_loop) as runner:
             runner.run(main())
-    except (ConfigurationError, RegistrationRejectedError) as exc:
+    except (ConfigurationError, RegistrationRejectedError, InotifyLimitError) as exc:
         log.error("cannot_run", error=str(exc))
         return EXIT_CONFIGURATION
     except SocketInUseError as exc:

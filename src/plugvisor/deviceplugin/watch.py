@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any, Final
 
 import structlog
-from asyncinotify import Inotify, Mask, Watch
+from asyncinotify import Mask, Watch
 
+from plugvisor.common import inotify as inotify_
 from plugvisor.deviceplugin.cell import SnapshotCell
 from plugvisor.deviceplugin.hooks import DeviceSource, UeventSubscriber
 from plugvisor.deviceplugin.snapshot import Snapshot
@@ -51,12 +52,8 @@ def nearest_directory(path: Path) -> Path | None:
         candidate = parent
 
 
-def drain(inotify: Inotify) -> int:
-    """Consume the events already queued without waiting; returns how many there were.
-
-    Needs an Inotify created with ``sync_timeout=0`` so that an empty queue
-    returns at once.
-    """
+def drain(inotify: inotify_.WatchGroup) -> int:
+    """Consume the events already queued (the kernel's pending ones included) without waiting."""
     count = 0
     while inotify.sync_get() is not None:
         count += 1
@@ -66,7 +63,7 @@ def drain(inotify: Inotify) -> int:
 class WatchSet:
     """Keeps an inotify instance watching exactly a desired set of directories."""
 
-    def __init__(self, inotify: Inotify, mask: Mask = CHANGE_MASK) -> None:
+    def __init__(self, inotify: inotify_.WatchGroup, mask: Mask = CHANGE_MASK) -> None:
         self._inotify = inotify
         self._mask = mask
         self._watches: dict[Path, Watch] = {}
@@ -86,11 +83,12 @@ class WatchSet:
                 with contextlib.suppress(OSError):  # the kernel already dropped it (directory deleted)
                     self._inotify.rm_watch(watch)
         for path in dirs - set(self._watches):
+            # Vanished in between, or the watch budget is spent: the periodic rescan covers it.
             try:
                 self._watches[path] = self._inotify.add_watch(path, self._mask)
-            except (
-                OSError
-            ) as exc:  # vanished in between, or watch limit reached: the periodic rescan covers it
+            except inotify_.InotifyLimitError as exc:
+                self._log.warning("watch_failed", path=str(path), error=str(exc))
+            except OSError as exc:
                 self._log.warning("watch_failed", path=str(path), error=os.strerror(exc.errno or 0))
 
 
@@ -167,14 +165,14 @@ class DeviceWatcher:
         if uevents is not None:
             loop.add_reader(uevents.fileno(), uevents.read_ready)
         try:
-            with Inotify(sync_timeout=0) as inotify:
+            with inotify_.open_watches() as inotify:  # the process's one instance, shared
                 await self._loop(inotify)
         finally:
             if uevents is not None:
                 loop.remove_reader(uevents.fileno())
                 uevents.close()
 
-    async def _loop(self, inotify: Inotify) -> None:
+    async def _loop(self, inotify: inotify_.WatchGroup) -> None:
         watches = WatchSet(inotify)
         while True:
             # Arm the watches before scanning: a change during the scan then triggers another one.
@@ -192,7 +190,7 @@ class DeviceWatcher:
             await asyncio.sleep(max(0.0, MIN_EVENT_SCAN_INTERVAL - since))
             drain(inotify)
 
-    async def _wait_for_change(self, inotify: Inotify) -> bool:
+    async def _wait_for_change(self, inotify: inotify_.WatchGroup) -> bool:
         """Wait for an inotify event or a uevent kick; False when the rescan interval ran out first.
 
         A kick cancels the pending inotify read; events that read may have taken
@@ -207,8 +205,7 @@ class DeviceWatcher:
                 {event, kicked}, timeout=self._rescan_interval, return_when=asyncio.FIRST_COMPLETED
             )
         finally:
-            # Also when we are cancelled: an orphaned read would keep a reader on the inotify
-            # descriptor, and a later Inotify that reuses its number would lose events to it.
+            # Also when we are cancelled: nothing of this wait may outlive it.
             for task in (event, kicked):
                 task.cancel()
             for task in (event, kicked):

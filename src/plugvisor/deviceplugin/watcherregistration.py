@@ -10,20 +10,43 @@ So in this mode the plugin never calls Register and has nothing to do when the
 kubelet restarts: the restarted kubelet finds the socket again and dials back,
 which arrives here as another successful status. A refusal arrives as a status
 with the kubelet's error text; the kubelet retries on its own (with back-off), so
-it is logged and the plugin keeps serving.
+it is logged and the plugin keeps serving (the text cut to
+:data:`MAX_ERROR_LENGTH`: it comes from the other side of a socket).
+
+What the kubelet does react to is the socket itself: deleted (or replaced by
+another file), the plugin is deregistered, its devices unhealthy, and it is
+registered again only for a new socket. :class:`RegistrySocketWatch` notices
+this (inotify on the directory, and a look every second in case an event was
+lost) so that the plugin serves a fresh socket at once, as a plugin whose
+``kubelet.sock`` registration was wiped does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
 
 import grpc
 import structlog
+from asyncinotify import Mask
 
 from plugvisor.api.pluginregistration.v1 import api_pb2 as reg_pb2
 from plugvisor.common import constants
+from plugvisor.common import inotify as inotify_
+from plugvisor.common.sockets import is_instance_name, socket_answers, socket_files
+from plugvisor.common.validation import shorten
+from plugvisor.deviceplugin.registration import SIBLING_STOPPED, SocketIdentity
+
+MAX_ERROR_LENGTH: Final = 400
+"""A NotifyRegistrationStatus error is logged cut to this many characters (a 1 MB error was a 1 MB line)."""
+
+REGISTRY_MASK: Final = Mask.CREATE | Mask.MOVED_TO | Mask.DELETE | Mask.MOVED_FROM | Mask.DELETE_SELF
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +105,7 @@ class WatcherRegistrar:
         started = self._info_at if self._info_at is not None else time.monotonic()
         verdict = Verdict(request.plugin_registered, request.error, round(time.monotonic() - started, 6))
         if not verdict.registered:
-            self._log.warning("registration_refused", error=verdict.error)
+            self._log.warning("registration_refused", error=shorten(verdict.error, MAX_ERROR_LENGTH))
         self._verdicts.put_nowait(verdict)
         return reg_pb2.RegistrationStatusResponse()
 
@@ -92,3 +115,100 @@ class WatcherRegistrar:
             verdict = await self._verdicts.get()
             if verdict.registered:
                 return verdict
+
+
+class RegistrySocketWatch:
+    """Watches our socket in ``plugins_registry`` for as long as it is ours, and our resource's others.
+
+    :meth:`lost` returns why the socket no longer brings registrations: deleted,
+    replaced by another file, or (after another plugin of our resource took the
+    resource over, reported through ``on_taken_over``) that plugin stopped and a
+    fresh socket is what the kubelet registers again.
+    """
+
+    def __init__(
+        self,
+        watches: inotify_.WatchGroup,
+        *,
+        prefix: str,
+        served: set[str],
+        on_taken_over: Callable[[str], None],
+        interval: float = 1.0,
+    ) -> None:
+        self._watches = watches
+        self._prefix = prefix
+        self._served = served
+        self._on_taken_over = on_taken_over
+        self._interval = interval
+
+    def _is_sibling(self, name: str) -> bool:
+        return is_instance_name(name, self._prefix) and name not in self._served
+
+    async def lost(self, path: Path) -> str:
+        """Return why the socket at ``path`` (ours, just bound) no longer brings registrations."""
+        directory = path.parent
+        # A directory that cannot be watched (gone a moment, the watch budget spent) is looked at
+        # every interval instead.
+        with contextlib.suppress(OSError, inotify_.InotifyLimitError):
+            self._watches.add_watch(directory, REGISTRY_MASK)
+        identity = SocketIdentity.of(path)
+        taken_over_by: str | None = None
+        created: str | None = None  # a sibling socket just created (the newest plugin wins)
+        removed = False
+        while True:
+            current = SocketIdentity.of(path)
+            if current is None:
+                return f"its socket {path.name} was deleted from {directory}"
+            if current != identity:
+                return f"its socket {path.name} in {directory} was replaced by another file"
+            if created is not None and taken_over_by is None:
+                if await wait_until_answers(directory / created):
+                    taken_over_by = created
+                    self._on_taken_over(created)
+            elif (
+                removed
+                and taken_over_by is not None
+                and not await asyncio.to_thread(self._live_siblings, directory)
+            ):
+                return SIBLING_STOPPED
+            created, removed = None, False
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._interval):
+                    event = await self._watches.get()
+                    name = str(event.name) if event.name is not None else ""
+                    if self._is_sibling(name) and event.mask & (Mask.CREATE | Mask.MOVED_TO):
+                        created = name
+                    removed = self._is_sibling(name) or bool(event.mask & Mask.Q_OVERFLOW)
+
+    def _live_siblings(self, directory: Path) -> list[str]:
+        return [
+            path.name
+            for path in socket_files(directory, self._prefix + "-")
+            if path.name not in self._served and socket_answers(path)
+        ]
+
+
+async def wait_until_answers(path: Path, timeout: float = 2.0) -> bool:
+    """Whether a process answers on the unix socket at ``path`` within ``timeout`` seconds.
+
+    A server's socket file exists from its bind, a moment before it listens: a
+    socket just created is given that moment before it counts as not answering.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        answers = await asyncio.to_thread(_answers, path)
+        if answers is not None:
+            return answers
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.05)
+
+
+def _answers(path: Path) -> bool | None:
+    """True: a process answers; False: nobody will (gone, or not a socket); None: not (yet)."""
+    try:
+        if not stat.S_ISSOCK(path.lstat().st_mode):
+            return False
+    except OSError:
+        return False
+    return True if socket_answers(path) else None

@@ -31,7 +31,7 @@ from plugvisor.common.grpcenv import quiet_grpc_core
 from plugvisor.common.hostpaths import HostPaths, host_root_problem, kubelet_dir_problem
 from plugvisor.common.logs import configure_logging, log_options
 from plugvisor.common.sockets import live_instances
-from plugvisor.common.validation import describe
+from plugvisor.common.validation import describe, huge_integer_problem, json_integer
 from plugvisor.plugins.kinds import UnknownKindError, get_kind
 
 # The framework's runtime (and so grpc) is imported when a plugin starts, after this.
@@ -64,11 +64,14 @@ def _load_options_file(path: Path) -> dict[str, Any]:
 
 def _parse_options_json(text: str) -> dict[str, Any]:
     try:
-        data = json.loads(text)
+        data = json.loads(text, parse_int=json_integer)
     except json.JSONDecodeError as exc:
         raise click.BadParameter(f"not valid JSON: {exc}", param_hint="--options-json") from exc
     except RecursionError:
         raise click.BadParameter("nested too deeply to be options", param_hint="--options-json") from None
+    problem = huge_integer_problem(data)
+    if problem is not None:
+        raise click.BadParameter(problem, param_hint="--options-json")
     if not isinstance(data, dict):
         raise click.BadParameter(
             f"must be a JSON object of the kind's keys, not {type(data).__name__}",

@@ -18,13 +18,16 @@ import os
 import shutil
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Final
 
 import structlog
 
 from plugvisor.common import monitoring
+from plugvisor.common.exitcodes import EXIT_CONFIGURATION
+from plugvisor.common.inotify import InotifyLimitError
+from plugvisor.common.validation import shorten
 from plugvisor.supervisor import prestart, signals
 from plugvisor.supervisor import status as status_
 from plugvisor.supervisor.clock import SystemClock
@@ -118,6 +121,8 @@ class Agent:
         self.supervisor: Supervisor | None = None
         self.metrics_address: tuple[str, int] | None = None
         self._state_error: str | None = None
+        self._follow_starts: Callable[[Callable[[float], float]], None] = lambda _: None
+        """After each tick: /metrics gives way to children being started (``metrics.ScrapeGate``)."""
 
     def _child_env(self) -> dict[str, str]:
         env = prestart.child_env(
@@ -274,12 +279,9 @@ class Agent:
             reports = ReportListener(report_path, self._on_report)
             reports.open()
             cleanup.callback(reports.close)
-            watch = KubeletWatch(
-                self.config.kubelet_dir,
-                on_kubelet_started=self._on_kubelet_started,
-                on_socket_deleted=self._on_socket_deleted,
-            )
-            watch.open()
+            watch = self._open_kubelet_watch()
+            if watch is None:
+                return EXIT_CONFIGURATION
             cleanup.push_async_callback(watch.close)
             if self.config.metrics is not None:
                 # Imported only then: without an endpoint the agent needs no prometheus-client.
@@ -290,6 +292,7 @@ class Agent:
                     multiproc_dir=multiproc_dir,
                     monitor_dir=monitor_dir if self.config.monitoring.enabled else None,
                 )
+                self._follow_starts = metrics.gate.follow
                 http = metrics_.HttpServer(
                     metrics,
                     supervisor.readiness,
@@ -314,6 +317,20 @@ class Agent:
             await self._loop(supervisor, runtime_dir)
         _log.info("supervisor_stopped")
         return 0
+
+    def _open_kubelet_watch(self) -> KubeletWatch | None:
+        """The kubelet directory's watch, open; None (logged) when the node's inotify budget is spent."""
+        watch = KubeletWatch(
+            self.config.kubelet_dir,
+            on_kubelet_started=self._on_kubelet_started,
+            on_socket_deleted=self._on_socket_deleted,
+        )
+        try:
+            watch.open()
+        except InotifyLimitError as exc:
+            _log.error("cannot_run", error=str(exc))
+            return None
+        return watch
 
     @staticmethod
     def _kill_leftovers(supervisor: Supervisor) -> None:
@@ -346,6 +363,7 @@ class Agent:
             for exit_ in supervisor.spawner.reap():
                 supervisor.handle_exit(exit_.pid, exit_.returncode)
             deadline = supervisor.tick()
+            self._follow_starts(supervisor.starting_until)
             if supervisor.dirty:
                 supervisor.dirty = False
                 if not self._write_state(runtime_dir, supervisor):
@@ -393,8 +411,13 @@ class Agent:
             self.notifier.reloading(int(supervisor.clock.monotonic() * 1e6))
         try:
             config = load_node_config(self.config_path)
-        except ConfigError as exc:
-            _log.error("reload_rejected", error=str(exc), keeping="the running configuration")
+        except Exception as exc:  # whatever the file holds, the agent keeps running
+            # A ConfigError names the file and field. Anything else is a reader's bug that a file
+            # found: still not a reason to take every resource off the node.
+            error = str(exc)
+            if not isinstance(exc, ConfigError):
+                error = f"{self.config_path}: {type(exc).__name__}: {shorten(error, 300)}"
+            _log.error("reload_rejected", error=error, keeping="the running configuration")
             if announce:
                 self.notifier.ready(
                     f"reload rejected, running the previous configuration; {supervisor.summary()}"

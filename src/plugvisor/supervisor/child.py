@@ -36,6 +36,7 @@ from typing import Any, Final
 import structlog
 
 from plugvisor.common.exitcodes import EXIT_CONFIGURATION, EXIT_KUBELET_RESTARTED
+from plugvisor.common.validation import shorten
 from plugvisor.supervisor import states
 from plugvisor.supervisor.backoff import BackoffPolicy
 from plugvisor.supervisor.clock import Clock
@@ -146,6 +147,12 @@ class Child:
         self.devices: tuple[int, int] | None = None
         self.slices: str | None = None
         """A DRA driver's ResourceSlices (its SLICES= field): ``synced``, ``pending``, ``failing: <why>``."""
+        self.waiting: str | None = None
+        """What the process says its registration waits for (no kubelet, a kubelet that does not answer)."""
+        self.taken_over_by: str | None = None
+        """The socket of another plugin of this resource that the kubelet follows now (a second agent's)."""
+        self.unregistered_reason: str | None = None
+        """Why the process said it lost its registration (a kubelet restart, its socket removed)."""
 
     @property
     def resource(self) -> str:
@@ -252,16 +259,34 @@ class Child:
         if "ENDPOINT" in fields:
             self.endpoint = fields["ENDPOINT"]
         if "SLICES" in fields:
-            self.slices = fields["SLICES"]
-        if "KUBELET_RESTART" in fields and self.registered:
+            self.slices = shorten(fields["SLICES"], 300)
+        if "WAITING" in fields:
+            self.waiting = shorten(fields["WAITING"], 300) or None
+        lost = fields.get("KUBELET_RESTART") or fields.get("UNREGISTERED")
+        if lost:
+            self.unregistered_reason = shorten(lost, 300)
+            self._lose_registration()
+        taken_over_by = fields.get("TAKEN_OVER")
+        if taken_over_by and taken_over_by != self.taken_over_by:
+            self.taken_over_by = shorten(taken_over_by, 300)
+            self._log.warning(
+                "resource_taken_over",
+                pid=self.pid,
+                by=self.taken_over_by,
+                meaning="another plugin of this resource (a second agent?) registered it; the kubelet uses "
+                "that one now, and this child registers again when it stops",
+            )
             self._lose_registration()
         registered = fields.get("REGISTERED")
         if registered is not None and registered.isdigit():
+            if self.taken_over_by is not None:
+                self._log.info("resource_back", pid=self.pid, was_taken_over_by=self.taken_over_by)
             self.registrations = int(registered)
             self.registrations_total += 1
             self.registered = True
             self.unregistered_since = None
             self.registered_wall = self._clock.wall()
+            self.waiting = self.taken_over_by = self.unregistered_reason = None
             if self.state is states.STARTING:
                 self.change_state(states.RUNNING)
 
@@ -304,6 +329,10 @@ class Child:
         None when it is registered or has no process to blame (yet).
         """
         if self.state not in (states.STARTING, states.RUNNING) or self.registered or self.pid is None:
+            return None
+        if self.taken_over_by is not None:
+            # Not lost: handed over. A new process would take the resource back (the agent's children
+            # replace), and two agents would take it from each other every registrationTimeout.
             return None
         since = self.unregistered_since if self.unregistered_since is not None else self.started_at
         if since is None:
@@ -387,6 +416,9 @@ class Child:
             else {"cause": exit_.cause, "status": exit_.detail, "at": exit_.wall, "uptime": exit_.uptime},
             "spawn_error": self.spawn_error,
             "slices": self.slices,
+            "waiting": self.waiting,
+            "taken_over_by": self.taken_over_by,
+            "unregistered_reason": self.unregistered_reason,
         }
 
     # -- internals ------------------------------------------------------------------------
@@ -474,5 +506,6 @@ class Child:
         self.endpoint = None
         self.devices = None
         self.slices = None
+        self.waiting = self.taken_over_by = self.unregistered_reason = None
         self.stop_deadline = None
         self.killed = False

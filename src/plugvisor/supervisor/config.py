@@ -371,6 +371,11 @@ def load_node_config(path: Path) -> NodeConfig:
         )
         if problem is not None
     ]
+    if not problems and any(resource.registration == "plugin-watcher" for resource in config.resources):
+        registry = config.kubelet_dir.parent / constants.PLUGINS_REGISTRY_DIR_NAME
+        watcher = writable_dir_problem(registry, purpose="plugin-watcher children serve their sockets there")
+        if watcher is not None:
+            problems.append(f"{path}: kubeletDir: {watcher} (resources with registration: plugin-watcher)")
     if not problems:  # only then create the runtime directory: a refused file leaves nothing behind
         purpose = "the agent keeps its state file there"
         runtime = writable_dir_problem(config.runtime_dir, purpose=purpose, mode=0o755)

@@ -44,6 +44,14 @@ class KubeletWatch:
         self._watch.open()
         with contextlib.suppress(OSError):
             self._kubelet_inode = self._watch.kubelet_socket.stat().st_ino
+        if self._kubelet_inode is None:
+            # Said once, for every child: they say it to the agent, which shows it per resource.
+            self._log.warning(
+                "waiting_for_kubelet",
+                socket=str(self._watch.kubelet_socket),
+                meaning="no kubelet listens there: the kubelet is not running, or kubeletDir is not its "
+                "directory; resources register once one does",
+            )
         self._task = asyncio.get_running_loop().create_task(self._watch.run(), name="kubelet-watch")
 
     def _on_event(self, event: DirEvent) -> None:

@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+import time
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
@@ -44,6 +46,24 @@ from plugvisor.supervisor.child import CAUSES
 from plugvisor.supervisor.config import ConfigError
 
 MULTIPROC_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
+SLICE_SECONDS: Final = 0.005
+"""The longest a rendering works before it lets the loop run (supervision, /healthz, other scrapes)."""
+START_PRIORITY: Final = 1.0
+"""Seconds after a child's start during which scrapes give way to it (:class:`ScrapeGate`)."""
+REUSE_FOR: Final = 1.0
+"""Seconds a rendering answers later scrapes too (concurrent scrapers, a storm)."""
+MAX_CONNECTIONS: Final = 256
+"""Connections served at once; more are closed at once (each holds a file descriptor)."""
+MAX_SCRAPES: Final = 64
+"""Scrapes sent at once; more wait for their turn (each holds a socket buffer meanwhile)."""
+CHUNK: Final = 64 * 1024
+"""Bytes of a body written before waiting for the client to take them."""
+SEND_DEADLINE: Final = 30.0
+"""Seconds a client has to take a whole response (a reader that stalls holds a rendering alive)."""
+REQUEST_DEADLINE: Final = 5.0
+"""Seconds a client has to send its request line and headers."""
+MAX_REQUEST_LINE: Final = 16 * 1024
+"""The longest request line or header line read (asyncio's stream limit)."""
 Snapshot = Callable[[], Mapping[str, Any]]
 
 
@@ -134,12 +154,94 @@ class SupervisorCollector(Collector):
         )
 
 
+class ScrapeGate:
+    """Where scrapes give way to supervision: while a child (re)starts, its start has the CPU.
+
+    A storm of scrapes keeps two cores busy (the agent sending, the scrapers reading);
+    a child forked meanwhile then took seconds to register, where it takes tens of
+    milliseconds. The agent sets :attr:`hold_until` (monotonic) while a child that
+    started less than :data:`START_PRIORITY` seconds ago has not registered yet;
+    renderings and bodies being sent wait until then, each for at most
+    :data:`START_PRIORITY` seconds in all (:meth:`pacer`), so that children that keep
+    restarting, or 256 of them starting at once, cannot stop ``/metrics``.
+    ``/healthz`` and ``/readyz`` never wait.
+    """
+
+    def __init__(self) -> None:
+        self.hold_until = 0.0
+
+    def follow(self, starting_until: Callable[[float], float]) -> None:
+        """Take the supervisor's word (``Supervisor.starting_until``) after each of its ticks."""
+        self.hold_until = starting_until(START_PRIORITY)
+
+    def pacer(self) -> Callable[[], Awaitable[None]]:
+        """The pause of one rendering or one response.
+
+        Each call lets the loop run, and gives way to starts for at most
+        :data:`START_PRIORITY` seconds over all the calls together.
+        """
+        allowance = START_PRIORITY
+
+        async def pause() -> None:
+            nonlocal allowance
+            delay = min(max(self.hold_until - time.monotonic(), 0.0), allowance)
+            allowance -= delay
+            await asyncio.sleep(delay)
+
+        return pause
+
+
+@dataclass(eq=False, slots=True)
+class Body:
+    """One rendering of ``/metrics``, shared by every scrape it answers."""
+
+    data: bytes
+    rendered_at: float
+    readers: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _ResourceText:
+    """One resource's per-device lines, family by family, and the files they were rendered from."""
+
+    key: tuple[int, int, int, int, object]
+    """(report inode, mtime, size, writer PID, owners key): unchanged, the text is reused."""
+    written_at: float
+    texts: Mapping[str, str]
+
+
 class Metrics:
-    """The registries behind ``/metrics``: the supervisor's and the children's (multiprocess)."""
+    """Everything behind ``/metrics``: the supervisor's and the children's registries, the device families.
+
+    The per-device families are rendered from the monitor directory. A scrape must
+    never starve supervision, nor memory. On a node with thousands of devices one
+    rendering is megabytes and, done in one go, a noticeable stall of the agent's
+    loop (which also answers ``/healthz``, restarts children and pings systemd's
+    watchdog); a hundred concurrent scrapes each rendering and holding their own
+    copy stalled it for half a minute and took gigabytes. So:
+
+    - one rendering answers every scrape that arrives while it runs, and those of
+      the next :data:`REUSE_FOR` seconds (:meth:`acquire`);
+    - a resource's per-device text is kept until its report file or the owners
+      file changes (every ``telemetryInterval`` at most), so most scrapes only
+      join texts;
+    - what must be parsed and rendered again is done a slice at a time
+      (:data:`SLICE_SECONDS`), yielding to the loop in between;
+    - at most two renderings exist at once: a new one is made only when no older
+      one than the latest is still being sent to a slow client.
+    """
 
     def __init__(
-        self, snapshot: Snapshot, *, multiproc_dir: Path | None, monitor_dir: Path | None = None
+        self,
+        snapshot: Snapshot,
+        *,
+        multiproc_dir: Path | None,
+        monitor_dir: Path | None = None,
+        gate: ScrapeGate | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self.gate = gate if gate is not None else ScrapeGate()
+        self._clock = clock
         self.own = prometheus_client.CollectorRegistry(auto_describe=False)
         self.own.register(SupervisorCollector(snapshot))
         self._snapshot = snapshot
@@ -149,15 +251,114 @@ class Metrics:
         if multiproc_dir is not None:
             self.children = prometheus_client.CollectorRegistry(auto_describe=False)
             multiprocess.MultiProcessCollector(self.children, path=str(multiproc_dir))  # type: ignore[no-untyped-call]
+        self._texts: dict[str, _ResourceText] = {}
+        self._owners: tuple[object, monitoring.Owners | None] = (None, None)
+        self._rendering: asyncio.Future[Body] | None = None
+        self._latest: Body | None = None
+        self._previous: Body | None = None
+        self.renderings = 0
+        """How many renderings were made (scrapes beyond that shared one)."""
 
-    def render(self) -> bytes:
-        """The exposition text of both registries."""
-        text = prometheus_client.generate_latest(self.own)
+    async def acquire(self) -> Body:
+        """A rendering for one scrape (shared); give it back with :meth:`release` once sent."""
+        latest, previous = self._latest, self._previous
+        reusable = latest is not None and (
+            self._clock() - latest.rendered_at < REUSE_FOR or (previous is not None and previous.readers > 0)
+        )
+        if self._rendering is None and not reusable:
+            self._rendering = asyncio.ensure_future(self._new_body())
+        body = await asyncio.shield(self._rendering) if self._rendering is not None else latest
+        assert body is not None
+        body.readers += 1
+        return body
+
+    def release(self, body: Body) -> None:
+        """A scrape is done with ``body``."""
+        body.readers -= 1
+        if body is self._previous and body.readers <= 0:
+            self._previous = None
+
+    async def _new_body(self) -> Body:
+        try:
+            data = await self.render()
+        finally:
+            self._rendering = None
+        body = Body(data, self._clock())
+        latest = self._latest
+        self._previous = latest if latest is not None and latest.readers > 0 else None
+        self._latest = body
+        self.renderings += 1
+        return body
+
+    async def render(self) -> bytes:
+        """The exposition text of every source, made in slices (see the class)."""
+        parts = [prometheus_client.generate_latest(self.own)]
         if self.monitor_dir is not None:
-            text += device_metrics.render(_device_view(self._snapshot, self.monitor_dir))
+            parts.append((await self._device_text(self.monitor_dir)).encode())
         if self.children is not None:
-            text += prometheus_client.generate_latest(self.children)
-        return text
+            parts.append(prometheus_client.generate_latest(self.children))
+        return b"".join(parts)
+
+    async def _device_text(self, monitor_dir: Path) -> str:
+        """The per-device families of every resource whose current child wrote a report."""
+        owners_key, owners = self._read_owners(monitor_dir)
+        holders = owners.holders if owners is not None else {}
+        texts: dict[str, _ResourceText] = {}
+        for child in self._snapshot()["children"]:
+            resource, pid = child["resource"], child["pid"]
+            if not pid:
+                continue
+            text = await self._resource_text(monitor_dir, resource, pid, holders, owners_key)
+            if text is not None:
+                texts[resource] = text
+        self._texts = texts  # a resource removed (or whose report went) is forgotten
+        pieces = device_metrics.assemble(
+            [text.texts for text in texts.values()],
+            [(resource, text.written_at) for resource, text in texts.items()],
+            owners,
+        )
+        return "".join(pieces)
+
+    def _read_owners(self, monitor_dir: Path) -> tuple[object, monitoring.Owners | None]:
+        key = _file_key(monitor_dir / monitoring.OWNERS_FILE)
+        if key is None or key != self._owners[0]:
+            self._owners = (key, monitoring.read_owners(monitor_dir) if key is not None else None)
+        return self._owners
+
+    async def _resource_text(
+        self,
+        monitor_dir: Path,
+        resource: str,
+        pid: int,
+        holders: device_metrics.Holders,
+        owners_key: object,
+    ) -> _ResourceText | None:
+        """``resource``'s text: kept while its files are unchanged, else rendered a slice at a time."""
+        path = monitoring.report_path(monitor_dir, resource)
+        file_key = _file_key(path)
+        if file_key is None:
+            return None
+        key = (*file_key, pid, owners_key)
+        cached = self._texts.get(resource)
+        if cached is not None and cached.key == key:
+            return cached
+        try:
+            lines = path.read_bytes().split(b"\n")
+            _, writer, written_at = monitoring.report_header(lines[0])
+            if writer != pid:  # a previous process's last report is not the present
+                return None
+            out = device_metrics.device_lines()
+            pause = self.gate.pacer()
+            budget = time.monotonic() + SLICE_SECONDS
+            for line in lines[1:]:
+                if line:
+                    device_metrics.add_device(out, resource, monitoring.parse_device(line), holders)
+                if time.monotonic() >= budget:
+                    await pause()
+                    budget = time.monotonic() + SLICE_SECONDS
+        except (OSError, ValueError, KeyError, TypeError):  # a half-dead writer, a full disk: no report
+            return None
+        return _ResourceText(key, written_at, {name: "".join(lines) for name, lines in out.items()})
 
     def process_dead(self, pid: int) -> None:
         """A child exited: drop its live gauges from the aggregate (prometheus-client's rule)."""
@@ -166,17 +367,29 @@ class Metrics:
                 multiprocess.mark_process_dead(pid, str(self.multiproc_dir))  # type: ignore[no-untyped-call]
 
 
-def _device_view(snapshot: Snapshot, monitor_dir: Path) -> monitoring.View:
-    """The children's device reports (only those written by each resource's current process) and owners."""
-    live = {child["resource"]: child["pid"] for child in snapshot()["children"]}
-    return monitoring.directory_view(monitor_dir, live)
+def _file_key(path: Path) -> tuple[int, int, int] | None:
+    """What tells one version of a file from the next (it is replaced by rename), or None if absent."""
+    try:
+        info = path.stat()
+    except OSError:
+        return None
+    return info.st_ino, info.st_mtime_ns, info.st_size
 
 
 Readiness = Callable[[], tuple[bool, str]]
 
 
 class HttpServer:
-    """``GET /metrics``, ``/healthz``, ``/readyz`` on the supervisor's loop (HTTP/1.0, one request each)."""
+    """``GET /metrics``, ``/healthz``, ``/readyz`` on the supervisor's loop (HTTP/1.0, one request each).
+
+    ``/healthz`` and ``/readyz`` are answered at once, whatever scrapes are doing:
+    a scrape renders in slices and streams its body :data:`CHUNK` bytes at a time
+    (so a slow reader costs a socket buffer, not a copy of the body), at most
+    :data:`MAX_SCRAPES` at once (others wait for their turn), each within
+    :data:`SEND_DEADLINE`; beyond :data:`MAX_CONNECTIONS` open connections, new ones
+    are closed at once. A request whose line or headers exceed
+    :data:`MAX_REQUEST_LINE` gets a 431, not a traceback.
+    """
 
     def __init__(self, metrics: Metrics, readiness: Readiness, *, host: str, port: int) -> None:
         self._metrics = metrics
@@ -184,6 +397,8 @@ class HttpServer:
         self._host = host
         self._port = port
         self._server: asyncio.Server | None = None
+        self._scrapes = asyncio.Semaphore(MAX_SCRAPES)
+        self._connections = 0
         self._log = structlog.get_logger("plugvisor.supervisor.metrics")
 
     @property
@@ -196,7 +411,9 @@ class HttpServer:
     async def start(self) -> None:
         """Bind and serve; a port in use or an address not on this host is a :class:`ConfigError`."""
         try:
-            self._server = await asyncio.start_server(self._handle, self._host, self._port)
+            self._server = await asyncio.start_server(
+                self._handle, self._host, self._port, limit=MAX_REQUEST_LINE
+            )
         except OSError as exc:
             raise ConfigError(
                 f"metrics.listen: cannot listen on {self._host}:{self._port}: {exc.strerror or exc}"
@@ -205,31 +422,93 @@ class HttpServer:
         self._log.info("metrics_listening", url=f"http://{host}:{port}/metrics")
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._connections >= MAX_CONNECTIONS:
+            # Each connection is a descriptor: thousands held open would leave the agent none
+            # to restart a child with.
+            writer.transport.abort()
+            return
+        self._connections += 1
         try:
-            request = await asyncio.wait_for(reader.readline(), 5.0)
-            while (await asyncio.wait_for(reader.readline(), 5.0)).strip():
-                pass
-            parts = request.decode("latin-1").split()
-            method, target = (parts[0], parts[1]) if len(parts) >= 2 else ("", "")
-            status, content_type, body = self._respond(method, target.split("?", 1)[0])
-            head = (
-                f"HTTP/1.0 {status}\r\nContent-Type: {content_type}\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-            )
-            writer.write(head.encode() + (b"" if method == "HEAD" else body))
+            await self._serve_one(reader, writer)
+        except asyncio.CancelledError:
+            # The agent stopping: the connection just ends. (Python 3.11's stream server logs
+            # "Exception in callback" for a connection task that ends cancelled.)
+            writer.transport.abort()
+        finally:
+            self._connections -= 1
+
+    async def _serve_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            method, path = await self._read_request(reader)
+            if method in {"GET", "HEAD"}:
+                if path == "/metrics":
+                    await self._scrape(writer, head_only=method == "HEAD")
+                    return
+                status, content_type, body = self._respond(path)
+            elif method:
+                status, content_type, body = "405 Method Not Allowed", "text/plain", b"only GET\n"
+            else:
+                status, content_type, body = "400 Bad Request", "text/plain", b"expected an HTTP request\n"
+            writer.write(_head(status, content_type, len(body)) + (b"" if method == "HEAD" else body))
             await writer.drain()
+        except _RequestTooLongError:
+            message = f"request line or header longer than {MAX_REQUEST_LINE} bytes\n".encode()
+            with contextlib.suppress(ConnectionError):
+                writer.write(
+                    _head("431 Request Header Fields Too Large", "text/plain", len(message)) + message
+                )
+                await writer.drain()
         except (TimeoutError, ConnectionError, asyncio.IncompleteReadError):
             pass
+        except Exception:  # a bug of ours must cost one request and one log line, not the endpoint
+            self._log.exception("metrics_request_failed")
         finally:
             writer.close()
             with contextlib.suppress(ConnectionError):
                 await writer.wait_closed()
 
-    def _respond(self, method: str, path: str) -> tuple[str, str, bytes]:
-        if method not in ("GET", "HEAD"):
-            return "405 Method Not Allowed", "text/plain", b"only GET\n"
-        if path == "/metrics":
-            return "200 OK", prometheus_client.CONTENT_TYPE_LATEST, self._metrics.render()
+    @staticmethod
+    async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str]:
+        """``(method, path)`` of the request (empty when there is none), its headers read and dropped."""
+        try:
+            async with asyncio.timeout(REQUEST_DEADLINE):
+                request = await reader.readline()
+                while (await reader.readline()).strip():
+                    pass
+        except ValueError:  # the stream's limit: a line longer than MAX_REQUEST_LINE
+            raise _RequestTooLongError from None
+        parts = request.decode("latin-1").split()
+        if len(parts) < 2:
+            return "", ""
+        return parts[0], parts[1].split("?", 1)[0]
+
+    async def _scrape(self, writer: asyncio.StreamWriter, *, head_only: bool) -> None:
+        async with self._scrapes:
+            try:
+                body = await self._metrics.acquire()
+            except Exception:
+                self._log.exception("metrics_render_failed")
+                message = b"rendering the metrics failed; the agent's log says why\n"
+                writer.write(_head("500 Internal Server Error", "text/plain", len(message)) + message)
+                await writer.drain()
+                return
+            try:
+                async with asyncio.timeout(SEND_DEADLINE):
+                    writer.write(_head("200 OK", prometheus_client.CONTENT_TYPE_LATEST, len(body.data)))
+                    if not head_only:
+                        view = memoryview(body.data)
+                        pause = self._metrics.gate.pacer()
+                        for offset in range(0, len(view), CHUNK):
+                            writer.write(view[offset : offset + CHUNK])
+                            await writer.drain()
+                            # drain() returns without yielding while the client keeps up: a fast
+                            # client would otherwise have the loop for its whole body.
+                            await pause()
+                    await writer.drain()
+            finally:
+                self._metrics.release(body)
+
+    def _respond(self, path: str) -> tuple[str, str, bytes]:
         if path == "/healthz":
             return "200 OK", "text/plain", b"ok\n"
         if path == "/readyz":
@@ -243,3 +522,14 @@ class HttpServer:
         if server is not None:
             server.close()
             await server.wait_closed()
+
+
+class _RequestTooLongError(Exception):
+    """The request line or a header is longer than :data:`MAX_REQUEST_LINE`."""
+
+
+def _head(status: str, content_type: str, length: int) -> bytes:
+    return (
+        f"HTTP/1.0 {status}\r\nContent-Type: {content_type}\r\n"
+        f"Content-Length: {length}\r\nConnection: close\r\n\r\n"
+    ).encode()

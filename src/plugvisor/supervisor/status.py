@@ -16,11 +16,12 @@ import fcntl
 import json
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
 from plugvisor.common import monitoring
-from plugvisor.common.validation import shorten
+from plugvisor.common.validation import printable, shorten
 
 STATE_FILE: Final = "state.json"
 STALE_STATE_FILE: Final = "state.stale.json"
@@ -112,29 +113,33 @@ def remove_state(runtime_dir: Path) -> None:
             (runtime_dir / name).unlink()
 
 
-def agent_holds_lock(runtime_dir: Path, pid: int) -> bool:
-    """Whether a live agent with ``pid`` owns ``runtime_dir``.
+def lock_holder(runtime_dir: Path) -> str | None:
+    """The PID (as written, possibly empty) of the live agent that owns ``runtime_dir``, or None.
 
-    A PID alone proves nothing: after a reboot or a crash any process may have it.
     The agent holds an exclusive lock on ``supervisor.pid`` for its whole life and
     wrote its PID into it; a shared lock we can take means nobody holds that one.
     (The agent retries its own lock for a moment, so this brief probe never makes
-    a starting agent fail.)
+    a starting agent fail.) An empty PID: the agent could not write it (a full
+    disk); the lock still says it runs.
     """
     try:
         with (runtime_dir / PID_FILE).open() as handle:
             try:
                 fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:
-                locked = True
-            else:
-                fcntl.flock(handle, fcntl.LOCK_UN)
-                locked = False
-            recorded = handle.read(64).strip()
+                return handle.read(64).strip()
+            fcntl.flock(handle, fcntl.LOCK_UN)
     except OSError:
-        return False
-    # An empty file: the agent could not write its PID (a full disk); the lock still says it runs.
-    return locked and recorded in ("", str(pid))
+        pass
+    return None
+
+
+def agent_holds_lock(runtime_dir: Path, pid: int) -> bool:
+    """Whether a live agent with ``pid`` owns ``runtime_dir``.
+
+    A PID alone proves nothing: after a reboot or a crash any process may have it.
+    """
+    return lock_holder(runtime_dir) in ("", str(pid))
 
 
 def read_state(runtime_dir: Path, *, now: float | None = None) -> dict[str, Any]:
@@ -153,6 +158,13 @@ def read_state(runtime_dir: Path, *, now: float | None = None) -> dict[str, Any]
         written_at = path.stat().st_mtime
         document: dict[str, Any] = json.loads(path.read_text())
     except FileNotFoundError:
+        holder = lock_holder(runtime_dir)
+        if holder is not None:
+            raise NoAgentError(
+                f"the plugvisor agent{f' (pid {holder})' if holder else ''} runs but has no state file in "
+                f"{runtime_dir}: it could not write one (no space left there? its log says "
+                "state_write_failed)"
+            ) from None
         raise NoAgentError(
             f"no plugvisor agent state in {runtime_dir} (is `plugvisor run` running?)"
         ) from None
@@ -226,14 +238,47 @@ def _device_lines(document: dict[str, Any]) -> list[str]:
     lines: list[str] = []
     pod_resources = document.get("pod_resources")
     if pod_resources is not None and not pod_resources["up"]:
-        lines.append(f"PodResources unavailable ({pod_resources['error']}): holders as last seen")
+        lines.append(printable(f"PodResources unavailable ({pod_resources['error']}): holders as last seen"))
     if len(rows) == 1:
         return lines
     lines.append("devices held or unhealthy:")
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
-    return lines
+    return lines + _table(rows)
+
+
+def _table(rows: Sequence[tuple[str, ...]]) -> list[str]:
+    """``rows`` in aligned columns, every cell escaped (:func:`~plugvisor.common.validation.printable`).
+
+    Names come from the kubelet (pods, namespaces, containers) and from plugins
+    (device IDs, causes): a newline or an escape sequence in one must not reach the
+    terminal as such.
+    """
+    cells = [tuple(printable(cell) for cell in row) for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
+    return [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in cells
+    ]
+
+
+def _not_registered_lines(children: list[dict[str, Any]]) -> list[str]:
+    """Why each resource that is not registered is not, when its process said so."""
+    lines = []
+    for child in children:
+        if child.get("registered") or child.get("state") not in ("STARTING", "RUNNING"):
+            continue
+        if child.get("taken_over_by"):
+            why = (
+                f"taken over by {child['taken_over_by']} (another plugin of this resource, a second agent?); "
+                "standing by, registers again when it stops"
+            )
+        elif child.get("waiting"):
+            why = f"waiting for {child['waiting']}"
+        elif child.get("unregistered_reason"):
+            why = f"registering again: {child['unregistered_reason']}"
+        else:
+            continue
+        lines.append(printable(f"  {child['resource']}: {why}"))
+    return ["not registered:", *lines] if lines else []
 
 
 def _duration(seconds: float | None) -> str:
@@ -255,9 +300,12 @@ def render(document: dict[str, Any]) -> str:
     children = document.get("children", [])
     registered = sum(1 for child in children if child.get("registered"))
     lines = [
-        f"plugvisor agent pid {supervisor['pid']}, up {_duration(supervisor.get('uptime'))}, "
-        f"{registered}/{len(children)} resources registered, "
-        f"{supervisor.get('kubelet_restarts', 0)} kubelet restarts seen, config {supervisor.get('config')}"
+        printable(
+            f"plugvisor agent pid {supervisor['pid']}, up {_duration(supervisor.get('uptime'))}, "
+            f"{registered}/{len(children)} resources registered, "
+            f"{supervisor.get('kubelet_restarts', 0)} kubelet restarts seen, "
+            f"config {supervisor.get('config')}"
+        )
     ]
     stale = document.get("stale")
     if stale is not None:
@@ -273,7 +321,11 @@ def render(document: dict[str, Any]) -> str:
         state = child["state"]
         if child.get("crash_looping"):
             state += " (crash loop)"
-        if child["state"] == "RUNNING" and not child.get("registered"):
+        if child.get("taken_over_by"):
+            state += " (taken over)"
+        elif child.get("waiting") and not child.get("registered"):
+            state += " (waiting)"
+        elif child["state"] == "RUNNING" and not child.get("registered"):
             state += " (re-registering)"
         last = child.get("last_exit")
         last_exit = "-" if last is None else f"{last['cause']} ({last['status']})"
@@ -292,8 +344,7 @@ def render(document: dict[str, Any]) -> str:
                 counts,
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    for row in rows:
-        lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+    lines += _table(rows)
+    lines += _not_registered_lines(children)
     lines += _device_lines(document)
     return "\n".join(lines)

@@ -331,6 +331,17 @@ class Supervisor:
                 upcoming.append(due)
         return min(upcoming) if upcoming else None
 
+    def starting_until(self, window: float) -> float:
+        """Until when (monotonic) a child started in the last ``window`` seconds may still be registering."""
+        return max(
+            (
+                child.started_at + window
+                for child in self.all_children()
+                if child.state is states.STARTING and child.started_at is not None
+            ),
+            default=0.0,
+        )
+
     # -- reporting -----------------------------------------------------------------------
 
     @property
@@ -341,20 +352,30 @@ class Supervisor:
         )
 
     def readiness(self) -> tuple[bool, str]:
-        """``(ready, explanation)`` for ``/readyz``."""
-        waiting = [child.resource for child in self.children.values() if not child.registered]
+        """``(ready, explanation)`` for ``/readyz``: each resource not registered, with why when known."""
         if self.ready:
             return True, f"ready: {len(self.children)} resources registered"
+        waiting = [
+            child.resource + (f" ({why})" if (why := unregistered_why(child)) else "")
+            for child in self.children.values()
+            if not child.registered
+        ]
         return False, "not registered: " + ", ".join(waiting)
 
     def summary(self) -> str:
         """One line for systemd's STATUS=."""
-        total = len(self.children)
-        registered = sum(1 for child in self.children.values() if child.registered)
-        looping = [child.resource for child in self.children.values() if child.crash_looping]
-        text = f"{registered}/{total} resources registered"
-        if looping:
-            text += "; crash-looping: " + ", ".join(looping)
+        children = self.children.values()
+        registered = sum(1 for child in children if child.registered)
+        text = f"{registered}/{len(children)} resources registered"
+        for label, resources in (
+            ("crash-looping", [child.resource for child in children if child.crash_looping]),
+            ("taken over by another plugin", [child.resource for child in children if child.taken_over_by]),
+        ):
+            if resources:
+                text += f"; {label}: " + ", ".join(resources)
+        waiting = sorted({child.waiting for child in children if child.waiting and not child.registered})
+        if waiting:
+            text += "; waiting for " + "; ".join(waiting)
         return text
 
     def snapshot(self) -> dict[str, Any]:
@@ -372,6 +393,13 @@ class Supervisor:
             },
             "children": [child.snapshot() for child in self.all_children()],
         }
+
+
+def unregistered_why(child: Child) -> str | None:
+    """Why ``child`` is not registered, as far as the agent knows (its process said so)."""
+    if child.taken_over_by is not None:
+        return f"taken over by {child.taken_over_by}"
+    return child.waiting or child.unregistered_reason
 
 
 def remove_dead_socket(path: Path) -> bool:

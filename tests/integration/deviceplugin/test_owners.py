@@ -72,6 +72,66 @@ async def test_a_slow_endpoint_times_out_each_call_and_is_said_once(short_dir):
         await server.stop(0)
 
 
+class BigNodeLister(api_pb2_grpc.PodResourcesListerServicer):
+    """A node whose List answer is ``size`` bytes and more: 8 containers holding many devices each."""
+
+    def __init__(self, size: int) -> None:
+        ids = [
+            f"0000:{i // 256:02x}:{i % 256 // 8:02x}.{i % 8}-vf-{'x' * 40}"
+            for i in range(size // 64 // 8 + 1)
+        ]
+        containers = [
+            api_pb2.ContainerResources(
+                name=f"c{n}", devices=[api_pb2.ContainerDevices(resource_name=RESOURCE, device_ids=ids)]
+            )
+            for n in range(8)
+        ]
+        self.response = api_pb2.ListPodResourcesResponse(
+            pod_resources=[api_pb2.PodResources(name="big", namespace="ns", containers=containers)]
+        )
+
+    async def List(self, request, context):
+        return self.response
+
+
+async def serve_lister(socket, lister):
+    server = grpc.aio.server(options=[("grpc.max_send_message_length", 256 << 20)])
+    api_pb2_grpc.add_PodResourcesListerServicer_to_server(lister, server)
+    server.add_insecure_port(f"unix:{socket}")
+    await server.start()
+    return server
+
+
+async def test_a_big_nodes_answer_over_4_mib_is_taken(short_dir):
+    """gRPC's default limit (4 MiB) made it 'rate-limited' and backed off: owners never appeared."""
+    lister = BigNodeLister(6 << 20)
+    assert lister.response.ByteSize() > 4 << 20
+    server = await serve_lister(short_dir / "big.sock", lister)
+    try:
+        watch = OwnerWatch(socket=short_dir / "big.sock", interval=0.05)
+        assert await watch.poll_once() == 1
+        owners = watch.owners.value
+        assert owners.up, owners.error
+        assert len({device for (_, device) in owners.holders}) == len(
+            lister.response.pod_resources[0].containers[0].devices[0].device_ids
+        )
+    finally:
+        await server.stop(0)
+
+
+async def test_an_answer_larger_than_the_client_takes_is_named_not_taken_for_rate_limiting(short_dir):
+    server = await serve_lister(short_dir / "big.sock", BigNodeLister(2 << 20))
+    try:
+        watch = OwnerWatch(socket=short_dir / "big.sock", interval=0.05, max_answer_bytes=1 << 20)
+        with structlog.testing.capture_logs() as logs:
+            assert await watch.poll_once() == 1  # no backoff: waiting does not make it smaller
+        (line,) = unavailable_lines(logs)
+        assert line["condition"] == "too-large"
+        assert "larger than this client takes (1 MiB)" in watch.owners.value.error
+    finally:
+        await server.stop(0)
+
+
 async def test_rate_limiting_backs_off_keeps_the_owners_and_recovers(short_dir):
     kubelet = EmulatedKubelet(
         short_dir / "dp", write_view=False, pod_resources_qps=0.0001, pod_resources_burst=1

@@ -9,7 +9,9 @@ streamed in between.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -138,3 +140,67 @@ async def test_in_process_the_registrations_cell_and_metric_count_the_kubelets_d
             stop.set()
             await asyncio.wait_for(task, 15)
     assert not list(registry.glob("plugvisor-*.sock")), "the plugin left its registry socket behind"
+
+
+class TestTheRegistrySocketLost:
+    """The kubelet deregisters a plugin whose plugins_registry socket goes, and registers only a new one."""
+
+    @pytest.mark.parametrize("how", ["deleted", "replaced by a regular file"])
+    async def test_the_plugin_serves_a_fresh_socket_and_is_registered_again(self, node: Path, how) -> None:
+        kubelet_dir, registry = registry_paths(node)
+        async with EmulatedKubelet(kubelet_dir, grace_period=30) as kubelet:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "plugvisor", "plugin", "generic",
+                "--host-root", str(node / "root"), "--kubelet-dir", str(kubelet_dir),
+                "--resource", RESOURCE, "--path", "/dev/ttyUSB*", "--registration", "plugin-watcher",
+                stderr=asyncio.subprocess.PIPE,
+            )  # fmt: skip
+            try:
+                await kubelet.wait_for(counts(2, 2), timeout=20)
+                (socket,) = registry.glob("plugvisor-*.sock")
+                if how == "deleted":
+                    socket.unlink()
+                else:
+                    (registry / ".stray").write_text("not a socket\n")
+                    (registry / ".stray").replace(socket)
+                await kubelet.wait_for(
+                    lambda k: counts(2, 2)(k) and len([r for r in k.registrations if r.accepted]) == 2,
+                    timeout=20,
+                    what="registered again on a fresh socket",
+                )
+                endpoints = [r.endpoint for r in kubelet.registrations if r.accepted]
+                assert endpoints[0] != endpoints[1]
+                if how != "deleted":
+                    assert socket.read_text() == "not a socket\n"  # the operator's file is left alone
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                _, stderr = await asyncio.wait_for(proc.communicate(), 15)
+            assert proc.returncode == 0, stderr.decode()
+            log = stderr.decode()
+            assert log.count("event='registration_lost'") == 1, log
+            assert "Traceback" not in log
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a read-only tmpfs needs root")
+async def test_a_read_only_plugins_registry_is_one_clear_error_and_exit_2(node: Path) -> None:
+    """It was a crash loop of `RuntimeError: Failed to bind` tracebacks."""
+    kubelet_dir, registry = registry_paths(node)
+    registry.mkdir(parents=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro", "tmpfs", str(registry)], check=False).returncode:
+        pytest.skip("this environment cannot mount tmpfs")
+    try:
+        result = await asyncio.to_thread(
+            subprocess.run,
+            [
+                sys.executable, "-m", "plugvisor", "plugin", "generic",
+                "--host-root", str(node / "root"), "--kubelet-dir", str(kubelet_dir),
+                "--resource", RESOURCE, "--path", "/dev/ttyUSB*", "--registration", "plugin-watcher",
+            ],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+    finally:
+        subprocess.run(["umount", str(registry)], check=True)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert f"cannot create the plugin socket {registry}/plugvisor-" in result.stderr
+    assert f"{registry} is on a read-only filesystem" in result.stderr

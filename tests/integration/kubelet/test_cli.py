@@ -91,6 +91,7 @@ class TestKubeletCommand:
             (("--dir", "/tmp/" + "d" * 120), "--dir"),
             (("--dir", "/tmp/x", "--feature-gates", "Nope=true"), "--feature-gates"),
             (("--dir", "/tmp/x", "--replacement", "sometimes"), "--replacement"),
+            (("--dir", "/tmp/x", "--pods", "/nonexistent/pods"), "'/nonexistent/pods' does not exist"),
             (
                 ("--dir", "/tmp/x", "--kubelet-version", "1.20"),
                 "'1.20' is not supported: choose one of 1.26, 1.29",
@@ -113,6 +114,7 @@ class TestKubeletCommand:
             "socket-path-too-long",
             "unknown-gate",
             "bad-replacement",
+            "pods-dir-missing",
             "unknown-version",
             "gate-too-new-for-the-version",
         ],
@@ -150,6 +152,36 @@ class TestPodsDirectory:
             if kubelet.process.poll() is None:
                 kubelet.process.kill()
                 kubelet.process.wait()
+
+
+@pytest.fixture
+def pods_kubelet(socket_dir: Path) -> Iterator[tuple[Kubelet, Path]]:
+    """A kubelet with a --pods directory, started; killed at the end if the test did not stop it."""
+    pods_dir = socket_dir / "pods"
+    pods_dir.mkdir()
+    kubelet = Kubelet("--dir", str(socket_dir / "dp"), "--pods", str(pods_dir), "--node-name", "n1")
+    kubelet.wait_for_line("event='started'")
+    yield kubelet, pods_dir
+    if kubelet.process.poll() is None:
+        kubelet.process.kill()
+        kubelet.process.wait()
+
+
+class TestAnIntegerTooLongToConvert:
+    def test_is_a_pod_invalid_naming_the_field_and_the_node_goes_on(self, pods_kubelet) -> None:
+        """5,000 digits (beyond Python's int-str limit): it used to end the emulated kubelet."""
+        kubelet, pods_dir = pods_kubelet
+        (pods_dir / "huge.yaml").write_text(
+            "apiVersion: v1\nkind: Pod\nmetadata: {name: huge}\nspec:\n  containers:\n"
+            f"  - {{name: c, image: i, resources: {{limits: {{example.com/good: {'9' * 5000}}}}}}}\n"
+        )
+        line = kubelet.wait_for_line("event='pod_invalid'")
+        assert "limits.example.com/good: line 6, column 64: an integer of 5000 digits" in line
+        (pods_dir / "web.yaml").write_text(
+            "apiVersion: v1\nkind: Pod\nmetadata: {name: web}\nspec:\n  containers: [{name: c, image: i}]\n"
+        )
+        kubelet.wait_for_line("event='container_started'", "default/web-n1/c")
+        assert kubelet.stop() == 0
 
 
 class TestANegativeExtendedResourceLimit:

@@ -24,6 +24,8 @@ async def wait_for_log(agent, text: str, count: int) -> None:
         "a kubeletDir that cannot be created",
         "a missing hostRoot",
         "lists nested 1000 deep",
+        "an integer of 5,000 digits",
+        "a date that does not exist",
     ],
 )
 async def test_a_reload_the_node_cannot_run_keeps_the_running_configuration(node, kubelet, agents, breakage):
@@ -41,6 +43,12 @@ async def test_a_reload_the_node_cannot_run_keeps_the_running_configuration(node
     ):  # PyYAML's recursive composer: a RecursionError killed the agent
         node.config_path.write_bytes(good + b"extra: " + b"[" * 1000 + b"]" * 1000 + b"\n")
         expected = "nested more than 100 levels deep"
+    elif breakage == "an integer of 5,000 digits":  # Python's int-str limit: a ValueError killed the agent
+        node.config_path.write_bytes(good.replace(b"count: 4", b"count: " + b"9" * 5000))
+        expected = "resources[0].count: line"
+    elif breakage == "a date that does not exist":  # PyYAML's timestamp constructor: another ValueError
+        node.config_path.write_bytes(good + b"extra: 2024-13-01\n")
+        expected = "'2024-13-01' is not a valid timestamp (month must be in 1..12)"
     elif breakage == "a repeated key":
         node.config_path.write_bytes(good + b"hostRoot: /\n")
         expected = "duplicate key 'hostRoot'"

@@ -10,9 +10,12 @@ def test_a_kubelet_socket_created_or_moved_in_means_a_kubelet_listens():
         assert classify(mask, "kubelet.sock") == DirEvent(DirChange.KUBELET_SOCKET_CREATED, "kubelet.sock")
 
 
-def test_other_files_appearing_mean_nothing():
-    assert classify(Mask.CREATE, "plugvisor-gpu-123456-abcdef01.sock") is None
-    assert classify(Mask.MOVED_TO, "kubelet_internal_checkpoint") is None
+def test_other_files_appearing_are_reported_by_name():
+    """A plugin learns that another one took its resource over from the new socket's name."""
+    name = "plugvisor-gpu-123456-abcdef01.sock"
+    assert classify(Mask.CREATE, name) == DirEvent(DirChange.FILE_CREATED, name)
+    checkpoint = "kubelet_internal_checkpoint"
+    assert classify(Mask.MOVED_TO, checkpoint) == DirEvent(DirChange.FILE_CREATED, checkpoint)
 
 
 def test_a_file_deleted_or_moved_away_is_a_removal_naming_it():

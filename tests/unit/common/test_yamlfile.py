@@ -53,6 +53,36 @@ class TestReadYaml:
             big.truncate(2 << 30)
         assert f"larger than {MAX_FILE_BYTES // 1024} KiB" in error_of(tmp_path / "f.yaml")
 
+    def test_an_integer_too_long_to_convert_is_named_by_field_and_line(self):
+        """Python refuses int() of more than 4300 digits with a bare ValueError; here the field is named."""
+        text = f"r:\n  - {{name: a, count: {'9' * 5000}}}\n"
+        with pytest.raises(YamlFileError) as caught:
+            parse_yaml(text, source="f.yaml")
+        assert str(caught.value) == (
+            "f.yaml: r[0].count: line 2, column 22: an integer of 5000 digits; expected a number of at most "
+            "4300 digits"
+        )
+
+    def test_long_integers_within_the_limit_and_in_other_bases_still_parse(self):
+        data = parse_yaml(f"a: {'9' * 4300}\nb: 0x{'f' * 5000}\n", source="f.yaml")
+        assert data["a"] == int("9" * 4300)
+        assert data["b"] == 16**5000 - 1
+
+    @pytest.mark.parametrize(
+        ("text", "expected"),
+        [
+            ("a: 2024-13-01\n", "line 1, column 4: not valid YAML: '2024-13-01' is not a valid timestamp"),
+            ("a: !!int abc\n", "line 1, column 4: not valid YAML: 'abc' is not a valid int"),
+            ("a: !!bool maybe\n", "line 1, column 4: not valid YAML: 'maybe' is not a valid bool"),
+            ("a: !!timestamp x\n", "line 1, column 4: not valid YAML: 'x' is not a valid timestamp"),
+        ],
+    )
+    def test_a_value_pyyaml_cannot_build_is_an_error_at_its_line(self, text, expected):
+        """PyYAML's constructors raise ValueError, KeyError or AttributeError, with no position."""
+        with pytest.raises(YamlFileError, match=None) as caught:
+            parse_yaml(text, source="f.yaml")
+        assert str(caught.value).startswith(f"f.yaml: {expected}")
+
     def test_an_alias_bomb_is_refused(self):
         lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
         lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]

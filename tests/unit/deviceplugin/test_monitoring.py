@@ -58,7 +58,7 @@ def test_readings_must_name_a_known_family_and_its_labels():
 def test_reports_and_owners_survive_their_files(tmp_path):
     written = report()
     monitoring.write_report(tmp_path, written)
-    assert monitoring.report_path(tmp_path, GPU).name == "plugvisor.io%2Fgpu.json"
+    assert monitoring.report_path(tmp_path, GPU).name == "plugvisor.io%2Fgpu.jsonl"
     assert monitoring.read_report(tmp_path, GPU) == written
     owners = Owners(holders={(GPU, "g0"): (Holder("ml", "trainer", "train"),)}, up=True, last_success=5.0)
     monitoring.write_owners(tmp_path, owners)

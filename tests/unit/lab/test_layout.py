@@ -6,6 +6,7 @@ from collections import Counter
 
 from plugvisor.emulators.lab import builtin, layout
 from plugvisor.emulators.lab.nic import vf_address
+from plugvisor.emulators.lab.profiles import GpuGroup
 from plugvisor.emulators.lab.state import DeviceKind
 
 
@@ -70,3 +71,47 @@ class TestAddresses:
         groups = [fn.iommu_group for d in state.devices.values() for fn in d.functions]
         groups += [b.iommu_group for b in state.bridges]
         assert len(groups) == len(set(groups))
+
+
+class TestThousandsOfGpus:
+    """The profile allows gpus.count up to 4,096; past ~250 devices one PCI domain's buses ran out."""
+
+    @staticmethod
+    def _gpus(count: int, per_switch: int = 0):
+        profile = builtin("dgx-like").model_copy(
+            update={"gpus": [GpuGroup(model="nvidia-h100", count=count, per_switch=per_switch)]}
+        )
+        state = layout.build(profile)
+        return state, [d for d in state.devices.values() if d.kind is DeviceKind.GPU]
+
+    def test_4096_gpus_get_distinct_addresses_over_several_pci_domains(self) -> None:
+        _state, gpus = self._gpus(4096)
+        addresses = [gpu.primary.address for gpu in gpus]
+        assert len(set(addresses)) == 4096
+        assert len({a.domain for a in addresses}) > 1
+        assert dict(Counter(gpu.numa_node for gpu in gpus)) == {0: 2048, 1: 2048}
+        assert sorted(g.minor for g in gpus) == list(range(4096))
+
+    def test_each_root_port_tree_stays_in_its_domain_and_covers_its_buses(self) -> None:
+        state, gpus = self._gpus(600, per_switch=4)
+        bridges = {b.bdf: b for b in state.bridges}
+        for gpu in gpus:
+            address = gpu.primary.address
+            domain, host_bridge = state_host_bridge(gpu.primary.path)
+            assert domain == address.domain, gpu.primary.path
+            assert host_bridge in state.host_bridges
+            for part in gpu.primary.path.split("/")[3:-1]:
+                assert part.startswith(f"{address.domain:04x}:"), (gpu.name, part)
+                _, secondary, subordinate = bridges[part].buses
+                assert secondary <= address.bus <= subordinate, (gpu.name, part)
+
+    def test_small_labs_keep_their_addresses(self) -> None:
+        """Domain 0 first, as before: existing profiles and their tests see the same BDFs."""
+        state = layout.build(builtin("big"))
+        assert {d.primary.address.domain for d in state.devices.values()} == {0}
+
+
+def state_host_bridge(path: str) -> tuple[int, str]:
+    """``sys/devices/pci0001:00/...`` -> (1, ``pci0001:00``)."""
+    name = path.split("/")[2]
+    return int(name[3:7], 16), name

@@ -90,3 +90,30 @@ class TestBrokenTrees:
         (line,) = logs
         assert line["device"] == f"{self.PF}/virtfn0"
         assert line["cause"].endswith("virtfn0: points to 'virtfn0', not a PCI function")
+
+
+class TestSelectorsThatMatchNothing:
+    """0/0 devices used to come with no word: a mistyped PF name or vendor, or VFs not created yet."""
+
+    @staticmethod
+    def _scans(source, count):
+        with structlog.testing.capture_logs() as logs:
+            sizes = [len(source.scan().devices) for _ in range(count)]
+        return sizes, [e for e in logs if e["event"] == "selector_matches_nothing"]
+
+    def test_a_selector_matching_nothing_is_said_once_with_what_the_scan_saw(self, root):
+        options = NicOptions.model_validate({"match": {"pfNames": ["enp10s0f9"]}})
+        source = KIND.build(options, HostPaths(root=root), resource="x.io/nic")
+        sizes, logs = self._scans(source, 3)
+        assert sizes == [0, 0, 0]
+        (line,) = logs
+        assert line["log_level"] == "warning"
+        assert line["match"] == {"pfNames": ["enp10s0f9"]}
+        assert line["vfs_seen"] == 0
+        assert line["looked_in"] == str(root / "sys/bus/pci/devices")
+
+    def test_a_selector_that_matches_logs_nothing(self, root):
+        options = NicOptions.model_validate({"match": {"pfNames": ["enp10s0f0"]}})
+        sizes, logs = self._scans(KIND.build(options, HostPaths(root=root), resource="x.io/nic"), 2)
+        assert sizes == [8, 8]
+        assert logs == []

@@ -125,11 +125,55 @@ class TestStatusCommand:
         assert result.exit_code == 1
         assert "is stale" in result.output
 
+    def test_names_from_the_kubelet_and_plugins_reach_the_terminal_escaped(self, running):
+        """A pod named with a newline or an escape sequence cannot forge a line or clear the screen."""
+        document = running.snapshot()
+        gpu = document["children"][0]
+        gpu["devices_detail"] = [
+            {
+                "id": "gpu-0\x1b[2J",
+                "healthy": False,
+                "cause": "hot\nfake line",
+                "holders": [{"namespace": "ns\u202e", "pod": "p\n    evil", "container": "c\x07"}],
+            }
+        ]
+        document["pod_resources"] = {"up": False, "error": "down\x1b]0;title\x07", "last_success": None}
+        text = status_.render(document)
+        assert not any(char in text for char in "\x1b\x07\u202e")
+        assert text.count("\n") == len(text.splitlines()) - 1
+        assert "gpu-0\\x1b[2J" in text
+        assert "ns\\u202e/p\\n    evil/c\\x07" in text
+        assert "unhealthy: hot\\nfake line" in text
+
+    def test_why_a_resource_is_not_registered_is_shown(self, make_supervisor):
+        supervisor = make_supervisor("example.com/gpu", "example.com/nic", "example.com/fpga")
+        gpu, nic, fpga = supervisor.children.values()
+        supervisor.handle_report(gpu.pid, {"WAITING": "a kubelet: /dp/kubelet.sock does not exist"})
+        supervisor.handle_report(nic.pid, {"REGISTERED": "1", "ENDPOINT": "plugvisor-n.sock"})
+        supervisor.handle_report(nic.pid, {"TAKEN_OVER": "plugvisor-nic-123456-0badc0de.sock"})
+        supervisor.handle_report(fpga.pid, {"REGISTERED": "1", "ENDPOINT": "plugvisor-f.sock"})
+        supervisor.handle_report(fpga.pid, {"UNREGISTERED": "its socket plugvisor-f.sock was deleted"})
+        text = status_.render(supervisor.snapshot())
+        assert "example.com/gpu: waiting for a kubelet: /dp/kubelet.sock does not exist" in text
+        assert "example.com/nic: taken over by plugvisor-nic-123456-0badc0de.sock" in text
+        assert "example.com/fpga: registering again: its socket plugvisor-f.sock was deleted" in text
+        ready, why = supervisor.readiness()
+        assert not ready
+        assert "example.com/nic (taken over by plugvisor-nic-123456-0badc0de.sock)" in why
+        assert "waiting for a kubelet: /dp/kubelet.sock does not exist" in supervisor.summary()
+
+    def test_an_agent_that_could_not_write_any_state_is_not_said_to_be_missing(self, tmp_path, agent_lock):
+        """A full runtime directory at start: no state file, but the agent runs (it holds the lock)."""
+        result = CliRunner().invoke(status_command, ["--runtime-dir", str(tmp_path)])
+        assert result.exit_code == 1
+        assert f"the plugvisor agent (pid {os.getpid()}) runs but has no state file" in result.output
+        assert "is `plugvisor run` running?" not in result.output
+
 
 class TestMetrics:
-    def test_the_supervisor_exposes_state_restarts_registrations_and_devices(self, running, tmp_path):
+    async def test_the_supervisor_exposes_state_restarts_registrations_and_devices(self, running, tmp_path):
         """Per-resource families from the supervisor's view, in Prometheus text format."""
-        text = Metrics(running.snapshot, multiproc_dir=tmp_path).render().decode()
+        text = (await Metrics(running.snapshot, multiproc_dir=tmp_path).render()).decode()
         assert 'plugvisor_child_up{resource="example.com/gpu"} 1.0' in text
         assert 'plugvisor_child_state{resource="example.com/nic",state="STARTING"} 1.0' in text
         assert 'plugvisor_resource_registered{resource="example.com/gpu"} 1.0' in text

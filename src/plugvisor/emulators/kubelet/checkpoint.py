@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from plugvisor.common.validation import huge_integer_problem, json_integer
+
 FNV32_OFFSET: Final = 0x811C9DC5
 FNV32_PRIME: Final = 0x01000193
 
@@ -282,9 +284,12 @@ def _data(raw_data: object) -> CheckpointData:
 def decode(content: bytes) -> CheckpointData:
     """Parse and verify file content as the kubelet does; raise :class:`CheckpointError` if unusable."""
     try:
-        document = json.loads(content)
+        document = json.loads(content, parse_int=json_integer)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise CheckpointError(f"invalid character in checkpoint: {error}") from None
+    problem = huge_integer_problem(document)
+    if problem is not None:  # Go's decoder: a number that does not fit its field
+        raise CheckpointError(f"cannot unmarshal number in checkpoint: {problem}")
     if not isinstance(document, dict):
         raise _type_error("DeviceManagerCheckpoint", document, "checkpoint.Data")
     data = _data(document.get("Data"))

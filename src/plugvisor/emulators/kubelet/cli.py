@@ -108,7 +108,8 @@ def _parse_gates(ctx: click.Context, param: click.Parameter, value: str | None) 
 @click.option(
     "--pods",
     "pods_dir",
-    type=click.Path(file_okay=False, path_type=Path),
+    # Must exist: a mistyped directory used to be created, silently, and never see a manifest.
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
     default=None,
     help="A directory of Pod manifests (static-pod style): a file added is a pod admitted, "
     "a file removed a pod terminated.",

@@ -146,11 +146,7 @@ class EmulatedKubelet:
         self.socket_path = self.socket_dir / constants.KUBELET_SOCKET_NAME
         _check_socket_path(self.socket_path)
         self.rules = versions.rules_for(kubelet_version)
-        if replacement is None:
-            replacement = self.rules.replacement
-        if replacement not in registration.REPLACEMENTS:
-            raise ValueError(f"replacement must be one of {registration.REPLACEMENTS}, got {replacement!r}")
-        self.replacement: registration.Replacement = replacement
+        self.replacement: registration.Replacement = _checked_replacement(replacement, self.rules)
         self.gates = self.rules.with_locks(gates if gates is not None else self.rules.default_gates)
         self.rules.check_gates(self.gates)
         self.node_name = node_name if node_name is not None else default_node_name()
@@ -197,7 +193,7 @@ class EmulatedKubelet:
             grace_period=grace_period,
             dial_timeout=dial_timeout,
             pre_start_timeout=pre_start_timeout,
-            replacement=replacement,
+            replacement=self.replacement,
             gates=self.gates,
             node_status=self._node_status,
             sources_ready=lambda: self._sources_ready,
@@ -716,6 +712,17 @@ class EmulatedKubelet:
         for writer in (self._view, self._pods_view):
             if writer is not None and self.running:
                 await writer.settled()
+
+
+def _checked_replacement(
+    replacement: registration.Replacement | None, rules: versions.KubeletRules
+) -> registration.Replacement:
+    """The replacement generation asked for, or the release's own; an unknown one is a ValueError."""
+    if replacement is None:
+        return rules.replacement
+    if replacement not in registration.REPLACEMENTS:
+        raise ValueError(f"replacement must be one of {registration.REPLACEMENTS}, got {replacement!r}")
+    return replacement
 
 
 def _check_socket_path(path: Path) -> None:

@@ -38,6 +38,8 @@ import kubernetes_validate
 import pydantic
 import yaml
 
+from plugvisor.common.validation import huge_integer_problem
+from plugvisor.common.yamlfile import BoundedLoader
 from plugvisor.emulators.kubelet import allocation, names, versions
 
 _QUANTITY: Final = re.compile(
@@ -337,11 +339,14 @@ def parse_manifest(
     """Parse one YAML (or JSON) Pod manifest; raise :class:`ManifestError` when it is not a valid Pod."""
     where = f"{source}: " if source else ""
     try:
-        documents = [doc for doc in yaml.safe_load_all(text) if doc is not None]
+        documents = [doc for doc in yaml.load_all(text, Loader=BoundedLoader) if doc is not None]
     except yaml.YAMLError as error:
         raise ManifestError(f"{where}not valid YAML: {error}") from None
     if len(documents) != 1:
         raise ManifestError(f"{where}expected exactly one Pod document, found {len(documents)}")
+    problem = huge_integer_problem(documents[0])
+    if problem is not None:
+        raise ManifestError(f"{where}{problem}")
     return parse_document(
         documents[0], source=source, node_name=node_name, kubelet_version=kubelet_version, static=static
     )

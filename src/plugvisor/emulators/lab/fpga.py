@@ -182,11 +182,11 @@ class _FpgaKind:
         model = catalog.FPGAS[group.model]
         if isinstance(model, XilinxFpgaModel):
             functions = [
-                placer.function(parent, Bdf(0, bus, 0, 0), "mgmt", "xclmgmt"),
-                placer.function(parent, Bdf(0, bus, 0, 1), "user", "xocl"),
+                placer.function(parent, Bdf.on_bus(bus, 0, 0), "mgmt", "xclmgmt"),
+                placer.function(parent, Bdf.on_bus(bus, 0, 1), "user", "xocl"),
             ]
         else:
-            functions = [placer.function(parent, Bdf(0, bus, 0, 0), "fpga", "dfl-pci")]
+            functions = [placer.function(parent, Bdf.on_bus(bus, 0, 0), "fpga", "dfl-pci")]
         dev = DeviceState(
             name=names[0],
             kind=DeviceKind.FPGA,

@@ -351,7 +351,7 @@ class _GpuKind:
         switch: str | None,
     ) -> None:
         model = catalog.GPUS[group.model]
-        bdf = Bdf(0, bus, 0, 0)
+        bdf = Bdf.on_bus(bus, 0, 0)
         fn = placer.function(parent, bdf, "gpu", model.driver)
         ident = uuid.uuid5(_UUID_NAMESPACE, f"{placer.profile_name}/{names[0]}/{bdf}")
         placer.add(

@@ -43,27 +43,45 @@ class _Unit:
 
 @dataclass
 class _Node:
-    """Bus bookkeeping for one NUMA node."""
+    """Bus bookkeeping for one NUMA node.
+
+    Bus numbers here count across PCI domains (``domain << 8 | bus``, see
+    :meth:`~.pci.Bdf.on_bus`). A node starts in domain 0, on its share of its 256
+    buses (so small labs have the addresses they always had); when that runs out it
+    goes on in a domain of its own (1 + its id, then that plus the node count...),
+    as servers with thousands of devices have several PCI segments. A root port and
+    everything below it stay in one domain.
+    """
 
     id: int
     next_bus: int
     limit: int
     source: str
+    nodes: int
     host_bridges: list[tuple[int, int]] = field(default_factory=list)
     """``(root bus, next root-port device number)`` per host bridge."""
+    overflows: int = 0
+
+    def make_room(self, count: int, *, what: str) -> None:
+        """Move to a fresh domain unless ``count`` more buses fit in this one."""
+        if self.next_bus + count <= self.limit:
+            return
+        if count > 0xFF:
+            raise errors.ProfileError(
+                self.source, [(what, f"needs {count} PCI bus numbers; a PCI domain has 256")]
+            )
+        self.overflows += 1
+        domain = self.id + 1 + (self.overflows - 1) * self.nodes
+        if domain > 0xFFFF:
+            raise errors.ProfileError(
+                self.source, [(what, f"too many devices on NUMA node {self.id}: PCI domains ran out")]
+            )
+        self.next_bus, self.limit = domain << 8, (domain + 1) << 8
+        self.host_bridges.append((-1, MAX_ROOT_PORTS + 1))  # the next root port opens a host bridge here
 
     def bus(self, count: int = 1, *, what: str) -> int:
+        self.make_room(count, what=what)
         first = self.next_bus
-        if first + count > self.limit:
-            raise errors.ProfileError(
-                self.source,
-                [
-                    (
-                        what,
-                        f"too many devices on NUMA node {self.id}: its share of PCI bus numbers ran out",
-                    )
-                ],
-            )
         self.next_bus += count
         return first
 
@@ -74,7 +92,9 @@ class _Builder:
         self.nodes: list[_Node] = []
         span = 256 // profile.numa_nodes
         for n in range(profile.numa_nodes):
-            self.nodes.append(_Node(n, n * span, (n + 1) * span, f"profile {profile.name}"))
+            self.nodes.append(
+                _Node(n, n * span, (n + 1) * span, f"profile {profile.name}", nodes=profile.numa_nodes)
+            )
         self.bridges: list[BridgeState] = []
         self.switches: list[SwitchState] = []
         self.devices: dict[str, DeviceState] = {}
@@ -94,11 +114,11 @@ class _Builder:
         if not node.host_bridges or node.host_bridges[-1][1] > MAX_ROOT_PORTS:
             root_bus = node.bus(what=what)
             node.host_bridges.append((root_bus, 1))
-            self.host_bridges.append(f"pci0000:{root_bus:02x}")
+            self.host_bridges.append(_host_bridge(root_bus))
         root_bus, devno = node.host_bridges[-1]
         node.host_bridges[-1] = (root_bus, devno + 1)
-        bdf = Bdf(0, root_bus, devno, 0)
-        return f"sys/devices/pci0000:{root_bus:02x}/{bdf}", root_bus
+        bdf = Bdf.on_bus(root_bus, devno, 0)
+        return f"sys/devices/{_host_bridge(root_bus)}/{bdf}", root_bus
 
     def add_bridge(
         self, *, path: str, role: str, node: _Node, switch: str | None, buses: tuple[int, int, int]
@@ -110,7 +130,7 @@ class _Builder:
                 role=role,  # type: ignore[arg-type]
                 numa_node=node.id,
                 switch=switch,
-                buses=buses,
+                buses=_in_domain(buses),
                 iommu_group=self.group_id(),
             )
         )
@@ -118,6 +138,8 @@ class _Builder:
     def attach(self, node: _Node, units: list[_Unit], *, switched: bool) -> None:
         """Put ``units`` on one root port, behind a switch if asked."""
         what = f"{units[0].section}[{units[0].index}]"
+        # The root port's tree stays in one domain: its buses (and a new host bridge's) must fit.
+        node.make_room(2 + int(switched) + sum(unit.buses for unit in units), what=what)
         rp_path, root_bus = self.root_port(node, what=what)
         rp_index = len(self.bridges)
         secondary = node.bus(what=what)
@@ -128,19 +150,19 @@ class _Builder:
                 path=rp_path, role="root-port", node=node, switch=None, buses=(root_bus, secondary, 0)
             )
             self.place(unit, node, parent=rp_path, bus=secondary, switch=None)
-            self.bridges[rp_index].buses = (root_bus, secondary, max(extra, secondary))
+            self.bridges[rp_index].buses = _in_domain((root_bus, secondary, max(extra, secondary)))
             return
         name = f"sw{len(self.switches)}"
         self.add_bridge(
             path=rp_path, role="root-port", node=node, switch=None, buses=(root_bus, secondary, 0)
         )
-        up_path = f"{rp_path}/{Bdf(0, secondary, 0, 0)}"
+        up_path = f"{rp_path}/{Bdf.on_bus(secondary, 0, 0)}"
         internal = node.bus(what=what)
         up_index = len(self.bridges)
         self.add_bridge(path=up_path, role="upstream", node=node, switch=name, buses=(secondary, internal, 0))
         downstream: list[str] = []
         for k, unit in enumerate(units):
-            dn_bdf = Bdf(0, internal, k, 0)
+            dn_bdf = Bdf.on_bus(internal, k, 0)
             dn_path = f"{up_path}/{dn_bdf}"
             bus = node.bus(unit.buses, what=what)
             self.add_bridge(
@@ -153,11 +175,11 @@ class _Builder:
             downstream.append(str(dn_bdf))
             self.place(unit, node, parent=dn_path, bus=bus, switch=name)
         last = node.next_bus - 1
-        self.bridges[up_index].buses = (secondary, internal, last)
-        self.bridges[rp_index].buses = (root_bus, secondary, last)
+        self.bridges[up_index].buses = _in_domain((secondary, internal, last))
+        self.bridges[rp_index].buses = _in_domain((root_bus, secondary, last))
         self.switches.append(
             SwitchState(
-                name=name, numa_node=node.id, upstream=str(Bdf(0, secondary, 0, 0)), downstream=downstream
+                name=name, numa_node=node.id, upstream=str(Bdf.on_bus(secondary, 0, 0)), downstream=downstream
             )
         )
 
@@ -185,6 +207,17 @@ class _Builder:
 
     def add(self, dev: DeviceState) -> None:
         self.devices[dev.name] = dev
+
+
+def _host_bridge(root_bus: int) -> str:
+    """The sysfs name of the host bridge whose root bus is ``root_bus`` (counting across domains)."""
+    return f"pci{root_bus >> 8:04x}:{root_bus & 0xFF:02x}"
+
+
+def _in_domain(buses: tuple[int, int, int]) -> tuple[int, int, int]:
+    """A bridge's (primary, secondary, subordinate) bus numbers as its config space holds them."""
+    primary, secondary, subordinate = buses
+    return primary & 0xFF, secondary & 0xFF, subordinate & 0xFF
 
 
 def _units(profile: Profile) -> list[tuple[int, _Unit]]:

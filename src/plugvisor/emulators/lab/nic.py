@@ -236,10 +236,10 @@ class _NicKind:
         total = model.max_vfs if group.total_vfs is None else group.total_vfs
         ports = group.ports_per_card
         first = max(model.first_vf_offset, ports)
-        base = Bdf(0, bus, 0, 0).routing_id
+        base = Bdf.on_bus(bus, 0, 0).routing_id
         vf_driver = VFIO_DRIVER if group.vf_driver == VFIO_DRIVER else model.vf_driver
         for port, name in enumerate(names):
-            bdf = Bdf(0, bus, 0, port)
+            bdf = Bdf.on_bus(bus, 0, port)
             fn = placer.function(parent, bdf, "pf", model.pf_driver)
             digest = hashlib.sha256(f"{placer.profile_name}/{name}".encode()).digest()
             placer.add(

@@ -59,6 +59,15 @@ class Bdf:
         return (self.bus << 8) | (self.device << 3) | self.function
 
     @classmethod
+    def on_bus(cls, bus: int, device: int, function: int) -> Bdf:
+        """The address of a function on the lab's ``bus``, which counts across PCI domains.
+
+        ``bus`` is ``domain << 8 | bus number``: a profile of thousands of devices needs
+        more than one domain's 256 buses (as big servers have several PCI segments).
+        """
+        return cls(bus >> 8, bus & 0xFF, device, function)
+
+    @classmethod
     def from_routing_id(cls, domain: int, rid: int) -> Bdf:
         """Return the address of a routing id (how VF addresses are derived from their PF)."""
         return cls(domain, (rid >> 8) & 0xFF, (rid >> 3) & 0x1F, rid & 0x7)

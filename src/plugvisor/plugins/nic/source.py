@@ -110,6 +110,7 @@ class NicSource:
         self._log = structlog.get_logger("plugvisor.plugins.nic").bind(resource=resource)
         self._problems = sysfs.ProblemLog(self._log)
         self._telemetry = telemetry.TelemetryLog(self._log)
+        self._matched_nothing = False
 
     # -- discovery -----------------------------------------------------------------
 
@@ -170,7 +171,8 @@ class NicSource:
         seen: list[str] = []
         found: dict[str, ScannedVf] = {}
         watch = {self.paths.sysfs / sysfs.PCI_DEVICES, self.paths.devfs / "vfio"}
-        for pf in self._physical_functions(addresses):
+        pfs = self._physical_functions(addresses)
+        for pf in pfs:
             watch.add(pf.path)
             if pf.ifname is not None:
                 watch.add(pf.path / "net" / pf.ifname)
@@ -182,7 +184,27 @@ class NicSource:
                 if device is not None:
                     devices.append(device)
         self._problems.forget_absent(seen)
+        self._say_if_nothing_matches(devices, pfs, len(seen))
         return Snapshot(devices, watch=sorted(watch, key=str), data=MappingProxyType(found))
+
+    def _say_if_nothing_matches(self, devices: list[Device], pfs: list[PhysicalFunction], vfs: int) -> None:
+        """Warn once each time the selectors come to match nothing, saying what the scan did see.
+
+        A mistyped PF name or vendor ID, a host root without the NIC, or VFs not created
+        yet (``sriov_numvfs`` is 0) would otherwise register zero devices in silence.
+        Not an error: VFs created later are picked up then.
+        """
+        nothing = not devices
+        if nothing and not self._matched_nothing:
+            self._log.warning(
+                "selector_matches_nothing",
+                match=self.options.match.model_dump(by_alias=True, exclude_none=True),
+                pfs_seen=[pf.ifname or pf.bdf for pf in pfs][:16],
+                vfs_seen=vfs,
+                looked_in=str(self.paths.sysfs / sysfs.PCI_DEVICES),
+                hint="no device until a matching VF appears (are VFs created? is hostRoot right?)",
+            )
+        self._matched_nothing = nothing
 
     def _device(
         self, pf: PhysicalFunction, bdf: str, vf_index: int, watch: set[Path], found: dict[str, ScannedVf]

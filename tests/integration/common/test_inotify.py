@@ -1,0 +1,96 @@
+"""The process's one inotify instance, shared by its watchers: each sees its own events, and only those."""
+
+import asyncio
+import contextlib
+import errno
+import os
+
+import pytest
+from asyncinotify import Mask
+
+from plugvisor.common import inotify
+
+
+def instances_held() -> int:
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor, closed by now
+            count += os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:inotify"
+    return count
+
+
+async def next_event(group: inotify.WatchGroup):
+    return await asyncio.wait_for(group.get(), 10)
+
+
+async def test_every_group_of_a_loop_shares_one_instance_which_closes_with_the_last():
+    before = instances_held()
+    groups = [inotify.open_watches() for _ in range(5)]
+    assert instances_held() == before + 1
+    for group in groups:
+        group.close()
+    assert instances_held() == before
+
+
+async def test_two_groups_on_one_directory_each_get_the_events_they_asked_for(tmp_path):
+    """inotify has one watch per inode and instance: its mask is the union, the delivery is not."""
+    creations, deletions = inotify.open_watches(), inotify.open_watches()
+    try:
+        creations.add_watch(tmp_path, Mask.CREATE)
+        deletions.add_watch(tmp_path, Mask.DELETE)
+        (tmp_path / "a").touch()
+        (tmp_path / "a").unlink()
+        created = await next_event(creations)
+        deleted = await next_event(deletions)
+        assert (created.mask & Mask.CREATE, str(created.name)) == (Mask.CREATE, "a")
+        assert (deleted.mask & Mask.DELETE, str(deleted.name)) == (Mask.DELETE, "a")
+        assert creations.sync_get() is None
+        assert deletions.sync_get() is None
+    finally:
+        creations.close()
+        deletions.close()
+
+
+async def test_one_group_letting_go_of_a_directory_leaves_the_other_watching_it(tmp_path):
+    first, second = inotify.open_watches(), inotify.open_watches()
+    try:
+        watch = first.add_watch(tmp_path, Mask.CREATE)
+        second.add_watch(tmp_path, Mask.CREATE)
+        first.rm_watch(watch)
+        (tmp_path / "b").touch()
+        assert str((await next_event(second)).name) == "b"
+        assert first.sync_get() is None
+    finally:
+        first.close()
+        second.close()
+
+
+async def test_a_group_that_stops_reading_is_bounded_and_told_it_lost_events(tmp_path, monkeypatch):
+    monkeypatch.setattr(inotify, "MAX_QUEUED", 3)
+    reader, idle = inotify.open_watches(), inotify.open_watches()
+    try:
+        idle.add_watch(tmp_path, Mask.CREATE)
+        for index in range(10):
+            (tmp_path / str(index)).touch()
+        reader.add_watch(tmp_path, Mask.DELETE)
+        (tmp_path / "0").unlink()
+        await next_event(reader)
+        assert idle.sync_get().mask & Mask.Q_OVERFLOW
+    finally:
+        reader.close()
+        idle.close()
+
+
+@pytest.mark.parametrize(
+    ("code", "sysctl"),
+    [(errno.EMFILE, "fs.inotify.max_user_instances"), (errno.ENOSPC, "fs.inotify.max_user_watches")],
+)
+def test_a_spent_budget_is_an_error_naming_the_sysctl(code, sysctl):
+    error = inotify.limit_error(OSError(code, os.strerror(code)), what="cannot watch /x")
+    assert error is not None
+    assert str(error).startswith("cannot watch /x: too many inotify")
+    assert sysctl in str(error)
+
+
+def test_other_errors_are_left_as_they_are():
+    assert inotify.limit_error(OSError(errno.ENOENT, "gone"), what="cannot watch /x") is None

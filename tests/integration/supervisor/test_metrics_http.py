@@ -1,0 +1,108 @@
+"""The agent's HTTP endpoint against bad and greedy clients, as a real process on a real socket."""
+
+import asyncio
+import json
+import sys
+
+from .conftest import RUN, Agent, running_registered
+
+
+class JsonLoggingAgent(Agent):
+    async def start(self) -> Agent:
+        with self.log_path.open("wb") as log:
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable, *RUN, "--config", str(self.node.config_path), "--log-format", "json",
+                env=self.env, stderr=log,
+            )  # fmt: skip
+        return self
+
+
+def port_of(agent: Agent) -> int:
+    for line in agent.log().splitlines():
+        record = json.loads(line)
+        if record["event"] == "metrics_listening":
+            return int(record["url"].rsplit(":", 1)[1].split("/")[0])
+    raise AssertionError(agent.log())
+
+
+async def request(port: int, raw: bytes) -> bytes:
+    """The whole answer to ``raw``; empty when the server closed the connection without one."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(raw)
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(), 60)
+    except ConnectionResetError:
+        return b""
+    finally:
+        writer.close()
+
+
+async def test_an_over_long_request_line_or_header_is_a_431_not_a_traceback(node, kubelet, agents):
+    """Over 64 KiB it was 'Unhandled exception in client_connected_cb' and 22 plain-text lines per request,
+    even with --log-format json."""
+    node.write_config(metrics={"listen": "127.0.0.1:0"})
+    agent = JsonLoggingAgent(node)
+    await agent.start()
+    try:
+        await agent.wait_state(running_registered, timeout=30)
+        port = port_of(agent)
+        long_target = b"GET /" + b"a" * 100_000 + b" HTTP/1.0\r\n\r\n"
+        long_header = b"GET /metrics HTTP/1.0\r\nX-Pad: " + b"b" * 100_000 + b"\r\n\r\n"
+        for raw in (long_target, long_header):
+            answer = await request(port, raw)
+            assert answer.startswith(b"HTTP/1.0 431 "), answer[:200]
+        assert (await request(port, b"GET /healthz HTTP/1.0\r\n\r\n")).endswith(b"\r\n\r\nok\n")
+        assert await agent.stop() == 0
+    finally:
+        if agent.proc.returncode is None:
+            agent.proc.kill()
+            await agent.proc.wait()
+    log = agent.log()
+    assert "Traceback" not in log
+    for line in log.splitlines():
+        json.loads(line)  # every line is a JSON record
+
+
+async def test_scrapes_that_never_read_do_not_hold_health_or_other_scrapes(node, kubelet, agents):
+    node.write_config(metrics={"listen": "127.0.0.1:0"})
+    agent = await agents()
+    await agent.wait_state(running_registered, timeout=30)
+    port = int(agent.log().split("url='http://127.0.0.1:")[1].split("/")[0])
+    stalled = []
+    for _ in range(10):  # they ask and never read
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /metrics HTTP/1.0\r\n\r\n")
+        stalled.append(writer)
+    answers = await asyncio.gather(*(request(port, b"GET /metrics HTTP/1.0\r\n\r\n") for _ in range(20)))
+    assert all(answer.startswith(b"HTTP/1.0 200 OK") for answer in answers)
+    assert (await request(port, b"GET /healthz HTTP/1.0\r\n\r\n")).endswith(b"ok\n")
+    for writer in stalled:
+        writer.close()
+    assert await agent.stop() == 0
+
+
+async def test_connections_beyond_the_cap_are_closed_at_once(monkeypatch):
+    """Each held connection is a descriptor the agent needs to restart children: they are bounded."""
+    from plugvisor.supervisor import metrics as metrics_
+
+    monkeypatch.setattr(metrics_, "MAX_CONNECTIONS", 5)
+    metrics = metrics_.Metrics(lambda: {"supervisor": {}, "children": []}, multiproc_dir=None)
+    server = metrics_.HttpServer(metrics, lambda: (True, "ready"), host="127.0.0.1", port=0)
+    await server.start()
+    try:
+        _, port = server.address
+        idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(5)]
+        await asyncio.sleep(0.2)  # let the server take them (they say nothing)
+        assert await request(port, b"GET /healthz HTTP/1.0\r\n\r\n") == b""  # closed at once
+        for _, writer in idle:
+            writer.close()
+        answer = b""
+        for _ in range(100):  # the server notices the closes as it reads
+            answer = await request(port, b"GET /healthz HTTP/1.0\r\n\r\n")
+            if answer:
+                break
+            await asyncio.sleep(0.05)
+        assert answer.endswith(b"ok\n")
+    finally:
+        await server.close()
