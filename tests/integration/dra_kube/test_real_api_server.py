@@ -20,11 +20,12 @@ from lightkube.resources.rbac_authorization_v1 import ClusterRole, ClusterRoleBi
 from lightkube.resources.resource_v1 import ResourceClaim, ResourceClaimStatus, ResourceSlice
 from structlog.testing import capture_logs
 
+from plugvisor.dra.cluster import AllocatedDevice, ClaimError
+from plugvisor.dra.devices import DeviceTaint, PublishedDevice, SemVer
 from plugvisor.dra.kube import connect
-from plugvisor.dra.kube import slices as slices_module
-from plugvisor.dra.kube.claims import AllocatedDevice, ClaimError, ClaimReader
+from plugvisor.dra.kube.claims import ClaimReader
 from plugvisor.dra.kube.config import api_client
-from plugvisor.dra.kube.slices import DeviceTaint, PublishedDevice, SemVer, SlicePublisher
+from plugvisor.dra.kube.slices import SlicePublisher
 
 from .conftest import ADMIN_TOKEN, DRIVER_TOKEN, DRIVER_USER, NOBODY_TOKEN, ApiServer, running_api_server
 
@@ -191,11 +192,11 @@ async def test_slices_deleted_as_the_kubelet_does_at_start_come_back(
 
 
 async def test_a_device_the_api_server_refuses_is_named_and_left_out(
-    admin: AsyncClient, publisher: SlicePublisher, node: str, monkeypatch: pytest.MonkeyPatch
+    admin: AsyncClient, publisher: SlicePublisher, node: str
 ) -> None:
     """With our own checks out of the way, the API server's refusal is read back to the device and field."""
-    monkeypatch.setattr(slices_module, "checked_device", lambda device, driver: (device, []))
-    bad = PublishedDevice("gpu-1", attributes={"not valid": 1}, capacity={})
+    bad = PublishedDevice("gpu-1")
+    object.__setattr__(bad, "attributes", {"not valid": 1})  # what PublishedDevice itself would refuse
     with capture_logs() as logs:
         await publisher.publish([gpu(0), bad, gpu(2)])
         assert await publisher.wait_synced(WAIT)
