@@ -12,6 +12,11 @@ lines. The plugin's fields are::
     KUBELET_RESTART=plugin socket deleted   (a restart was detected)
     SLICES=synced           a DRA driver's ResourceSlices: synced, pending, or failing: <why>
 
+The agent's only word back is a signal: SIGTERM stops a plugin, and
+:data:`STOP_FOR_GOOD_SIGNAL` stops a DRA driver whose resource left the
+configuration, which then also withdraws its ResourceSlices (a driver stopped
+by SIGTERM is expected back, and keeps them).
+
 Speaking it directly keeps libsystemd out of the dependencies. Sending is best
 effort in both directions: a missing or full socket only drops the message, and
 every message carries the full state it is about, so the next one repairs a loss.
@@ -22,12 +27,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 from collections.abc import Mapping
 from typing import Final
 
 STATUS_SOCKET_ENV: Final = "PLUGVISOR_STATUS_SOCKET"
 """Names the agent's datagram socket in a plugin's environment."""
+STOP_FOR_GOOD_SIGNAL: Final = signal.SIGUSR1
+"""Sent by the agent instead of SIGTERM to a DRA driver it will not start again (removed by a reload)."""
 
 
 def encode(fields: Mapping[str, str | int]) -> bytes:

@@ -33,7 +33,7 @@ from plugvisor.common import constants
 from plugvisor.common.exitcodes import EXIT_CONFIGURATION, EXIT_FAILURE, EXIT_OK
 from plugvisor.common.hostpaths import HostPaths
 from plugvisor.common.names import dra_driver_name_problem
-from plugvisor.common.notify import StatusReporter
+from plugvisor.common.notify import STOP_FOR_GOOD_SIGNAL, StatusReporter
 from plugvisor.deviceplugin.cell import CellClosedError, SnapshotCell
 from plugvisor.deviceplugin.device_monitor import DeviceDescriber, DeviceMonitor, MonitorConfig
 from plugvisor.deviceplugin.errors import ConfigurationError, SocketInUseError
@@ -43,7 +43,7 @@ from plugvisor.deviceplugin.snapshot import Snapshot
 from plugvisor.deviceplugin.watch import DeviceWatcher
 from plugvisor.dra import cdi, sockets
 from plugvisor.dra.checkpoint import FILE_NAME, Checkpoint, CheckpointError, PreparedClaim
-from plugvisor.dra.cluster import ClaimReader, SlicePublisher
+from plugvisor.dra.cluster import ClaimReader, PublishState, SlicePublisher
 from plugvisor.dra.hooks import DraDescriber
 from plugvisor.dra.pool import Pool, build_pool
 from plugvisor.dra.preparer import ClaimPreparer
@@ -223,13 +223,18 @@ class DraDriverRuntime:
             )
             return recovered
 
-    async def run(self, stop: asyncio.Event) -> None:
-        """Discover, publish, serve, register; keep it so until ``stop`` is set."""
+    async def run(self, stop: asyncio.Event, *, for_good: asyncio.Event | None = None) -> None:
+        """Discover, publish, serve, register; keep it so until ``stop`` is set.
+
+        At the stop the slices are withdrawn when the configuration says
+        ``withdraw_on_stop`` or ``for_good`` is set by then (the driver is not
+        coming back); otherwise they stay for the driver's next process.
+        """
         lifecycle = self.hooks.lifecycle
         if lifecycle is not None:
             await asyncio.to_thread(lifecycle.start)
         try:
-            await self._run(stop)
+            await self._run(stop, for_good)
         finally:
             if lifecycle is not None:
                 try:
@@ -237,7 +242,7 @@ class DraDriverRuntime:
                 except Exception:  # closing must not hide why the driver stopped
                     self._log.exception("close_failed")
 
-    async def _run(self, stop: asyncio.Event) -> None:
+    async def _run(self, stop: asyncio.Event, for_good: asyncio.Event | None) -> None:
         self.preparer.prepared = await asyncio.to_thread(self.load_prepared)
         if self.preparer.prepared:
             self._log.info("prepared_claims_restored", claims=sorted(self.preparer.prepared))
@@ -267,16 +272,16 @@ class DraDriverRuntime:
             self.pools.close()
             self.snapshot.close()
             await self.dra_socket.stop(grace=1.0)
-            if self.config.withdraw_on_stop:
-                await self._withdraw()
+            withdraw = self.config.withdraw_on_stop or (for_good is not None and for_good.is_set())
+            await self._end_publishing(withdraw=withdraw)
             self.status.close()
-            self._log.info("stopped")
+            self._log.info("stopped", slices="withdrawn" if withdraw else "kept")
 
-    async def _withdraw(self) -> None:
+    async def _end_publishing(self, *, withdraw: bool) -> None:
         try:
-            await self.slices.withdraw()
+            await (self.slices.withdraw() if withdraw else self.slices.close())
         except Exception as exc:  # the publisher logs API errors itself; a bug must not hide the stop
-            self._log.error("slices_not_withdrawn", error=f"{type(exc).__name__}: {exc}")
+            self._log.error("slices_not_released", error=f"{type(exc).__name__}: {exc}")
 
     async def _build_pools(self) -> None:
         """Turn every new snapshot into the pool, and publish its healthy devices when they changed.
@@ -346,8 +351,11 @@ class DraDriverRuntime:
 ExitCode = int
 
 
-Connect = Callable[[], Awaitable[tuple[ClaimReader, SlicePublisher]]]
-"""Makes the driver's claim reader and slice publisher, in the driver's event loop (clients bind to it)."""
+Connect = Callable[[Callable[[PublishState], None]], Awaitable[tuple[ClaimReader, SlicePublisher]]]
+"""Makes the driver's claim reader and slice publisher, in the driver's event loop (clients bind to it).
+
+Its argument hears every change of where the slices stand (the driver reports it to its agent).
+"""
 
 
 def run_driver(
@@ -359,22 +367,34 @@ def run_driver(
 ) -> ExitCode:
     """Run a driver in this process until SIGTERM or SIGINT; returns the process exit code.
 
-    0 after a clean stop, 2 for configuration problems (a bad driver name, a
-    socket path that is too long, a live driver of the same name already
-    serving its sockets), 1 for anything else.
+    :data:`~plugvisor.common.notify.STOP_FOR_GOOD_SIGNAL` stops it too, and
+    withdraws its slices (the agent's way of saying the driver is not coming
+    back). 0 after a clean stop, 2 for configuration problems (a bad driver
+    name, no API server configured, a socket path that is too long, a live
+    driver of the same name already serving its sockets), 1 for anything else.
     """
     log = structlog.get_logger("plugvisor.dra").bind(driver=config.driver)
 
     async def main() -> None:
-        stop = asyncio.Event()
+        stop, for_good = asyncio.Event(), asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        claims, slices = await connect()
-        runtime = DraDriverRuntime(config, source, claims=claims, slices=slices)
+
+        def stop_for_good() -> None:
+            for_good.set()
+            stop.set()
+
+        def report(state: PublishState) -> None:
+            status.send(SLICES=state.summary)
+
+        loop.add_signal_handler(STOP_FOR_GOOD_SIGNAL, stop_for_good)
+        status = StatusReporter()
+        claims, slices = await connect(report)
+        runtime = DraDriverRuntime(config, source, claims=claims, slices=slices, status=status)
         if on_ready is not None:
             on_ready(runtime)
-        await runtime.run(stop)
+        await runtime.run(stop, for_good=for_good)
 
     try:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:

@@ -19,7 +19,7 @@ from plugvisor.dra.kube.claims import ClaimReader
 from plugvisor.dra.kube.config import KubeConfigError, api_client, load_api_config
 from plugvisor.dra.kube.slices import SlicePublisher
 
-__all__ = ["connect"]
+__all__ = ["KubeConfigError", "PublishState", "connect"]
 
 
 async def connect(
