@@ -166,15 +166,20 @@ class DraDriverRuntime:
         self.watcher = DeviceWatcher(
             source, self.snapshot, rescan_interval=config.rescan_interval, resource=config.driver
         )
+        self.pooled: SnapshotCell[Snapshot[Any]] = SnapshotCell(Snapshot())
+        """The snapshot of each pool, published after it: monitoring reports the pool's devices by name."""
         self.monitor: DeviceMonitor | None = None
         if config.monitoring.enabled:
+            # Reported as PodResources' dynamic_resources name them: resource = the driver, device =
+            # the name in the pool (what the owner labels are keyed by).
             self.monitor = DeviceMonitor(
                 config.driver,
-                self.snapshot,
+                self.pooled,
                 source if isinstance(source, DeviceDescriber) else None,
                 config.monitoring,
                 pod_resources_socket=config.monitoring.pod_resources_socket
                 or default_pod_resources_socket(config.paths.kubelet_dir),
+                names=lambda _: self.pools.value.names,
             )
         self.server = DraServer(self.preparer, self.pools, causes=self._causes)
         self.registration = RegistrationService(
@@ -195,7 +200,7 @@ class DraDriverRuntime:
         )
 
     def _causes(self) -> Mapping[str, str]:
-        """Why each unhealthy device is unhealthy, as the monitor last described it (empty without one)."""
+        """Why each unhealthy device is unhealthy, by name, as the monitor last described it (or empty)."""
         report = self.monitor.report.value if self.monitor is not None else None
         if report is None:
             return {}
@@ -270,6 +275,7 @@ class DraDriverRuntime:
             # The registration first: the kubelet deregisters the driver and stops calling it.
             await self.registration_socket.stop(grace=0)
             self.pools.close()
+            self.pooled.close()
             self.snapshot.close()
             await self.dra_socket.stop(grace=1.0)
             withdraw = self.config.withdraw_on_stop or (for_good is not None and for_good.is_set())
@@ -298,6 +304,7 @@ class DraDriverRuntime:
             if self.pools.closed:
                 return
             self.pools.publish(pool)
+            self.pooled.publish(snapshot)
             self.pool_ready.set()
             healthy = pool.healthy()
             self.status.send(DEVICES=f"{len(healthy)}/{len(pool.devices)}")
