@@ -42,6 +42,8 @@ if TYPE_CHECKING:
 
 MODE: Final = "dra"
 KUBE_MODULE: Final = "plugvisor.dra.kube"
+OBJECTS_DIR_ENV: Final = "PLUGVISOR_DRA_OBJECTS_DIR"
+"""``--objects-dir`` from the environment: how an agent's drivers on an emulated node find their files."""
 SHARED_OPTIONS: Final = (
     "host_root",
     "kubelet_dir",
@@ -134,8 +136,9 @@ def _connect(driver: str, node_name: str, objects_dir: Path | None) -> Connect:
 @click.option(
     "--objects-dir",
     type=click.Path(file_okay=False, path_type=Path),
+    envvar=OBJECTS_DIR_ENV,
     help="Run without an API server: read allocated ResourceClaims from DIR/resourceclaims and write the "
-    "ResourceSlice to DIR/resourceslices (the emulated world, tests).",
+    f"ResourceSlice to DIR/resourceslices (the emulated world, tests) [env: {OBJECTS_DIR_ENV}].",
 )
 @click.option(
     "--replace",
