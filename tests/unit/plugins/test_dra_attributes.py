@@ -99,7 +99,7 @@ class TestFpga:
         assert len(str(device.attributes["interfaceId"])) == 32 and len(str(device.attributes["afuId"])) == 32
 
     def test_a_xilinx_card_says_its_shell(self, labs):
-        (device,) = pool(labs / "dgx-like", "fpga", {"mode": "xilinx"}).devices.values()
+        (device,) = pool(labs / "dgx-like", "fpga", {"family": "xilinx"}).devices.values()
         assert device.attributes["interfaceId"] == "xilinx_u250_gen3x16_xdma_shell_4_1"
 
 

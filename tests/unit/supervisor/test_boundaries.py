@@ -80,7 +80,7 @@ def test_the_states_module_imports_nothing():
         ("generic", {"paths": ["/dev/fuse"]}),
         ("gpu", {"replicas": 2, "cdi": True}),
         ("nic", {"match": {"pfNames": ["ens1f0#0-7"]}}),
-        ("fpga", {"mode": "xilinx", "releaseCleanup": {"command": ["true"]}}),
+        ("fpga", {"family": "xilinx", "releaseCleanup": {"command": ["true"]}}),
     ],
 )
 def test_every_built_in_kind_validates_its_options_without_grpc(kind, options):
