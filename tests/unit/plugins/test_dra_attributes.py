@@ -87,9 +87,15 @@ class TestNic:
         assert (device.attributes[PCIE_ROOT], device.attributes[NUMA_NODE]) == ("pci0000:80", 1)
 
     def test_a_vf_without_rdma_says_so(self, labs):
-        published = pool(labs / "dgx-like", "nic", {"match": {"pfNames": ["enp10s0f0"]}})
+        published = pool(labs / "dgx-like", "nic", {"match": {"pfNames": ["enp10s0f0"], "isRdma": False}})
         assert len(published.devices) == 8
         assert published.devices["enp10s0f0-vf3"].attributes["rdma"] is False
+
+    def test_without_is_rdma_no_vf_claims_to_have_or_lack_rdma(self, labs):
+        """Only isRdma makes the scan look for RDMA devices: a ConnectX VF is never published rdma false."""
+        published = pool(labs / "dgx-like", "nic")
+        assert len(published.devices) == 16
+        assert not any("rdma" in device.attributes for device in published.devices.values())
 
 
 class TestFpga:
