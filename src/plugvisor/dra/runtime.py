@@ -38,6 +38,8 @@ from plugvisor.deviceplugin.cell import CellClosedError, SnapshotCell
 from plugvisor.deviceplugin.device_monitor import DeviceDescriber, DeviceMonitor, MonitorConfig
 from plugvisor.deviceplugin.errors import ConfigurationError, SocketInUseError
 from plugvisor.deviceplugin.hooks import DeviceSource, Hooks, resolve_hooks
+from plugvisor.deviceplugin.lifetime import Work, kind_lifecycle, run_until_stopped
+from plugvisor.deviceplugin.pluginwatcher import RegistrationService
 from plugvisor.deviceplugin.release import default_pod_resources_socket
 from plugvisor.deviceplugin.snapshot import Snapshot
 from plugvisor.deviceplugin.watch import DeviceWatcher
@@ -47,7 +49,6 @@ from plugvisor.dra.cluster import ClaimReader, PublishState, SlicePublisher
 from plugvisor.dra.hooks import DraDescriber
 from plugvisor.dra.pool import Pool, build_pool
 from plugvisor.dra.preparer import ClaimPreparer
-from plugvisor.dra.registration import RegistrationService
 from plugvisor.dra.server import DraServer
 
 DEFAULT_CDI_DIR = "/var/run/cdi"
@@ -235,43 +236,23 @@ class DraDriverRuntime:
         ``withdraw_on_stop`` or ``for_good`` is set by then (the driver is not
         coming back); otherwise they stay for the driver's next process.
         """
-        lifecycle = self.hooks.lifecycle
-        if lifecycle is not None:
-            await asyncio.to_thread(lifecycle.start)
-        try:
+        async with kind_lifecycle(self.hooks.lifecycle, self._log):
             await self._run(stop, for_good)
-        finally:
-            if lifecycle is not None:
-                try:
-                    await asyncio.to_thread(lifecycle.close)
-                except Exception:  # closing must not hide why the driver stopped
-                    self._log.exception("close_failed")
 
     async def _run(self, stop: asyncio.Event, for_good: asyncio.Event | None) -> None:
         self.preparer.prepared = await asyncio.to_thread(self.load_prepared)
         if self.preparer.prepared:
             self._log.info("prepared_claims_restored", claims=sorted(self.preparer.prepared))
-        tasks = [
-            asyncio.create_task(self.watcher.run(), name="discovery"),
-            asyncio.create_task(self._build_pools(), name="pool"),
+        work: list[Work] = [
+            ("discovery", self.watcher.run()),
+            ("pool", self._build_pools()),
         ]
         if self.monitor is not None:
-            tasks.append(asyncio.create_task(self.monitor.run(), name="monitor"))
-        main = asyncio.create_task(self._serve_and_register(), name="serve-and-register")
-        stopper = asyncio.create_task(stop.wait(), name="stop")
+            work.append(("monitor", self.monitor.run()))
+        work.append(("serve-and-register", self._serve_and_register()))
         try:
-            done, _ = await asyncio.wait([main, stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                if task is not stopper and not task.cancelled():
-                    error = task.exception()
-                    if error is not None:
-                        raise error
+            await run_until_stopped(stop, work)
         finally:
-            for task in [main, stopper, *tasks]:
-                task.cancel()
-            for task in [main, stopper, *tasks]:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
             # The registration first: the kubelet deregisters the driver and stops calling it.
             await self.registration_socket.stop(grace=0)
             self.pools.close()
