@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import stat
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import grpc
 import structlog
 
 from plugvisor.api.deviceplugin.v1beta1 import api_pb2_grpc
-from plugvisor.common.sockets import socket_name, socket_path_problem
+from plugvisor.common.sockets import owner_only, socket_name, socket_path_problem
 from plugvisor.deviceplugin.errors import ConfigurationError, SocketInUseError
 from plugvisor.deviceplugin.server import add_plugin_servicer
 
@@ -79,13 +78,8 @@ class PluginEndpoint:
         add_plugin_servicer(self._servicer, server, resource=self._resource)
         if self._extra_handlers:
             server.add_generic_rpc_handlers(self._extra_handlers)
-        # The socket is created by bind(); a tight umask means it is never, even briefly,
-        # accessible to others. The kubelet runs as root and needs nothing more.
-        old_umask = os.umask(0o177)
-        try:
+        with owner_only():
             bound = server.add_insecure_port(f"unix:{self.path}")
-        finally:
-            os.umask(old_umask)
         if not bound:
             raise ConfigurationError(f"could not bind the plugin socket {self.path}")
         await server.start()

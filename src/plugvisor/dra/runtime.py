@@ -51,8 +51,6 @@ from plugvisor.dra.pool import Pool, build_pool
 from plugvisor.dra.preparer import ClaimPreparer
 from plugvisor.dra.server import DraServer
 
-DEFAULT_CDI_DIR = "/var/run/cdi"
-
 
 @dataclass(frozen=True, slots=True)
 class DriverConfig:
@@ -70,7 +68,7 @@ class DriverConfig:
     driver: str
     node_name: str
     paths: HostPaths = field(default_factory=HostPaths)
-    cdi_dir: str = DEFAULT_CDI_DIR
+    cdi_dir: str = constants.DEFAULT_CDI_DIR
     rescan_interval: float = 30.0
     monitoring: MonitorConfig = field(default_factory=MonitorConfig)
     plugins_registry: Path | None = None

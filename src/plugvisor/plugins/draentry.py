@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Final
 import click
 import pydantic
 
+from plugvisor.common import constants
 from plugvisor.common.exitcodes import EXIT_USAGE
 from plugvisor.common.hostpaths import HostPaths, kubelet_dir_problem
 from plugvisor.common.logs import configure_logging
@@ -129,7 +130,7 @@ def _connect(driver: str, node_name: str, objects_dir: Path | None) -> Connect:
 )
 @click.option(
     "--cdi-dir",
-    default="/var/run/cdi",
+    default=constants.DEFAULT_CDI_DIR,
     show_default=True,
     help="Where the claims' CDI specs go (a host path, resolved inside --host-root).",
 )
