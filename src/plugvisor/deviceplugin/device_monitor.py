@@ -19,7 +19,6 @@ plugin: the kubelet-facing work does not depend on monitoring at all.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import time
 from collections.abc import Callable, Coroutine, Mapping
@@ -34,6 +33,7 @@ from plugvisor.common.monitoring import DeviceDescription, DeviceReport, Resourc
 from plugvisor.deviceplugin.cell import CellClosedError, SnapshotCell
 from plugvisor.deviceplugin.devices import DeviceSet
 from plugvisor.deviceplugin.errors import ConfigurationError
+from plugvisor.deviceplugin.lifetime import cancel_all
 from plugvisor.deviceplugin.owners import DEFAULT_INTERVAL, OwnerWatch
 from plugvisor.deviceplugin.snapshot import Snapshot
 
@@ -161,11 +161,7 @@ class DeviceMonitor:
             await asyncio.gather(*tasks)
             await asyncio.Event().wait()  # monitoring ended (closed or broken): the plugin goes on
         finally:
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+            await cancel_all(tasks)
             if self.config.monitor_dir is not None:
                 monitoring.remove_report(self.config.monitor_dir, self.resource)
 

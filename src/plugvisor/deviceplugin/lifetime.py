@@ -59,8 +59,13 @@ async def run_until_stopped(
                 if error is not None:
                     raise error
     finally:
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_all(tasks)
+
+
+async def cancel_all(tasks: Sequence[asyncio.Task[Any]]) -> None:
+    """Cancel every task, then wait for each to end (what it raised on the way out is not ours to see)."""
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
