@@ -28,8 +28,9 @@ from lightkube.resources.core_v1 import Node
 from lightkube.resources.resource_v1 import ResourceSlice
 
 from plugvisor.common.logs import configure_logging
+from plugvisor.dra.devices import PublishedDevice, SemVer
 from plugvisor.dra.kube.config import ApiConfig, api_client, load_api_config
-from plugvisor.dra.kube.slices import PublishedDevice, SemVer, SlicePublisher
+from plugvisor.dra.kube.slices import SlicePublisher
 
 REPO = Path(__file__).resolve().parents[1]
 DRIVER = "gpu.plugvisor.io"

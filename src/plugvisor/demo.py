@@ -229,7 +229,7 @@ class Demo:
         resources: list[dict[str, Any]] = [
             {"name": GPU, "kind": "gpu"},
             {"name": NIC, "kind": "nic", "match": {"pfNames": [nic_pf]}},
-            {"name": FPGA, "kind": "fpga", "mode": "af"},
+            {"name": FPGA, "kind": "fpga", "family": "af"},
             {"name": FUSE, "kind": "generic", "paths": ["/dev/fuse"], "count": 4},
         ]
         config = {

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from plugvisor.common import constants
 from plugvisor.common.hostpaths import HostPaths
 from plugvisor.deviceplugin.runtime import DevicePluginRuntime, PluginConfig
 from plugvisor.deviceplugin.snapshot import Snapshot
@@ -273,7 +274,7 @@ async def running_dra_driver(
     *,
     driver: str,
     root: Path = Path("/"),
-    cdi_dir: str = "/var/run/cdi",
+    cdi_dir: str = constants.DEFAULT_CDI_DIR,
     rescan_interval: float = 30.0,
     timeout: float = 10.0,
 ) -> AsyncIterator[DraDriver]:

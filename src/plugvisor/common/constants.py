@@ -54,5 +54,7 @@ DRA_CALL_TIMEOUT_SECONDS: Final = 45
 """The kubelet gives each NodePrepareResources / NodeUnprepareResources call this long."""
 DRA_HEALTH_TIMEOUT_SECONDS: Final = 30
 """Without a fresh health report for this long, the kubelet takes a device's health as Unknown."""
+DEFAULT_CDI_DIR: Final = "/var/run/cdi"
+"""Where container runtimes look for CDI specs besides ``/etc/cdi``: the one for specs made at run time."""
 DRA_DRIVER_NAME_MAX: Final = 63
 """A DRA driver name is a DNS subdomain of at most 63 characters (the API server's limit)."""

@@ -16,6 +16,11 @@ lines. The plugin's fields are::
                             (what registration waits for; cleared by the next REGISTERED)
     TAKEN_OVER=plugvisor-gpu-1a2b3c-0badc0de.sock   (another plugin of the resource took it over)
 
+The agent's only word back is a signal: SIGTERM stops a plugin, and
+:data:`STOP_FOR_GOOD_SIGNAL` stops a DRA driver whose resource left the
+configuration, which then also withdraws its ResourceSlices (a driver stopped
+by SIGTERM is expected back, and keeps them).
+
 Speaking it directly keeps libsystemd out of the dependencies. Sending is best
 effort in both directions: a missing or full socket only drops the message, and
 every message carries the full state it is about, so the next one repairs a loss.
@@ -26,12 +31,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 from collections.abc import Mapping
 from typing import Final
 
 STATUS_SOCKET_ENV: Final = "PLUGVISOR_STATUS_SOCKET"
 """Names the agent's datagram socket in a plugin's environment."""
+STOP_FOR_GOOD_SIGNAL: Final = signal.SIGUSR1
+"""Sent by the agent instead of SIGTERM to a DRA driver it will not start again (removed by a reload)."""
 
 
 def encode(fields: Mapping[str, str | int]) -> bytes:

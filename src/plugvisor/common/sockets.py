@@ -11,12 +11,14 @@ a crash) and checks the configured directory leaves room for them.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
 import secrets
 import socket
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Final
 
@@ -27,6 +29,21 @@ SOCKET_SUFFIX: Final = ".sock"
 _SLUG_RE: Final = re.compile(r"[^a-z0-9]+")
 _TOKEN_BYTES: Final = 4
 _INSTANCE_PART_LENGTH: Final = len("-") + 2 * _TOKEN_BYTES + len(SOCKET_SUFFIX)
+
+
+@contextlib.contextmanager
+def owner_only() -> Iterator[None]:
+    """Bind sockets in this block under umask 0177: the file is never, even briefly, open to others.
+
+    bind() creates the socket file with the process's umask applied; setting
+    the mode afterwards would leave a moment in which anyone could connect.
+    The kubelet and the agent run as root and need nothing more.
+    """
+    old = os.umask(0o177)
+    try:
+        yield
+    finally:
+        os.umask(old)
 
 
 def socket_prefix(resource: str) -> str:

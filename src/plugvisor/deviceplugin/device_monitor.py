@@ -19,10 +19,9 @@ plugin: the kubelet-facing work does not depend on monitoring at all.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import time
-from collections.abc import Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Protocol, runtime_checkable
@@ -34,6 +33,7 @@ from plugvisor.common.monitoring import DeviceDescription, DeviceReport, Resourc
 from plugvisor.deviceplugin.cell import CellClosedError, SnapshotCell
 from plugvisor.deviceplugin.devices import DeviceSet
 from plugvisor.deviceplugin.errors import ConfigurationError
+from plugvisor.deviceplugin.lifetime import cancel_all
 from plugvisor.deviceplugin.owners import DEFAULT_INTERVAL, OwnerWatch
 from plugvisor.deviceplugin.snapshot import Snapshot
 
@@ -83,9 +83,14 @@ def build_report(
     devices: DeviceSet,
     descriptions: Mapping[str, DeviceDescription],
     *,
+    names: Mapping[str, str] | None = None,
     now: float | None = None,
 ) -> ResourceReport:
-    """A report for ``devices``; devices without a description get an empty one."""
+    """A report for ``devices``; devices without a description get an empty one.
+
+    ``names`` renames devices by ID (a DRA driver reports the names of its
+    pool); with it, devices it does not name are left out.
+    """
     empty = DeviceDescription()
     return ResourceReport(
         resource,
@@ -93,15 +98,24 @@ def build_report(
         time.time() if now is None else now,
         tuple(
             DeviceReport(
-                device_id, device.healthy, tuple(device.numa_nodes), descriptions.get(device_id, empty)
+                device_id if names is None else names[device_id],
+                device.healthy,
+                tuple(device.numa_nodes),
+                descriptions.get(device_id, empty),
             )
             for device_id, device in devices.items()
+            if names is None or device_id in names
         ),
     )
 
 
 class DeviceMonitor:
-    """Keeps one resource's :class:`~plugvisor.common.monitoring.ResourceReport` current."""
+    """Keeps one resource's :class:`~plugvisor.common.monitoring.ResourceReport` current.
+
+    The report names devices by their IDs, or by what ``names`` gives for a
+    snapshot (device ID -> name): a DRA driver reports each device under its
+    name in the pool, which is how PodResources names DRA-prepared devices.
+    """
 
     def __init__(
         self,
@@ -111,11 +125,13 @@ class DeviceMonitor:
         config: MonitorConfig,
         *,
         pod_resources_socket: Path,
+        names: Callable[[Snapshot[Any]], Mapping[str, str]] | None = None,
     ) -> None:
         self.resource = resource
         self.config = config
         self._snapshots = snapshots
         self._describer = describer
+        self._names = names
         self.report: SnapshotCell[monitoring.ResourceReport | None] = SnapshotCell(None)
         self.owner_watch = (
             OwnerWatch(
@@ -145,11 +161,7 @@ class DeviceMonitor:
             await asyncio.gather(*tasks)
             await asyncio.Event().wait()  # monitoring ended (closed or broken): the plugin goes on
         finally:
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+            await cancel_all(tasks)
             if self.config.monitor_dir is not None:
                 monitoring.remove_report(self.config.monitor_dir, self.resource)
 
@@ -171,7 +183,8 @@ class DeviceMonitor:
             except CellClosedError:
                 return
             descriptions = await asyncio.to_thread(self._describe, snapshot)
-            report = build_report(self.resource, snapshot.devices, descriptions)
+            names = None if self._names is None else self._names(snapshot)
+            report = build_report(self.resource, snapshot.devices, descriptions, names=names)
             self.report.publish(report)
             if self.config.monitor_dir is not None:
                 await asyncio.to_thread(self._write, self.config.monitor_dir, report)

@@ -19,7 +19,7 @@ import grpc
 import structlog
 
 from plugvisor.api.deviceplugin.v1beta1 import api_pb2_grpc
-from plugvisor.common.sockets import socket_name, socket_path_problem
+from plugvisor.common.sockets import owner_only, socket_name, socket_path_problem
 from plugvisor.deviceplugin.errors import ConfigurationError, SocketInUseError
 from plugvisor.deviceplugin.server import add_plugin_servicer
 
@@ -80,15 +80,11 @@ class PluginEndpoint:
         add_plugin_servicer(self._servicer, server, resource=self._resource)
         if self._extra_handlers:
             server.add_generic_rpc_handlers(self._extra_handlers)
-        # The socket is created by bind(); a tight umask means it is never, even briefly,
-        # accessible to others. The kubelet runs as root and needs nothing more.
-        old_umask = os.umask(0o177)
-        try:
-            bound = server.add_insecure_port(f"unix:{self.path}")
-        except RuntimeError:  # grpcio >= 1.60 raises "Failed to bind" where older ones returned 0
-            bound = 0
-        finally:
-            os.umask(old_umask)
+        with owner_only():
+            try:
+                bound = server.add_insecure_port(f"unix:{self.path}")
+            except RuntimeError:  # grpcio >= 1.60 raises "Failed to bind" where older ones returned 0
+                bound = 0
         if not bound:
             raise ConfigurationError(
                 f"cannot create the plugin socket {self.path}: {_bind_problem(self.path)}"

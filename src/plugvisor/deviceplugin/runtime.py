@@ -13,7 +13,6 @@ registers again, while discovery keeps running untouched.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 import time
 from collections.abc import Callable
@@ -41,6 +40,7 @@ from plugvisor.deviceplugin.device_monitor import DeviceDescriber, DeviceMonitor
 from plugvisor.deviceplugin.endpoint import PluginEndpoint
 from plugvisor.deviceplugin.errors import ConfigurationError, RegistrationRejectedError, SocketInUseError
 from plugvisor.deviceplugin.hooks import DeviceSource, Hooks, resolve_hooks
+from plugvisor.deviceplugin.lifetime import Work, kind_lifecycle, run_until_stopped
 from plugvisor.deviceplugin.registration import (
     SIBLING_STARTED,
     SIBLING_STOPPED,
@@ -180,17 +180,8 @@ class DevicePluginRuntime:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Discover, serve, register; re-register after each kubelet restart; return when ``stop`` is set."""
-        lifecycle_hook = self.hooks.lifecycle
-        if lifecycle_hook is not None:
-            await asyncio.to_thread(lifecycle_hook.start)
-        try:
+        async with kind_lifecycle(self.hooks.lifecycle, self._log):
             await self._run(stop)
-        finally:
-            if lifecycle_hook is not None:
-                try:
-                    await asyncio.to_thread(lifecycle_hook.close)
-                except Exception:  # closing must not hide why the plugin stopped
-                    self._log.exception("close_failed")
 
     async def _run(self, stop: asyncio.Event) -> None:
         dir_watch = KubeletDirState(self.config.paths.kubelet_dir)
@@ -201,34 +192,24 @@ class DevicePluginRuntime:
             register_timeout=self.config.register_timeout,
             on_waiting=self._waiting,
         )
-        tasks = [
-            asyncio.create_task(self.watcher.run(), name="discovery"),
-            asyncio.create_task(dir_watch.run(), name="kubelet-dir-watch"),
+        work: list[Work] = [
+            ("discovery", self.watcher.run()),
+            ("kubelet-dir-watch", dir_watch.run()),
         ]
         if self.status.enabled:
-            tasks.append(asyncio.create_task(self._report_devices(), name="status"))
+            work.append(("status", self._report_devices()))
         release_watch = self._release_watch()
         if release_watch is not None:
             shared = self._shared_owners(release_watch)
-            watching = release_watch.run() if shared is None else release_watch.follow(shared)
-            tasks.append(asyncio.create_task(watching, name="release-watch"))
+            work.append(
+                ("release-watch", release_watch.run() if shared is None else release_watch.follow(shared))
+            )
         if self.monitor is not None:
-            tasks.append(asyncio.create_task(self.monitor.run(), name="monitor"))
-        lifecycle = asyncio.create_task(self._serve_and_register(registrar), name="serve-and-register")
-        stopper = asyncio.create_task(stop.wait(), name="stop")
+            work.append(("monitor", self.monitor.run()))
+        work.append(("serve-and-register", self._serve_and_register(registrar)))
         try:
-            done, _ = await asyncio.wait([lifecycle, stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                if task is not stopper and not task.cancelled():
-                    error = task.exception()
-                    if error is not None:
-                        raise error
+            await run_until_stopped(stop, work)
         finally:
-            for task in [lifecycle, stopper, *tasks]:
-                task.cancel()
-            for task in [lifecycle, stopper, *tasks]:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
             # End the ListAndWatch streams first, so they finish as a normal end of stream
             # (what the kubelet expects of a plugin going away), then stop the server.
             self.snapshot.close()

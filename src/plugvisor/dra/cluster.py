@@ -4,10 +4,12 @@ The plugin reads each claim's allocation (which devices of this driver's pool
 the scheduler chose) when the kubelet asks it to prepare the claim, and it
 publishes its devices as the node's pool. The real implementations talk to
 the API server (:mod:`plugvisor.dra.kube`, whose ``async connect(*, driver,
-node_name) -> (ClaimReader, SlicePublisher)`` the driver's command calls in
-its event loop); :mod:`plugvisor.dra.local` keeps both in plain files for a
-node without one (the emulated world, tests); tests of the plugin itself use
-in-memory fakes. The plugin depends on these Protocols only.
+node_name, on_state) -> (ClaimReader, SlicePublisher)`` the driver's command
+calls in its event loop); :mod:`plugvisor.dra.local` keeps both in plain files
+for a node without one (the emulated world, tests); tests of the plugin itself
+use in-memory fakes. The plugin depends on these Protocols only, and on
+:class:`PublishState`, which every publisher reports through its ``on_state``
+callback and the driver passes on to its agent (``SLICES=``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from plugvisor.common.validation import shorten
 from plugvisor.dra.devices import PublishedDevice
 
 
@@ -48,7 +51,34 @@ class AllocatedDevice:
 
 
 class ClaimError(Exception):
-    """A claim cannot be read as allocated: not found, another claim of that name (a new UID), unallocated."""
+    """A claim cannot be read as allocated: not found, another claim of that name (a new UID), unallocated.
+
+    Also an API server that did not answer in time, saying so: the kubelet
+    retries every claim that failed, so the driver needs no other distinction.
+    """
+
+
+@dataclass(frozen=True, slots=True)
+class PublishState:
+    """Where the driver's pool stands in the API server, for the driver's status and logs."""
+
+    synced: bool = False
+    """The latest desired state is what the API server holds."""
+    devices: int = 0
+    """Devices published (the last successful write)."""
+    left_out: int = 0
+    """Devices of the desired state that are not published (refused, or tainted without taints)."""
+    generation: int = 0
+    slices: int = 0
+    error: str | None = None
+    """Why the latest attempt failed (None once one succeeds)."""
+
+    @property
+    def summary(self) -> str:
+        """One line for the agent (the driver's ``SLICES=`` status field): synced, pending, failing: <why>."""
+        if self.synced:
+            return "synced"
+        return f"failing: {shorten(self.error, 200)}" if self.error else "pending"
 
 
 @runtime_checkable
@@ -67,7 +97,9 @@ class SlicePublisher(Protocol):
     ``publish`` makes the pool list exactly ``devices`` (a new generation only
     when they changed); it retries and logs API errors itself and never raises
     for them. ``withdraw`` deletes the node's slices of the driver, for a driver
-    that stops for good.
+    that stops for good; ``close`` stops publishing and leaves them, for a
+    driver that is restarting (the kubelet keeps a driver's slices for 30 s
+    after it unregisters).
     """
 
     async def publish(self, devices: Sequence[PublishedDevice]) -> None:
@@ -75,5 +107,9 @@ class SlicePublisher(Protocol):
         ...
 
     async def withdraw(self) -> None:
-        """Remove the pool."""
+        """Remove the pool, then release what publishing used."""
+        ...
+
+    async def close(self) -> None:
+        """Stop publishing and release what it used; the pool stays."""
         ...

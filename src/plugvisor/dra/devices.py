@@ -12,23 +12,26 @@ and the field rather than a slice the API server rejects later:
   optionally after a DNS subdomain of at most 63 and a ``/``
   (``resource.kubernetes.io/pcieRoot``); names without a domain belong to the
   driver's own domain (``device.attributes["gpu.plugvisor.io"].model``);
-- an attribute is a bool, an int, a string of at most 64 characters or a
-  semantic version (:class:`SemVer`); a capacity is a Kubernetes quantity.
+- an attribute is a bool, a 64-bit int, a string of at most 64 characters or
+  a semantic version (:class:`SemVer`); a capacity is a Kubernetes quantity;
+- at most 32 attributes and capacities together, 16 taints, each taint a
+  label key, a label value and one of the API's effects.
 
-Per-slice limits (how many devices, attributes per device) are the
-publisher's business: it splits and checks whole slices.
+The rules are :mod:`plugvisor.dra.validation`'s, which the slice publisher
+shares; per-slice limits (how many devices a slice holds) are the publisher's
+business. :func:`device_json` is the form both publishers write.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Final, TypeAlias
+from typing import Any, Final, TypeAlias
 
 from plugvisor.common.names import dns_label_problem
 from plugvisor.common.validation import shorten
+from plugvisor.dra import validation
 
 STANDARD_DOMAIN: Final = "resource.kubernetes.io"
 """Attributes with one meaning for every driver (``k8s.io/dynamic-resource-allocation/deviceattribute``)."""
@@ -39,27 +42,7 @@ PCI_BUS_ID: Final = f"{STANDARD_DOMAIN}/pciBusID"
 NUMA_NODE: Final = f"{STANDARD_DOMAIN}/numaNode"
 """The device's NUMA node; left out for a device without NUMA affinity."""
 
-ATTRIBUTE_VALUE_MAX: Final = 64
-_DOMAIN_MAX: Final = 63
-_IDENTIFIER_MAX: Final = 32
-_LABEL: Final = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
-_DOMAIN_RE: Final = re.compile(rf"{_LABEL}(\.{_LABEL})*")
-_IDENTIFIER_RE: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-# semver.org 2.0.0, as the API server parses it (no leading "v", no leading zeros).
-_NUMBER: Final = r"(0|[1-9]\d*)"
-_PRE: Final = r"(0|[1-9]\d*|\d*[A-Za-z-][0-9A-Za-z-]*)"
-_SEMVER_RE: Final = re.compile(
-    rf"{_NUMBER}\.{_NUMBER}\.{_NUMBER}(-{_PRE}(\.{_PRE})*)?(\+[0-9A-Za-z-]+(\.[0-9A-Za-z-]+)*)?"
-)
-_QUANTITY_RE: Final = re.compile(
-    r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+|Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E)?"
-)
 _BINARY_SUFFIXES: Final = (("Ei", 60), ("Pi", 50), ("Ti", 40), ("Gi", 30), ("Mi", 20), ("Ki", 10))
-
-
-def _is_str(value: object) -> bool:
-    """Runtime check for kinds written without a type checker (the annotations promise str)."""
-    return isinstance(value, str)
 
 
 class InvalidDraDeviceError(ValueError):
@@ -73,12 +56,9 @@ class SemVer:
     value: str
 
     def __post_init__(self) -> None:
-        if not _is_str(self.value) or not _SEMVER_RE.fullmatch(self.value):
-            raise InvalidDraDeviceError(f"{shorten(str(self.value), 80)!r} is not a semantic version")
-        if len(self.value) > ATTRIBUTE_VALUE_MAX:
-            raise InvalidDraDeviceError(
-                f"version {self.value!r} is longer than {ATTRIBUTE_VALUE_MAX} characters"
-            )
+        problem = validation.version_problem(self.value)
+        if problem is not None:
+            raise InvalidDraDeviceError(problem)
 
     def __str__(self) -> str:
         return self.value
@@ -110,31 +90,21 @@ AttributeValue: TypeAlias = bool | int | str | SemVer
 
 @dataclass(frozen=True, slots=True)
 class DeviceTaint:
-    """A taint on a published device (clusters with DRA device taints); ``effect`` is the API's."""
+    """A taint on a published device (clusters with DRA device taints).
+
+    ``NoSchedule`` keeps new claims off the device, ``NoExecute`` also evicts
+    its users; where the cluster drops taints, the publisher withdraws a
+    device that has either instead.
+    """
 
     key: str
     value: str = ""
     effect: str = "NoSchedule"
 
-
-def qualified_name_problem(name: str) -> str | None:
-    """Why ``name`` is not an attribute or capacity name (``[domain/]identifier``), or None."""
-    domain, slash, identifier = name.rpartition("/")
-    if slash and (not domain or len(domain) > _DOMAIN_MAX or not _DOMAIN_RE.fullmatch(domain)):
-        return f"the domain of {name!r} must be a DNS subdomain of at most {_DOMAIN_MAX} characters"
-    if not identifier or len(identifier) > _IDENTIFIER_MAX or not _IDENTIFIER_RE.fullmatch(identifier):
-        return (
-            f"{shorten(name, 80)!r} must be a C identifier of at most {_IDENTIFIER_MAX} characters "
-            "(letters, digits, '_'; not starting with a digit), optionally after '<domain>/'"
-        )
-    return None
-
-
-def quantity_problem(value: str) -> str | None:
-    """Why ``value`` is not a Kubernetes quantity (``80Gi``, ``1500m``, ``2``), or None."""
-    if _is_str(value) and _QUANTITY_RE.fullmatch(value):
-        return None
-    return f"{shorten(str(value), 80)!r} is not a Kubernetes quantity such as 80Gi, 1500m or 2"
+    def __post_init__(self) -> None:
+        problem = validation.taint_problem(self.key, self.value, self.effect)
+        if problem is not None:
+            raise InvalidDraDeviceError(f"taint {shorten(str(self.key))!r}: {problem}")
 
 
 def bytes_quantity(count: int) -> str:
@@ -146,12 +116,12 @@ def bytes_quantity(count: int) -> str:
 
 
 def _attribute_problem(value: object) -> str | None:
-    if isinstance(value, bool | int | SemVer):
+    if isinstance(value, bool | SemVer):  # bool before int: a bool is an int to Python
         return None
+    if isinstance(value, int):
+        return validation.int_problem(value)
     if isinstance(value, str):
-        if len(value) > ATTRIBUTE_VALUE_MAX:
-            return f"the string {shorten(value, 80)!r} is longer than {ATTRIBUTE_VALUE_MAX} characters"
-        return None
+        return validation.string_problem(value)
     return f"{type(value).__name__} is not an attribute value: use bool, int, str or SemVer"
 
 
@@ -165,22 +135,61 @@ class PublishedDevice:
     taints: tuple[DeviceTaint, ...] = ()
 
     def __post_init__(self) -> None:
-        if not _is_str(self.name):
+        if not isinstance(self.name, str):
             raise InvalidDraDeviceError(f"DRA device name must be a string, got {self.name!r}")
         problem = dns_label_problem(self.name, what="DRA device name")
         if problem is not None:
             raise InvalidDraDeviceError(problem)
         for key, value in self.attributes.items():
-            problem = qualified_name_problem(key) or _attribute_problem(value)
+            problem = validation.qualified_problem(str(key)) or _attribute_problem(value)
             if problem is not None:
                 raise InvalidDraDeviceError(f"device {self.name!r}: attribute {key!r}: {problem}")
-        for key, value in self.capacity.items():
-            problem = qualified_name_problem(key) or quantity_problem(value)
+        for key, quantity in self.capacity.items():
+            problem = validation.qualified_problem(str(key)) or validation.quantity_problem(quantity)
             if problem is not None:
                 raise InvalidDraDeviceError(f"device {self.name!r}: capacity {key!r}: {problem}")
+        entries = len(self.attributes) + len(self.capacity)
+        if entries > validation.MAX_ATTRIBUTES_AND_CAPACITIES:
+            raise InvalidDraDeviceError(
+                f"device {self.name!r}: {entries} attributes and capacities; "
+                f"at most {validation.MAX_ATTRIBUTES_AND_CAPACITIES} are allowed"
+            )
+        taints = tuple(self.taints)
+        if len(taints) > validation.MAX_TAINTS:
+            raise InvalidDraDeviceError(
+                f"device {self.name!r}: {len(taints)} taints; at most {validation.MAX_TAINTS} are allowed"
+            )
+        if not all(isinstance(taint, DeviceTaint) for taint in taints):
+            raise InvalidDraDeviceError(f"device {self.name!r}: taints must be DeviceTaint values")
         object.__setattr__(self, "attributes", MappingProxyType(dict(sorted(self.attributes.items()))))
         object.__setattr__(self, "capacity", MappingProxyType(dict(sorted(self.capacity.items()))))
-        object.__setattr__(self, "taints", tuple(self.taints))
+        object.__setattr__(self, "taints", taints)
 
     def __hash__(self) -> int:
         return hash(self.name)
+
+
+def attribute_json(value: AttributeValue) -> dict[str, Any]:
+    """An attribute value in the API's form (exactly one of ``bool``, ``int``, ``string``, ``version``)."""
+    if isinstance(value, bool):  # before int: a bool is an int to Python
+        return {"bool": value}
+    if isinstance(value, int):
+        return {"int": value}
+    if isinstance(value, SemVer):
+        return {"version": value.value}
+    return {"string": value}
+
+
+def device_json(device: PublishedDevice) -> dict[str, Any]:
+    """A device in a ResourceSlice's ``spec.devices`` (``resource.k8s.io/v1``)."""
+    body: dict[str, Any] = {"name": device.name}
+    if device.attributes:
+        body["attributes"] = {key: attribute_json(value) for key, value in device.attributes.items()}
+    if device.capacity:
+        body["capacity"] = {key: {"value": value} for key, value in device.capacity.items()}
+    if device.taints:
+        body["taints"] = [
+            {"key": t.key, "effect": t.effect, **({"value": t.value} if t.value else {})}
+            for t in device.taints
+        ]
+    return body

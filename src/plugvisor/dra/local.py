@@ -19,15 +19,15 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
 import structlog
 
 from plugvisor.common.atomicfile import write_atomically
-from plugvisor.dra.cluster import AllocatedDevice, ClaimError
-from plugvisor.dra.devices import AttributeValue, PublishedDevice, SemVer
+from plugvisor.dra.cluster import AllocatedDevice, ClaimError, PublishState
+from plugvisor.dra.devices import PublishedDevice, device_json
 
 API_VERSION: Final = "resource.k8s.io/v1"
 CLAIMS_DIR: Final = "resourceclaims"
@@ -99,41 +99,28 @@ class FileClaimReader:
             raise ClaimError(f"{namespace}/{name} is not allocated") from None
 
 
-def attribute_json(value: AttributeValue) -> dict[str, Any]:
-    """An attribute value in the API's form (exactly one of ``bool``, ``int``, ``string``, ``version``)."""
-    if isinstance(value, bool):
-        return {"bool": value}
-    if isinstance(value, int):
-        return {"int": value}
-    if isinstance(value, SemVer):
-        return {"version": value.value}
-    return {"string": value}
-
-
-def device_json(device: PublishedDevice) -> dict[str, Any]:
-    """A published device in a ResourceSlice's ``spec.devices``."""
-    document: dict[str, Any] = {"name": device.name}
-    if device.attributes:
-        document["attributes"] = {key: attribute_json(value) for key, value in device.attributes.items()}
-    if device.capacity:
-        document["capacity"] = {key: {"value": value} for key, value in device.capacity.items()}
-    if device.taints:
-        document["taints"] = [
-            {"key": taint.key, "value": taint.value, "effect": taint.effect} for taint in device.taints
-        ]
-    return document
-
-
 class FileSlicePublisher:
     """Writes the driver's pool on this node as one ResourceSlice file; a new generation at every change."""
 
-    def __init__(self, directory: Path, *, driver: str, node_name: str) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        driver: str,
+        node_name: str,
+        on_state: Callable[[PublishState], None] | None = None,
+    ) -> None:
         self.path = slice_path(directory, driver, node_name)
         self.driver = driver
         self.node_name = node_name
         self.generation = 0
         self._devices: list[dict[str, Any]] | None = None
+        self._on_state = on_state
         self._log = structlog.get_logger("plugvisor.dra").bind(driver=driver)
+
+    def _report(self, state: PublishState) -> None:
+        if self._on_state is not None:
+            self._on_state(state)
 
     async def publish(self, devices: Sequence[PublishedDevice]) -> None:
         """Write the slice if the devices changed (a failed write is logged, and tried at the next change)."""
@@ -156,11 +143,17 @@ class FileSlicePublisher:
         try:
             await asyncio.to_thread(write_atomically, self.path, content, durable=False)
         except OSError as exc:
+            error = f"{self.path}: {exc.strerror or exc}"
             self._log.error("slice_not_written", path=str(self.path), error=exc.strerror or str(exc))
+            self._report(PublishState(error=error))
             return
         self.generation, self._devices = generation, rendered
+        self._report(PublishState(True, len(rendered), generation=generation, slices=1))
 
     async def withdraw(self) -> None:
         """Remove the slice file."""
         await asyncio.to_thread(self.path.unlink, missing_ok=True)
         self._devices = None
+
+    async def close(self) -> None:
+        """Nothing to release: the file stays, as slices stay for a restarting driver."""

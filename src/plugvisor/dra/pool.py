@@ -31,6 +31,11 @@ class Pool:
     ids: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     """Device ID (the kind's) of each published name."""
 
+    @property
+    def names(self) -> Mapping[str, str]:
+        """The name in the pool of each published device ID (the way from the kind's IDs to names)."""
+        return {device_id: name for name, device_id in self.ids.items()}
+
     def healthy(self) -> list[PublishedDevice]:
         """What the slice lists: the published devices whose device is healthy now."""
         healthy = self.snapshot.devices.healthy_ids

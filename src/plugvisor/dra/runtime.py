@@ -33,24 +33,23 @@ from plugvisor.common import constants
 from plugvisor.common.exitcodes import EXIT_CONFIGURATION, EXIT_FAILURE, EXIT_OK
 from plugvisor.common.hostpaths import HostPaths
 from plugvisor.common.names import dra_driver_name_problem
-from plugvisor.common.notify import StatusReporter
+from plugvisor.common.notify import STOP_FOR_GOOD_SIGNAL, StatusReporter
 from plugvisor.deviceplugin.cell import CellClosedError, SnapshotCell
 from plugvisor.deviceplugin.device_monitor import DeviceDescriber, DeviceMonitor, MonitorConfig
 from plugvisor.deviceplugin.errors import ConfigurationError, SocketInUseError
 from plugvisor.deviceplugin.hooks import DeviceSource, Hooks, resolve_hooks
+from plugvisor.deviceplugin.lifetime import Work, kind_lifecycle, run_until_stopped
+from plugvisor.deviceplugin.pluginwatcher import RegistrationService
 from plugvisor.deviceplugin.release import default_pod_resources_socket
 from plugvisor.deviceplugin.snapshot import Snapshot
 from plugvisor.deviceplugin.watch import DeviceWatcher
 from plugvisor.dra import cdi, sockets
 from plugvisor.dra.checkpoint import FILE_NAME, Checkpoint, CheckpointError, PreparedClaim
-from plugvisor.dra.cluster import ClaimReader, SlicePublisher
+from plugvisor.dra.cluster import ClaimReader, PublishState, SlicePublisher
 from plugvisor.dra.hooks import DraDescriber
 from plugvisor.dra.pool import Pool, build_pool
 from plugvisor.dra.preparer import ClaimPreparer
-from plugvisor.dra.registration import RegistrationService
 from plugvisor.dra.server import DraServer
-
-DEFAULT_CDI_DIR = "/var/run/cdi"
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +68,7 @@ class DriverConfig:
     driver: str
     node_name: str
     paths: HostPaths = field(default_factory=HostPaths)
-    cdi_dir: str = DEFAULT_CDI_DIR
+    cdi_dir: str = constants.DEFAULT_CDI_DIR
     rescan_interval: float = 30.0
     monitoring: MonitorConfig = field(default_factory=MonitorConfig)
     plugins_registry: Path | None = None
@@ -166,15 +165,20 @@ class DraDriverRuntime:
         self.watcher = DeviceWatcher(
             source, self.snapshot, rescan_interval=config.rescan_interval, resource=config.driver
         )
+        self.pooled: SnapshotCell[Snapshot[Any]] = SnapshotCell(Snapshot())
+        """The snapshot of each pool, published after it: monitoring reports the pool's devices by name."""
         self.monitor: DeviceMonitor | None = None
         if config.monitoring.enabled:
+            # Reported as PodResources' dynamic_resources name them: resource = the driver, device =
+            # the name in the pool (what the owner labels are keyed by).
             self.monitor = DeviceMonitor(
                 config.driver,
-                self.snapshot,
+                self.pooled,
                 source if isinstance(source, DeviceDescriber) else None,
                 config.monitoring,
                 pod_resources_socket=config.monitoring.pod_resources_socket
                 or default_pod_resources_socket(config.paths.kubelet_dir),
+                names=lambda _: self.pools.value.names,
             )
         self.server = DraServer(self.preparer, self.pools, causes=self._causes)
         self.registration = RegistrationService(
@@ -195,7 +199,7 @@ class DraDriverRuntime:
         )
 
     def _causes(self) -> Mapping[str, str]:
-        """Why each unhealthy device is unhealthy, as the monitor last described it (empty without one)."""
+        """Why each unhealthy device is unhealthy, by name, as the monitor last described it (or empty)."""
         report = self.monitor.report.value if self.monitor is not None else None
         if report is None:
             return {}
@@ -223,60 +227,46 @@ class DraDriverRuntime:
             )
             return recovered
 
-    async def run(self, stop: asyncio.Event) -> None:
-        """Discover, publish, serve, register; keep it so until ``stop`` is set."""
-        lifecycle = self.hooks.lifecycle
-        if lifecycle is not None:
-            await asyncio.to_thread(lifecycle.start)
-        try:
-            await self._run(stop)
-        finally:
-            if lifecycle is not None:
-                try:
-                    await asyncio.to_thread(lifecycle.close)
-                except Exception:  # closing must not hide why the driver stopped
-                    self._log.exception("close_failed")
+    async def run(self, stop: asyncio.Event, *, for_good: asyncio.Event | None = None) -> None:
+        """Discover, publish, serve, register; keep it so until ``stop`` is set.
 
-    async def _run(self, stop: asyncio.Event) -> None:
+        At the stop the slices are withdrawn when the configuration says
+        ``withdraw_on_stop`` or ``for_good`` is set by then (the driver is not
+        coming back); otherwise they stay for the driver's next process.
+        """
+        async with kind_lifecycle(self.hooks.lifecycle, self._log):
+            await self._run(stop, for_good)
+
+    async def _run(self, stop: asyncio.Event, for_good: asyncio.Event | None) -> None:
         self.preparer.prepared = await asyncio.to_thread(self.load_prepared)
         if self.preparer.prepared:
             self._log.info("prepared_claims_restored", claims=sorted(self.preparer.prepared))
-        tasks = [
-            asyncio.create_task(self.watcher.run(), name="discovery"),
-            asyncio.create_task(self._build_pools(), name="pool"),
+        work: list[Work] = [
+            ("discovery", self.watcher.run()),
+            ("pool", self._build_pools()),
         ]
         if self.monitor is not None:
-            tasks.append(asyncio.create_task(self.monitor.run(), name="monitor"))
-        main = asyncio.create_task(self._serve_and_register(), name="serve-and-register")
-        stopper = asyncio.create_task(stop.wait(), name="stop")
+            work.append(("monitor", self.monitor.run()))
+        work.append(("serve-and-register", self._serve_and_register()))
         try:
-            done, _ = await asyncio.wait([main, stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                if task is not stopper and not task.cancelled():
-                    error = task.exception()
-                    if error is not None:
-                        raise error
+            await run_until_stopped(stop, work)
         finally:
-            for task in [main, stopper, *tasks]:
-                task.cancel()
-            for task in [main, stopper, *tasks]:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
             # The registration first: the kubelet deregisters the driver and stops calling it.
             await self.registration_socket.stop(grace=0)
             self.pools.close()
+            self.pooled.close()
             self.snapshot.close()
             await self.dra_socket.stop(grace=1.0)
-            if self.config.withdraw_on_stop:
-                await self._withdraw()
+            withdraw = self.config.withdraw_on_stop or (for_good is not None and for_good.is_set())
+            await self._end_publishing(withdraw=withdraw)
             self.status.close()
-            self._log.info("stopped")
+            self._log.info("stopped", slices="withdrawn" if withdraw else "kept")
 
-    async def _withdraw(self) -> None:
+    async def _end_publishing(self, *, withdraw: bool) -> None:
         try:
-            await self.slices.withdraw()
+            await (self.slices.withdraw() if withdraw else self.slices.close())
         except Exception as exc:  # the publisher logs API errors itself; a bug must not hide the stop
-            self._log.error("slices_not_withdrawn", error=f"{type(exc).__name__}: {exc}")
+            self._log.error("slices_not_released", error=f"{type(exc).__name__}: {exc}")
 
     async def _build_pools(self) -> None:
         """Turn every new snapshot into the pool, and publish its healthy devices when they changed.
@@ -293,6 +283,7 @@ class DraDriverRuntime:
             if self.pools.closed:
                 return
             self.pools.publish(pool)
+            self.pooled.publish(snapshot)
             self.pool_ready.set()
             healthy = pool.healthy()
             self.status.send(DEVICES=f"{len(healthy)}/{len(pool.devices)}")
@@ -346,8 +337,11 @@ class DraDriverRuntime:
 ExitCode = int
 
 
-Connect = Callable[[], Awaitable[tuple[ClaimReader, SlicePublisher]]]
-"""Makes the driver's claim reader and slice publisher, in the driver's event loop (clients bind to it)."""
+Connect = Callable[[Callable[[PublishState], None]], Awaitable[tuple[ClaimReader, SlicePublisher]]]
+"""Makes the driver's claim reader and slice publisher, in the driver's event loop (clients bind to it).
+
+Its argument hears every change of where the slices stand (the driver reports it to its agent).
+"""
 
 
 def run_driver(
@@ -359,22 +353,34 @@ def run_driver(
 ) -> ExitCode:
     """Run a driver in this process until SIGTERM or SIGINT; returns the process exit code.
 
-    0 after a clean stop, 2 for configuration problems (a bad driver name, a
-    socket path that is too long, a live driver of the same name already
-    serving its sockets), 1 for anything else.
+    :data:`~plugvisor.common.notify.STOP_FOR_GOOD_SIGNAL` stops it too, and
+    withdraws its slices (the agent's way of saying the driver is not coming
+    back). 0 after a clean stop, 2 for configuration problems (a bad driver
+    name, no API server configured, a socket path that is too long, a live
+    driver of the same name already serving its sockets), 1 for anything else.
     """
     log = structlog.get_logger("plugvisor.dra").bind(driver=config.driver)
 
     async def main() -> None:
-        stop = asyncio.Event()
+        stop, for_good = asyncio.Event(), asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        claims, slices = await connect()
-        runtime = DraDriverRuntime(config, source, claims=claims, slices=slices)
+
+        def stop_for_good() -> None:
+            for_good.set()
+            stop.set()
+
+        def report(state: PublishState) -> None:
+            status.send(SLICES=state.summary)
+
+        loop.add_signal_handler(STOP_FOR_GOOD_SIGNAL, stop_for_good)
+        status = StatusReporter()
+        claims, slices = await connect(report)
+        runtime = DraDriverRuntime(config, source, claims=claims, slices=slices, status=status)
         if on_ready is not None:
             on_ready(runtime)
-        await runtime.run(stop)
+        await runtime.run(stop, for_good=for_good)
 
     try:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:

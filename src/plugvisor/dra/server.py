@@ -204,9 +204,9 @@ class DraServer:
         now = int(time.time())
         causes = self._causes() if self._causes is not None else {}
         message = health_pb2.NodeWatchResourcesResponse()
-        for name, device_id in pool.ids.items():
+        for name in pool.ids:
             healthy = pool.is_healthy(name)
-            cause = "" if healthy else causes.get(device_id) or "the device's checks failed"
+            cause = "" if healthy else causes.get(name) or "the device's checks failed"
             message.devices.add(
                 device=health_pb2.DeviceIdentifier(pool_name=self.preparer.pool_name, device_name=name),
                 health=health_pb2.HEALTHY if healthy else health_pb2.UNHEALTHY,

@@ -38,7 +38,7 @@ import grpc
 import structlog
 from asyncinotify import Inotify, Mask
 
-from plugvisor.common.sockets import socket_answers, socket_path_problem
+from plugvisor.common.sockets import owner_only, socket_answers, socket_path_problem
 from plugvisor.deviceplugin.errors import ConfigurationError, SocketInUseError
 
 CHECK_INTERVAL: Final = 5.0
@@ -86,11 +86,8 @@ class KeptSocket:
         binding.unlink(missing_ok=True)
         server = grpc.aio.server()
         server.add_generic_rpc_handlers(self._handlers)
-        old_umask = os.umask(0o177)
-        try:
+        with owner_only():
             bound = server.add_insecure_port(f"unix:{binding}")
-        finally:
-            os.umask(old_umask)
         if not bound:
             raise ConfigurationError(f"could not bind the {self.role} socket {binding}")
         await server.start()

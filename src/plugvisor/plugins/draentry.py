@@ -19,24 +19,32 @@ from __future__ import annotations
 import importlib
 import socket
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Final
 
 import click
 import pydantic
 
+from plugvisor.common import constants
 from plugvisor.common.exitcodes import EXIT_USAGE
 from plugvisor.common.hostpaths import HostPaths, kubelet_dir_problem
 from plugvisor.common.logs import configure_logging
 from plugvisor.common.names import dra_driver_name_problem
 from plugvisor.common.validation import describe
+from plugvisor.deviceplugin.errors import ConfigurationError
+from plugvisor.dra.cluster import ClaimReader, PublishState, SlicePublisher
 from plugvisor.dra.hooks import kind_resource
 from plugvisor.plugins import entry
 from plugvisor.plugins.kinds import UnknownKindError, get_kind
 
+if TYPE_CHECKING:
+    from plugvisor.dra.runtime import Connect
+
 MODE: Final = "dra"
 KUBE_MODULE: Final = "plugvisor.dra.kube"
+OBJECTS_DIR_ENV: Final = "PLUGVISOR_DRA_OBJECTS_DIR"
+"""``--objects-dir`` from the environment: how an agent's drivers on an emulated node find their files."""
 SHARED_OPTIONS: Final = (
     "host_root",
     "kubelet_dir",
@@ -72,33 +80,35 @@ def default_node_name() -> str:
     return socket.gethostname().strip().lower()
 
 
-def _connect(
-    driver: str, node_name: str, objects_dir: Path | None
-) -> Callable[[], Awaitable[tuple[Any, Any]]]:
+def _connect(driver: str, node_name: str, objects_dir: Path | None) -> Connect:
     """How the driver reaches its claims and its slices: files under ``objects_dir``, or the API server."""
     if objects_dir is not None:
         from plugvisor.dra.local import FileClaimReader, FileSlicePublisher
 
-        async def local() -> tuple[Any, Any]:
-            return (
-                FileClaimReader(objects_dir),
-                FileSlicePublisher(objects_dir, driver=driver, node_name=node_name),
-            )
+        async def local(on_state: Callable[[PublishState], None]) -> tuple[ClaimReader, SlicePublisher]:
+            slices = FileSlicePublisher(objects_dir, driver=driver, node_name=node_name, on_state=on_state)
+            return FileClaimReader(objects_dir), slices
 
         return local
     try:
         kube = importlib.import_module(KUBE_MODULE)
-        connect = kube.connect
+        connect, config_error = kube.connect, kube.KubeConfigError
     except (ImportError, AttributeError) as exc:
         click.echo(
             f"plugvisor plugin --mode dra: this installation has no Kubernetes API client ({KUBE_MODULE}: "
-            f"{exc}); give --objects-dir DIR to run the driver with claims and slices as files",
+            f"{exc}); install plugvisor[dra], or give --objects-dir DIR to run the driver with claims and "
+            "slices as files",
             err=True,
         )
         sys.exit(EXIT_USAGE)
 
-    async def api() -> tuple[Any, Any]:
-        claims, slices = await connect(driver=driver, node_name=node_name)
+    async def api(on_state: Callable[[PublishState], None]) -> tuple[ClaimReader, SlicePublisher]:
+        try:
+            claims: ClaimReader
+            slices: SlicePublisher
+            claims, slices = await connect(driver=driver, node_name=node_name, on_state=on_state)
+        except config_error as exc:  # no API server configured, or not a Node's name: exit 2
+            raise ConfigurationError(str(exc)) from None
         return claims, slices
 
     return api
@@ -120,15 +130,16 @@ def _connect(
 )
 @click.option(
     "--cdi-dir",
-    default="/var/run/cdi",
+    default=constants.DEFAULT_CDI_DIR,
     show_default=True,
     help="Where the claims' CDI specs go (a host path, resolved inside --host-root).",
 )
 @click.option(
     "--objects-dir",
     type=click.Path(file_okay=False, path_type=Path),
+    envvar=OBJECTS_DIR_ENV,
     help="Run without an API server: read allocated ResourceClaims from DIR/resourceclaims and write the "
-    "ResourceSlice to DIR/resourceslices (the emulated world, tests).",
+    f"ResourceSlice to DIR/resourceslices (the emulated world, tests) [env: {OBJECTS_DIR_ENV}].",
 )
 @click.option(
     "--replace",
@@ -172,7 +183,6 @@ def dra_plugin_command(
     specs and publishes the node's devices as ResourceSlices (docs/dra.md).
     """
     from plugvisor.deviceplugin.device_monitor import MonitorConfig
-    from plugvisor.deviceplugin.errors import ConfigurationError
     from plugvisor.dra.runtime import DriverConfig, run_driver
 
     del mode

@@ -36,6 +36,7 @@ from typing import Any, Final
 import structlog
 
 from plugvisor.common.exitcodes import EXIT_CONFIGURATION, EXIT_KUBELET_RESTARTED
+from plugvisor.common.notify import STOP_FOR_GOOD_SIGNAL
 from plugvisor.common.validation import shorten
 from plugvisor.supervisor import states
 from plugvisor.supervisor.backoff import BackoffPolicy
@@ -184,12 +185,19 @@ class Child:
         self.wanted = True
         self._spawn()
 
-    def stop(self) -> None:
-        """Stop for good: SIGTERM now, SIGKILL when ``stop_timeout`` is overrun (see :meth:`transition`)."""
+    def stop(self, *, for_good: bool = False) -> None:
+        """Stop: SIGTERM now, SIGKILL when ``stop_timeout`` is overrun (see :meth:`transition`).
+
+        ``for_good``: the resource left the configuration and no process of it
+        will follow. A DRA driver is then told so with
+        :data:`~plugvisor.common.notify.STOP_FOR_GOOD_SIGNAL` instead of SIGTERM,
+        and withdraws its ResourceSlices; stopped with the agent, it keeps them
+        for the agent's next start.
+        """
         self.wanted = False
         self.restart_after_stop = None
         if self.state in (states.STARTING, states.RUNNING):
-            self._terminate()
+            self._terminate(STOP_FOR_GOOD_SIGNAL if for_good and self.spec.mode == "dra" else signal.SIGTERM)
         elif self.state is states.BACKOFF:
             self.delay_until = None
             self.change_state(states.STOPPED)
@@ -485,12 +493,12 @@ class Child:
         self.delay_until = self._clock.monotonic() + self.delay
         self.change_state(states.BACKOFF)
 
-    def _terminate(self) -> None:
+    def _terminate(self, sig: signal.Signals = signal.SIGTERM) -> None:
         self.stop_deadline = self._clock.monotonic() + self.stop_timeout
         self.killed = False
         self.change_state(states.STOPPING)
         if self.pid is not None:
-            self._spawner.kill(self.pid, signal.SIGTERM)
+            self._spawner.kill(self.pid, sig)
         elif self.spawning:
             # The spawn is still in flight: its process is stopped on arrival (see _spawned).
             self._cancel_spawn = True

@@ -155,9 +155,11 @@ class ResourceConfig(pydantic.BaseModel):
     ``mode`` says which kubelet API the kind is served through: ``device-plugin``
     (the default; ``name`` is the extended resource, e.g. ``plugvisor.io/gpu``) or
     ``dra`` (``name`` is the driver, a DNS subdomain such as ``gpu.plugvisor.io``;
-    it always registers through the plugin watcher). Any other value is the
-    kind's own ``mode`` key (the fpga kind's ``af``, ``region``, ``xilinx``,
-    which predate DRA) and the resource a device plugin.
+    it always registers through the plugin watcher). Any other value is handed to
+    the kind as its own ``mode`` key, for what took that name before DRA (the
+    fpga kind's ``mode: af|region|xilinx``, now ``family``, still taken with a
+    warning), and the resource is a device plugin; a kind without such a key
+    makes it the error "expected device-plugin or dra".
     """
 
     model_config = pydantic.ConfigDict(extra="allow", frozen=True)
@@ -293,10 +295,6 @@ def _entry_errors(config: NodeConfig) -> list[pydantic_core.InitErrorDetails]:
             message = f"kind {resource.kind!r} is installed but cannot be loaded: {exc!r}"
             errors.append(_custom("broken_kind", message, ("resources", index, "kind"), resource.kind))
             continue
-        if resource.mode not in API_MODES and "mode" not in kind.options_model.model_fields:
-            message = f"expected device-plugin or dra, got {shorten(resource.mode)!r}"
-            errors.append(_custom("unknown_mode", message, ("resources", index, "mode"), resource.mode))
-            continue
         size = len(json.dumps(resource.options, separators=(",", ":")))
         if size > MAX_OPTIONS_BYTES:
             message = f"the kind's keys take {size} bytes as JSON; at most {MAX_OPTIONS_BYTES} are allowed"
@@ -306,6 +304,13 @@ def _entry_errors(config: NodeConfig) -> list[pydantic_core.InitErrorDetails]:
             kind.options_model.model_validate(resource.options)
         except pydantic.ValidationError as exc:
             for item in exc.errors():
+                if item["loc"] == ("mode",) and item["type"] == "extra_forbidden":
+                    # Not the kind's old key either (the fpga kind's family, once called mode).
+                    message = f"expected device-plugin or dra, got {shorten(resource.mode)!r}"
+                    errors.append(
+                        _custom("unknown_mode", message, ("resources", index, "mode"), resource.mode)
+                    )
+                    continue
                 detail: pydantic_core.InitErrorDetails = {
                     "type": item["type"],
                     "loc": ("resources", index, *item["loc"]),

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import socket
 import struct
 from collections.abc import Callable
 from pathlib import Path
 
 from plugvisor.common import notify
+from plugvisor.common.sockets import owner_only
 
 Report = Callable[[int, dict[str, str]], None]
 """Called with the sender's PID and the decoded fields."""
@@ -40,11 +40,8 @@ class ReportListener:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
-        old_umask = os.umask(0o177)
-        try:
+        with owner_only():
             sock.bind(str(self.path))
-        finally:
-            os.umask(old_umask)
         self._sock = sock
         asyncio.get_running_loop().add_reader(sock.fileno(), self._drain)
 

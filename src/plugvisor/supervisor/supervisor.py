@@ -142,7 +142,7 @@ class Supervisor:
         summary: dict[str, list[str]] = {"added": [], "removed": [], "changed": [], "unchanged": []}
         for resource in [name for name in self.children if name not in specs]:
             child = self.children.pop(resource)
-            child.stop()
+            child.stop(for_good=True)
             if child.state is not states.STOPPED:
                 self.retiring.append(child)
             summary["removed"].append(resource)

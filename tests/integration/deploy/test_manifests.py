@@ -3,6 +3,7 @@ with its own node.yaml, with the lab overlay and with kind-config.yaml."""
 
 from __future__ import annotations
 
+import functools
 import posixpath
 import re
 import shutil
@@ -17,9 +18,11 @@ import yaml
 
 from plugvisor.common.hostpaths import HostPaths
 from plugvisor.deviceplugin.release import default_pod_resources_socket
+from plugvisor.dra.devices import PublishedDevice
 from plugvisor.emulators.lab import Lab
 from plugvisor.plugins import kinds
 from plugvisor.supervisor.config import NodeConfig, parse_config
+from plugvisor.testing import dra_devices
 
 from .conftest import KUBERNETES_VERSION, OVERLAYS, REPO, kind_config, objects, render
 
@@ -328,6 +331,82 @@ def test_the_gpu_pair_example_constrains_both_gpus_to_one_pcie_root() -> None:
     assert devices["constraints"] == [
         {"requests": ["gpus"], "matchAttribute": "resource.kubernetes.io/pcieRoot"}
     ]
+
+
+_CEL_REFERENCE = re.compile(
+    r'device\.(?P<map>attributes|capacity)\["(?P<domain>[^"]+)"\]\.(?P<name>\w+)'
+    r'(?:\s*(?P<op>==|!=)\s*(?P<literal>"[^"]*"|true|false|-?\d+))?'
+)
+_LITERAL_TYPES = {"true": bool, "false": bool}
+
+
+@functools.cache
+def _published_by_driver() -> dict[str, list[PublishedDevice]]:
+    """What every DRA overlay's drivers publish on a dgx-like lab (GPUs, ConnectX and E810 VFs, FPGAs)."""
+    root = Path(tempfile.mkdtemp(prefix="pv-dra-lab-"))
+    try:
+        Lab.create(str(root / "lab"), "dgx-like")
+        published: dict[str, list[PublishedDevice]] = {}
+        for overlay in DRA_OVERLAYS:
+            for ds in _agents(overlay):
+                for resource in _node_config(overlay, ds)[0].resources:
+                    if resource.dra:
+                        kind = kinds.get_kind(resource.kind)
+                        devices = dra_devices(kind, resource.options, root / "lab", driver=resource.name)
+                        published[resource.name] = list(devices.values())
+        return published
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _selections() -> Iterator[tuple[str, str, str]]:
+    """(where, driver, CEL expression or matchAttribute name) of every DeviceClass and example claim."""
+    for overlay in DRA_OVERLAYS:
+        for device_class in objects(overlay, "DeviceClass"):
+            for selector in device_class["spec"].get("selectors", []):
+                yield (
+                    f"DeviceClass {device_class['metadata']['name']}",
+                    device_class["metadata"]["name"],
+                    (selector["cel"]["expression"]),
+                )
+    for example in EXAMPLES:
+        for doc in yaml.safe_load_all(example.read_text()):
+            if not doc or doc["kind"] != "ResourceClaimTemplate":
+                continue
+            devices = doc["spec"]["spec"]["devices"]
+            drivers = {r["name"]: r["exactly"]["deviceClassName"] for r in devices["requests"]}
+            for request in devices["requests"]:
+                for selector in request["exactly"].get("selectors", []):
+                    yield example.name, drivers[request["name"]], selector["cel"]["expression"]
+            for constraint in devices.get("constraints", []):
+                for request in constraint.get("requests") or list(drivers):
+                    domain, _, name = constraint["matchAttribute"].rpartition("/")
+                    yield example.name, drivers[request], f'device.attributes["{domain}"].{name}'
+
+
+def test_every_attribute_a_class_or_example_selects_on_is_one_its_driver_publishes() -> None:
+    """A CEL selector or matchAttribute on a name no device has matches nothing, silently: every one names
+    an attribute (of the right type where it is compared) that the driver's kind publishes on a lab, and
+    a flag it asks for (`rdma == true`) is one some device has."""
+    published = _published_by_driver()
+    checked = 0
+    for where, driver, expression in _selections():
+        devices = published[driver]
+        for ref in _CEL_REFERENCE.finditer(expression):
+            key = ref["name"] if ref["domain"] == driver else f"{ref['domain']}/{ref['name']}"
+            values = [getattr(device, ref["map"]).get(key) for device in devices]
+            found = [value for value in values if value is not None]
+            assert found, f"{where}: no device of {driver} has {ref['map']} {key!r} ({expression})"
+            if ref["literal"] is not None:
+                literal = ref["literal"]
+                wanted = str if literal.startswith('"') else _LITERAL_TYPES.get(literal, int)
+                assert all(type(value) is wanted for value in found), (
+                    f"{where}: {key} of {driver} is {type(found[0]).__name__}, compared with {literal}"
+                )
+                if wanted is bool and ref["op"] == "==":  # strings are the user's to fill in (a PF name)
+                    assert (literal == "true") in found, f"{where}: no device of {driver} has {key} {literal}"
+            checked += 1
+    assert checked >= 3  # the VF example's pfName and rdma, the GPU pair's pcieRoot
 
 
 # -- the lab overlay and kind-config.yaml ---------------------------------------------------------------

@@ -6,11 +6,20 @@ claims are prepared by the kubelet's calls, CDI specs are read back as a
 container runtime would.
 """
 
+import asyncio
+import contextlib
 import json
+import os
 
 import pytest
 
+from plugvisor.common import device_metrics, monitoring
+from plugvisor.common.hostpaths import HostPaths
+from plugvisor.deviceplugin.device_monitor import MonitorConfig
 from plugvisor.dra.devices import PCIE_ROOT
+from plugvisor.dra.hooks import kind_resource
+from plugvisor.dra.local import FileClaimReader, FileSlicePublisher
+from plugvisor.dra.runtime import DraDriverRuntime, DriverConfig
 from plugvisor.emulators import lab
 from plugvisor.emulators.kubelet.dra import DraCallError
 from plugvisor.plugins.generic import KIND as GENERIC
@@ -176,3 +185,77 @@ class TestSockets:
             await eventually(lambda: gpu.runtime.registrations.value.number == 2, what="registered again")
             await gpu.unprepare(claim)
             assert gpu.runtime.preparer.prepared == {}
+
+
+class TestMonitoring:
+    async def test_devices_are_reported_under_the_driver_and_their_pool_names_as_podresources_says(
+        self, base, lab_root
+    ):
+        """PodResources names a DRA-prepared device by driver and pool name: so does the driver's report."""
+        from plugvisor.emulators.kubelet import FeatureGates
+
+        kubelet = make_kubelet(base, gates=FeatureGates(resource_health_status=True))
+        monitor_dir = base / "monitor"
+        monitor_dir.mkdir()
+        node = lab.Lab.open(str(lab_root))
+        async with kubelet, monitored_driver(kubelet, lab_root, monitor_dir) as runtime:
+            await eventually(
+                lambda: (
+                    (report := monitoring.read_report(monitor_dir, DRIVER)) is not None
+                    and len(report.devices) == 8
+                ),
+                what="the report of 8 GPUs",
+            )
+            names = runtime.pools.value.names
+            report = monitoring.read_report(monitor_dir, DRIVER)
+            assert report is not None and sorted(d.id for d in report.devices) == sorted(names.values())
+            held = names[node.device("gpu0").uuid]
+            owners = {(DRIVER, held): (monitoring.Holder("team", "trainer", "main"),)}
+            monitoring.write_owners(monitor_dir, monitoring.Owners(owners, up=True))
+            text = device_metrics.render(monitoring.directory_view(monitor_dir, {DRIVER: os.getpid()}))
+            info = [line for line in text.decode().splitlines() if line.startswith("plugvisor_device_info{")]
+            (line,) = [line for line in info if f'device="{held}"' in line]
+            assert f'resource="{DRIVER}"' in line and 'pod="trainer"' in line and 'namespace="team"' in line
+
+            node.fault("gpu3", "fallen-off-bus")
+            sick = (DRIVER, NODE, names[node.device("gpu3").uuid])
+            await kubelet.wait_for(
+                lambda k: sick in k.dra.health and k.dra.health[sick].health == "Unhealthy",
+                what="gpu3 unhealthy",
+                timeout=30,
+            )
+            # The cause the monitor described, found by the device's pool name.
+            await kubelet.wait_for(
+                lambda k: "fallen off the bus" in k.dra.health[sick].message,
+                what="gpu3's cause on the health stream",
+                timeout=30,
+            )
+
+
+@contextlib.asynccontextmanager
+async def monitored_driver(kubelet, lab_root, monitor_dir):
+    """The gpu kind as a driver with monitoring on (no PodResources polling), in this process."""
+    paths = HostPaths(root=lab_root, kubelet_dir=kubelet.socket_dir)
+    config = DriverConfig(
+        DRIVER,
+        NODE,
+        paths,
+        cdi_dir="/cdi",
+        rescan_interval=0.2,
+        plugins_registry=kubelet.plugins_registry,
+        monitoring=MonitorConfig(enabled=True, monitor_dir=monitor_dir, owners=False, telemetry_interval=0.2),
+    )
+    objects = kubelet.dra.objects_dir
+    runtime = DraDriverRuntime(
+        config,
+        GPU.build({}, paths, resource=kind_resource(DRIVER, "gpu")),
+        claims=FileClaimReader(objects),
+        slices=FileSlicePublisher(objects, driver=DRIVER, node_name=NODE),
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(runtime.run(stop))
+    try:
+        yield runtime
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)

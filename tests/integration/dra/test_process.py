@@ -2,6 +2,8 @@
 
 import asyncio
 import json
+import os
+import signal
 import socket
 import sys
 
@@ -46,12 +48,16 @@ class TestProcess:
             await kubelet.dra.unprepare("default", "gpus")
             assert not spec_of(lab_root, "uid-1").exists() and checkpointed(base) == []
             fields: dict[str, str] = {}
-            await eventually(lambda: _drain(receiver, fields) and "REGISTERED" in fields, what="REGISTERED=")
+            await eventually(
+                lambda: _drain(receiver, fields) and {"REGISTERED", "SLICES"} <= fields.keys(),
+                what="REGISTERED= and SLICES=",
+            )
         finally:
             receiver.close()
         assert fields["REGISTERED"] == "1"
         assert fields["DEVICES"] == "8/8"
         assert fields["ENDPOINT"] == f"{DRIVER}-reg.sock"
+        assert fields["SLICES"] == "synced"
 
     async def test_a_killed_driver_restarted_unprepares_what_it_prepared(
         self, kubelet, base, lab_root, start_driver
@@ -106,15 +112,25 @@ class TestProcess:
         view = await kubelet.dra.prepare(claim(devices))
         assert view.cdi_devices() and checkpointed(base) == ["uid-1"]
 
-    @pytest.mark.parametrize("withdraw", [False, True], ids=["restarting", "for-good"])
+    @pytest.mark.parametrize(
+        ("stop", "withdrawn"),
+        [
+            (((), signal.SIGTERM), False),
+            ((("--withdraw-on-stop",), signal.SIGTERM), True),
+            (((), notify.STOP_FOR_GOOD_SIGNAL), True),
+        ],
+        ids=["restarting", "withdraw-on-stop", "the-agents-stop-for-good"],
+    )
     async def test_a_clean_stop_leaves_the_slice_unless_the_driver_goes_for_good(
-        self, kubelet, base, start_driver, withdraw
+        self, kubelet, base, start_driver, stop, withdrawn
     ):
-        driver = await start_driver(*(["--withdraw-on-stop"] if withdraw else []))
+        flags, stop_signal = stop
+        driver = await start_driver(*flags)
         await kubelet.wait_for(registered(), what="the driver registered", timeout=60)
         await eventually(lambda: len(slice_devices(base)) == 8, what="the slice")
+        driver.proc.send_signal(stop_signal)
         assert await driver.stop() == 0
-        assert len(slice_devices(base)) == (0 if withdraw else 8)
+        assert len(slice_devices(base)) == (0 if withdrawn else 8)
         assert not (base / "plugins_registry" / f"{DRIVER}-reg.sock").exists()
 
     async def test_a_second_driver_of_the_same_name_exits_2_naming_the_socket(self, kubelet, start_driver):
@@ -166,3 +182,19 @@ class TestBadInput:
         _, stderr = await asyncio.wait_for(proc.communicate(), 60)
         assert proc.returncode == 2
         assert message in stderr.decode()
+
+    async def test_without_an_api_server_configured_the_driver_exits_2_saying_what_it_tried(
+        self, base, lab_root, tmp_path
+    ):
+        args = [arg for arg in driver_args(base, lab_root) if arg not in ("--objects-dir", str(base / "api"))]
+        env = {
+            key: value
+            for key, value in os.environ.items()
+            if key not in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT")
+        }
+        proc = await asyncio.create_subprocess_exec(
+            *args, stderr=asyncio.subprocess.PIPE, env={**env, "HOME": str(tmp_path)}
+        )
+        _, stderr = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 2
+        assert "no API server configuration: KUBECONFIG is not set" in stderr.decode()

@@ -11,6 +11,7 @@ removed with the processes at the end.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
@@ -22,17 +23,23 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 from lightkube import AsyncClient, KubeConfig
 from lightkube.config.models import Cluster, User
+from lightkube.resources.core_v1 import Node
+from lightkube.resources.rbac_authorization_v1 import ClusterRole, ClusterRoleBinding
+from lightkube.resources.resource_v1 import ResourceSlice
 
 from plugvisor.dra.kube.config import ApiConfig, api_client
 
+REPO = Path(__file__).resolve().parents[3]
 START_TIMEOUT = 180.0  # seconds: a loaded 2-core machine needs tens of seconds for the API server
 ADMIN_TOKEN = "admin-token-for-tests-only"
 DRIVER_TOKEN = "driver-token-for-tests-only"
@@ -278,3 +285,45 @@ async def admin(apiserver: ApiServer) -> AsyncIterator[AsyncClient]:
     client = api_client(apiserver.config(ADMIN_TOKEN))
     yield client
     await client.close()
+
+
+async def pool(admin: AsyncClient, node: str) -> list[dict[str, Any]]:
+    items = [s.to_dict() async for s in admin.list(ResourceSlice, fields={"spec.nodeName": node})]
+    return sorted(items, key=lambda s: s["metadata"]["name"])
+
+
+@pytest.fixture(scope="package")
+def driver_role(apiserver: ApiServer) -> None:
+    """The deployment's ClusterRole, bound to the driver's user (set up once, with the admin token)."""
+    documents = list(yaml.safe_load_all((REPO / "deploy/kubernetes/components/dra/rbac.yaml").read_text()))
+    role = next(doc for doc in documents if doc["kind"] == "ClusterRole")
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRoleBinding",
+        "metadata": {"name": "plugvisor-dra-test-user"},
+        "roleRef": {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "ClusterRole",
+            "name": role["metadata"]["name"],
+        },
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": DRIVER_USER}],
+    }
+
+    async def setup() -> None:
+        admin = api_client(apiserver.config(ADMIN_TOKEN))
+        await admin.create(ClusterRole.from_dict(role))
+        await admin.create(ClusterRoleBinding.from_dict(binding))
+        await admin.close()
+
+    asyncio.run(setup())
+
+
+@pytest.fixture
+async def node(admin: AsyncClient) -> AsyncIterator[str]:
+    """A Node object of its own per test (the slices' owner), deleted afterwards."""
+    name = f"node-{uuid.uuid4().hex[:8]}"
+    await admin.create(Node.from_dict({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}}))
+    yield name
+    await admin.delete(Node, name)
+    for item in await pool(admin, name):
+        await admin.delete(ResourceSlice, item["metadata"]["name"])

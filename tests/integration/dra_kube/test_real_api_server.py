@@ -13,20 +13,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from lightkube import AsyncClient
 from lightkube.resources.core_v1 import Namespace, Node
-from lightkube.resources.rbac_authorization_v1 import ClusterRole, ClusterRoleBinding
 from lightkube.resources.resource_v1 import ResourceClaim, ResourceClaimStatus, ResourceSlice
 from structlog.testing import capture_logs
 
+from plugvisor.dra.cluster import AllocatedDevice, ClaimError
+from plugvisor.dra.devices import DeviceTaint, PublishedDevice, SemVer
 from plugvisor.dra.kube import connect
-from plugvisor.dra.kube import slices as slices_module
-from plugvisor.dra.kube.claims import AllocatedDevice, ClaimError, ClaimReader
+from plugvisor.dra.kube.claims import ClaimReader
 from plugvisor.dra.kube.config import api_client
-from plugvisor.dra.kube.slices import DeviceTaint, PublishedDevice, SemVer, SlicePublisher
+from plugvisor.dra.kube.slices import SlicePublisher
 
-from .conftest import ADMIN_TOKEN, DRIVER_TOKEN, DRIVER_USER, NOBODY_TOKEN, ApiServer, running_api_server
+from .conftest import ADMIN_TOKEN, DRIVER_TOKEN, NOBODY_TOKEN, ApiServer, pool, running_api_server
 
 REPO = Path(__file__).resolve().parents[3]
 DRIVER = "gpu.plugvisor.io"
@@ -45,52 +44,10 @@ def gpu(index: int, **extra: Any) -> PublishedDevice:
     return PublishedDevice(f"gpu-{index}", attributes=attributes, capacity={"memory": "1024Mi"})
 
 
-async def pool(admin: AsyncClient, node: str) -> list[dict[str, Any]]:
-    items = [s.to_dict() async for s in admin.list(ResourceSlice, fields={"spec.nodeName": node})]
-    return sorted(items, key=lambda s: s["metadata"]["name"])
-
-
 async def until(condition, timeout: float = WAIT) -> None:
     async with asyncio.timeout(timeout):
         while not await condition():
             await asyncio.sleep(0.05)
-
-
-@pytest.fixture(scope="module")
-def driver_role(apiserver: ApiServer) -> None:
-    """The deployment's ClusterRole, bound to the driver's user (set up once, with the admin token)."""
-    documents = list(yaml.safe_load_all((REPO / "deploy/kubernetes/components/dra/rbac.yaml").read_text()))
-    role = next(doc for doc in documents if doc["kind"] == "ClusterRole")
-    binding = {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "ClusterRoleBinding",
-        "metadata": {"name": "plugvisor-dra-test-user"},
-        "roleRef": {
-            "apiGroup": "rbac.authorization.k8s.io",
-            "kind": "ClusterRole",
-            "name": role["metadata"]["name"],
-        },
-        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": DRIVER_USER}],
-    }
-
-    async def setup() -> None:
-        admin = api_client(apiserver.config(ADMIN_TOKEN))
-        await admin.create(ClusterRole.from_dict(role))
-        await admin.create(ClusterRoleBinding.from_dict(binding))
-        await admin.close()
-
-    asyncio.run(setup())
-
-
-@pytest.fixture
-async def node(admin: AsyncClient) -> AsyncIterator[str]:
-    """A Node object of its own per test (the slices' owner), deleted afterwards."""
-    name = f"node-{uuid.uuid4().hex[:8]}"
-    await admin.create(Node.from_dict({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}}))
-    yield name
-    await admin.delete(Node, name)
-    for item in await pool(admin, name):
-        await admin.delete(ResourceSlice, item["metadata"]["name"])
 
 
 @pytest.fixture
@@ -191,11 +148,11 @@ async def test_slices_deleted_as_the_kubelet_does_at_start_come_back(
 
 
 async def test_a_device_the_api_server_refuses_is_named_and_left_out(
-    admin: AsyncClient, publisher: SlicePublisher, node: str, monkeypatch: pytest.MonkeyPatch
+    admin: AsyncClient, publisher: SlicePublisher, node: str
 ) -> None:
     """With our own checks out of the way, the API server's refusal is read back to the device and field."""
-    monkeypatch.setattr(slices_module, "checked_device", lambda device, driver: (device, []))
-    bad = PublishedDevice("gpu-1", attributes={"not valid": 1}, capacity={})
+    bad = PublishedDevice("gpu-1")
+    object.__setattr__(bad, "attributes", {"not valid": 1})  # what PublishedDevice itself would refuse
     with capture_logs() as logs:
         await publisher.publish([gpu(0), bad, gpu(2)])
         assert await publisher.wait_synced(WAIT)

@@ -52,7 +52,7 @@ class TestDiscoveryAndAllocate:
         self, make_lab, kubelet, running
     ):
         node = make_lab("dgx-like")
-        async with running(kubelet, node, KIND, {"mode": "af"}, AF):
+        async with running(kubelet, node, KIND, {"family": "af"}, AF):
             await kubelet.wait_for(lambda k: allocatable(k, AF) == 1)
             assert kubelet.resource(AF).devices["dfl-port.0"].numa_nodes == (fpgas(node)["fpga0"].numa_node,)
             allocation = await kubelet.allocate(AF, 1)
@@ -67,8 +67,8 @@ class TestDiscoveryAndAllocate:
 
     async def test_match_by_ids_selects_or_leaves_out_the_port(self, make_lab, kubelet, running):
         node = make_lab("dgx-like")
-        wanted = {"mode": "region", "match": {"interfaceIds": ["69528DB6EB31577A8C3668F9FAA081F6"]}}
-        other = {"mode": "af", "match": {"afuIds": ["0" * 31 + "1"]}}
+        wanted = {"family": "region", "match": {"interfaceIds": ["69528DB6EB31577A8C3668F9FAA081F6"]}}
+        other = {"family": "af", "match": {"afuIds": ["0" * 31 + "1"]}}
         async with (
             running(kubelet, node, KIND, wanted, REGION),
             running(kubelet, node, KIND, other, "x.io/other"),
@@ -81,7 +81,7 @@ class TestDiscoveryAndAllocate:
     async def test_xilinx_mode_lists_the_user_pf_with_render_and_mgmt_nodes(self, make_lab, kubelet, running):
         node = make_lab("dgx-like")
         card = fpgas(node)["fpga1"]
-        async with running(kubelet, node, KIND, {"mode": "xilinx"}, XILINX):
+        async with running(kubelet, node, KIND, {"family": "xilinx"}, XILINX):
             await kubelet.wait_for(lambda k: allocatable(k, XILINX) == 1)
             allocation = await kubelet.allocate(XILINX, 1)
         assert list(allocation.device_ids) == [card.bdf]
@@ -97,7 +97,7 @@ class TestHealth:
         self, make_lab, kubelet, running, health_of, fault
     ):
         node = make_lab("dgx-like")
-        async with running(kubelet, node, KIND, {"mode": "af"}, AF):
+        async with running(kubelet, node, KIND, {"family": "af"}, AF):
             await kubelet.wait_for(lambda k: allocatable(k, AF) == 1)
             node.fault("fpga0", fault)
             await kubelet.wait_for(lambda k: health_of(k, AF) == {"dfl-port.0": "Unhealthy"})
@@ -106,7 +106,7 @@ class TestHealth:
 
     async def test_an_invalid_afu_is_no_fault_in_region_mode(self, make_lab, kubelet, running, health_of):
         node = make_lab("dgx-like")
-        async with running(kubelet, node, KIND, {"mode": "region"}, REGION):
+        async with running(kubelet, node, KIND, {"family": "region"}, REGION):
             await kubelet.wait_for(lambda k: allocatable(k, REGION) == 1)
             node.fault("fpga0", "afu-id-invalid")
             node.fault("fpga0", "aer-fatal")
@@ -120,7 +120,7 @@ class TestHealth:
     ):
         node = make_lab("dgx-like")
         bdf = fpgas(node)["fpga1"].bdf
-        options = {"mode": "xilinx", "match": {"shells": ["xilinx_u250_gen3x16_xdma_shell_4_1"]}}
+        options = {"family": "xilinx", "match": {"shells": ["xilinx_u250_gen3x16_xdma_shell_4_1"]}}
         async with running(kubelet, node, KIND, options, XILINX):
             await kubelet.wait_for(lambda k: allocatable(k, XILINX) == 1)
             node.fault("fpga1", fault)
@@ -221,7 +221,7 @@ async def test_plugin_fpga_runs_as_a_real_process_with_release_cleanup(make_lab,
     node = make_lab("dgx-like")
     marker = base / "cleanup.log"
     options = {
-        "mode": "xilinx",
+        "family": "xilinx",
         "releaseCleanup": {"command": ["sh", "-c", f"echo {{device}} >> {marker}"], "interval": 0.05},
     }
     bdf = fpgas(node)["fpga1"].bdf

@@ -5,13 +5,14 @@ import pytest
 from plugvisor.dra.devices import (
     NUMA_NODE,
     PCIE_ROOT,
+    DeviceTaint,
     InvalidDraDeviceError,
     PublishedDevice,
     SemVer,
     bytes_quantity,
-    qualified_name_problem,
-    quantity_problem,
+    device_json,
 )
+from plugvisor.dra.validation import qualified_problem, quantity_problem
 
 
 class TestSemVer:
@@ -47,14 +48,14 @@ class TestNames:
         "name", ["model", "driverVersion", "_x", "resource.kubernetes.io/pcieRoot", "a.b/c_1"]
     )
     def test_qualified_names_are_taken(self, name):
-        assert qualified_name_problem(name) is None
+        assert qualified_problem(name) is None
 
     @pytest.mark.parametrize(
         "name",
-        ["", "1model", "has-dash", "a" * 33, "Upper.Domain/x", "/x", "domain/", "a/b/c", f"{'a' * 64}/x"],
+        ["", "1model", "has-dash", "a" * 33, "under_score.io/x", "/x", "domain/", "a/b/c", f"{'a' * 64}/x"],
     )
     def test_other_names_are_refused(self, name):
-        assert qualified_name_problem(name) is not None
+        assert qualified_problem(name) is not None
 
 
 class TestPublishedDevice:
@@ -78,9 +79,22 @@ class TestPublishedDevice:
             ({"name": "a" * 64}, "is 64 characters"),
             ({"name": "ok", "attributes": {"bad-name": 1}}, "attribute 'bad-name'"),
             ({"name": "ok", "attributes": {"x": 1.5}}, "float is not an attribute value"),
-            ({"name": "ok", "attributes": {"x": "y" * 65}}, "longer than 64"),
+            ({"name": "ok", "attributes": {"x": "y" * 65}}, "65 characters long; at most 64"),
+            ({"name": "ok", "attributes": {"x": 2**63}}, "does not fit in a 64-bit integer"),
             ({"name": "ok", "capacity": {"memory": "lots"}}, "not a Kubernetes quantity"),
             ({"name": "ok", "capacity": {"mem ory": "1"}}, "capacity 'mem ory'"),
+            (
+                {
+                    "name": "ok",
+                    "attributes": {f"a{i}": i for i in range(30)},
+                    "capacity": {"m": "1", "n": "1", "o": "1"},
+                },
+                "33 attributes and capacities; at most 32",
+            ),
+            (
+                {"name": "ok", "taints": tuple(DeviceTaint(f"k{i}") for i in range(17))},
+                "17 taints; at most 16",
+            ),
         ],
         ids=[
             "upper-case",
@@ -89,13 +103,48 @@ class TestPublishedDevice:
             "attribute-name",
             "float",
             "long-string",
+            "int64",
             "quantity",
             "capacity-name",
+            "too-many-entries",
+            "too-many-taints",
         ],
     )
     def test_a_kinds_mistake_is_one_error_naming_the_device_and_field(self, kwargs, message):
         with pytest.raises(InvalidDraDeviceError, match=message):
             PublishedDevice(**kwargs)
+
+    @pytest.mark.parametrize(
+        ("taint", "message"),
+        [
+            (("bad key!",), "the key 'bad key!'"),
+            (("k", "a value with spaces"), "is not a label value"),
+            (("k", "", "Evict"), "'Evict' is not one of None, NoSchedule, NoExecute"),
+        ],
+        ids=["key", "value", "effect"],
+    )
+    def test_a_taint_the_api_server_would_refuse_is_refused_naming_it(self, taint, message):
+        with pytest.raises(InvalidDraDeviceError, match=message):
+            DeviceTaint(*taint)
+
+    def test_the_api_form_has_one_typed_value_per_attribute(self):
+        device = PublishedDevice(
+            "gpu-0",
+            {"healthy": True, "index": 3, "model": "H100", "driverVersion": SemVer("550.54.15")},
+            {"memory": "80Gi"},
+            (DeviceTaint("gpu.plugvisor.io/unhealthy"),),
+        )
+        assert device_json(device) == {
+            "name": "gpu-0",
+            "attributes": {
+                "driverVersion": {"version": "550.54.15"},
+                "healthy": {"bool": True},
+                "index": {"int": 3},
+                "model": {"string": "H100"},
+            },
+            "capacity": {"memory": {"value": "80Gi"}},
+            "taints": [{"key": "gpu.plugvisor.io/unhealthy", "effect": "NoSchedule"}],
+        }
 
     def test_a_version_and_a_standard_attribute_are_taken(self):
         device = PublishedDevice("gpu-0", {"driverVersion": SemVer("550.54.15"), PCIE_ROOT: "pci0000:00"})

@@ -68,7 +68,7 @@ def server(tmp_path):
         checkpoint=Checkpoint(tmp_path / "c.json", driver=DRIVER),
         cdi_dir=tmp_path / "cdi",
     )
-    return DraServer(preparer, pools, causes=lambda: {"GPU-1": "AER fatal errors: 1"}, health_interval=0.01)
+    return DraServer(preparer, pools, causes=lambda: {"gpu-1": "AER fatal errors: 1"}, health_interval=0.01)
 
 
 def claim(name, uid):

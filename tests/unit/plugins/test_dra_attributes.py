@@ -87,9 +87,15 @@ class TestNic:
         assert (device.attributes[PCIE_ROOT], device.attributes[NUMA_NODE]) == ("pci0000:80", 1)
 
     def test_a_vf_without_rdma_says_so(self, labs):
-        published = pool(labs / "dgx-like", "nic", {"match": {"pfNames": ["enp10s0f0"]}})
+        published = pool(labs / "dgx-like", "nic", {"match": {"pfNames": ["enp10s0f0"], "isRdma": False}})
         assert len(published.devices) == 8
         assert published.devices["enp10s0f0-vf3"].attributes["rdma"] is False
+
+    def test_without_is_rdma_no_vf_claims_to_have_or_lack_rdma(self, labs):
+        """Only isRdma makes the scan look for RDMA devices: a ConnectX VF is never published rdma false."""
+        published = pool(labs / "dgx-like", "nic")
+        assert len(published.devices) == 16
+        assert not any("rdma" in device.attributes for device in published.devices.values())
 
 
 class TestFpga:
@@ -99,7 +105,7 @@ class TestFpga:
         assert len(str(device.attributes["interfaceId"])) == 32 and len(str(device.attributes["afuId"])) == 32
 
     def test_a_xilinx_card_says_its_shell(self, labs):
-        (device,) = pool(labs / "dgx-like", "fpga", {"mode": "xilinx"}).devices.values()
+        (device,) = pool(labs / "dgx-like", "fpga", {"family": "xilinx"}).devices.values()
         assert device.attributes["interfaceId"] == "xilinx_u250_gen3x16_xdma_shell_4_1"
 
 

@@ -86,7 +86,7 @@ class TestNames:
         with pytest.raises(ValueError, match="32 hex digits"):
             intel_af_resource("abc", AFU)
 
-    def test_suggestions_cover_every_mode_with_pasteable_entries(self, pristine):
+    def test_suggestions_cover_every_family_with_pasteable_entries(self, pristine):
         suggestions = {s.entry["name"]: s for s in suggest_resources(pristine)}
         af = intel_af_resource(IFID, AFU)
         assert set(suggestions) == {
@@ -106,9 +106,9 @@ class TestOptions:
     @pytest.mark.parametrize(
         ("options", "message"),
         [
-            ({"mode": "xilinx", "match": {"afuIds": [AFU]}}, "not mode xilinx"),
-            ({"match": {"shells": ["s"]}}, "needs mode xilinx"),
-            ({"mode": "region", "match": {"afuIds": [AFU]}}, "needs mode af"),
+            ({"family": "xilinx", "match": {"afuIds": [AFU]}}, "not family xilinx"),
+            ({"match": {"shells": ["s"]}}, "needs family xilinx"),
+            ({"family": "region", "match": {"afuIds": [AFU]}}, "needs family af"),
             ({"match": {"afuIds": ["xyz"]}}, "128-bit ID"),
             ({"preStartTimeout": 29}, "less than or equal to 25"),
             ({"preStartCommand": []}, "at least 1"),
@@ -127,16 +127,16 @@ class TestOptions:
 
 
 class TestBrokenTrees:
-    def test_garbage_afu_id_lists_the_port_unhealthy_in_af_mode_only(self, root):
+    def test_garbage_afu_id_lists_the_port_unhealthy_in_family_af_only(self, root):
         rewrite(root / PORT / "afu_id", "banana\n")
         assert not scan(root)["dfl-port.0"].healthy
-        assert scan(root, mode="region")["dfl-port.0"].healthy
+        assert scan(root, family="region")["dfl-port.0"].healthy
 
-    def test_an_all_f_interface_id_is_unhealthy_in_both_modes(self, root):
+    def test_an_all_f_interface_id_is_unhealthy_in_both_families(self, root):
         compat = next((root / PORT).parent.glob("dfl-fme.0/dfl-fme-region.0/fpga_region/region*/compat_id"))
         rewrite(compat, "f" * 32 + "\n")
         assert not scan(root)["dfl-port.0"].healthy
-        assert not scan(root, mode="region")["dfl-port.0"].healthy
+        assert not scan(root, family="region")["dfl-port.0"].healthy
 
     def test_port_errors_make_the_port_unhealthy(self, root):
         (root / PORT / "errors").mkdir()
@@ -158,7 +158,7 @@ class TestBrokenTrees:
 
     def test_a_garbage_class_skips_that_function_only(self, root):
         rewrite(root / USER_PF / "class", "zz\n")
-        assert len(scan(root, mode="xilinx")) == 0
+        assert len(scan(root, family="xilinx")) == 0
         assert len(scan(root)) == 1
 
     def test_opae_layout_is_read_too(self, root):
@@ -188,7 +188,7 @@ class TestPreStart:
     def test_an_unknown_device_fails_the_start(self, root):
         src = source(root)
         ours = src.scan()
-        theirs = source(root, mode="xilinx").scan().devices
+        theirs = source(root, family="xilinx").scan().devices
         with pytest.raises(RuntimeError, match=r"not a device of x\.io/fpga"):
             src.pre_start_container(Snapshot(theirs, data=ours.data))
 
@@ -226,7 +226,7 @@ class TestPreStart:
 
     def test_xilinx_cards_run_only_the_command(self, root, tmp_path):
         marker = tmp_path / "m"
-        src = source(root, mode="xilinx", preStartCommand=["touch", str(marker)])
+        src = source(root, family="xilinx", preStartCommand=["touch", str(marker)])
         src.pre_start_container(src.scan())
         assert marker.exists()
 
@@ -236,7 +236,7 @@ import sys
 from plugvisor.plugins import kinds
 import plugvisor.plugins.fpga as fpga
 kind = kinds.get_kind("fpga")
-kind.options_model.model_validate({"mode": "af", "releaseCleanup": {"command": ["true"]}})
+kind.options_model.model_validate({"family": "af", "releaseCleanup": {"command": ["true"]}})
 bad = ("grpc.", "plugvisor.api.podresources", "plugvisor.api.deviceplugin")
 print(sorted(m for m in sys.modules if m == "grpc" or m.startswith(bad)))
 """

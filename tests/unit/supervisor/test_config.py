@@ -5,7 +5,9 @@ import sys
 
 import pytest
 import yaml
+from structlog.testing import capture_logs
 
+from plugvisor.plugins.fpga import Family, FpgaOptions
 from plugvisor.supervisor import config as config_
 
 GOOD = """
@@ -291,14 +293,35 @@ class TestDraMode:
 
         assert "too long for the sockets of " + name in errors
 
-    def test_the_fpga_kinds_own_mode_key_still_means_the_fpga_kinds_mode(self):
-        """fpga's `mode: af|region|xilinx` predates DRA: that value is the kind's, the API a device plugin."""
+    def test_the_fpga_kinds_family_is_still_taken_under_its_old_name_mode_with_a_warning(self):
+        """fpga's `mode: af|region|xilinx` predates DRA's `mode`: it means `family`, and the file says so."""
         document = "resources:\n  - {name: plugvisor.io/fpga, kind: fpga, mode: region}\n"
-        config = config_.parse_config(yaml.safe_load(document), source="node.yaml")
+        with capture_logs() as logs:
+            config = config_.parse_config(yaml.safe_load(document), source="node.yaml")
 
         (resource,) = config.resources
         assert not resource.dra and resource.options == {"mode": "region"}
         assert config_.child_specs(config)["plugvisor.io/fpga"].args[:2] == ("plugin", "fpga")
+        (warning,) = [entry for entry in logs if entry["event"] == "deprecated_key"]
+        assert warning["use"] == "family: region"
+        assert FpgaOptions.model_validate(resource.options).family is Family.REGION
+
+    @pytest.mark.parametrize(
+        ("entry", "message"),
+        [
+            (
+                "{name: plugvisor.io/fpga, kind: fpga, mode: dra2}",
+                "node.yaml: resources[0].mode: expected device-plugin or dra, got 'dra2'",
+            ),
+            (
+                "{name: plugvisor.io/fpga, kind: fpga, mode: af, family: region}",
+                "give the family once: 'family' ('region'), not also its old name 'mode' ('af')",
+            ),
+        ],
+        ids=["not-a-family-either", "both-spellings"],
+    )
+    def test_an_fpga_mode_that_is_neither_an_api_nor_a_family_is_refused(self, entry, message):
+        assert message in errors_of(f"resources:\n  - {entry}\n")
 
     def test_a_node_name_must_be_a_node_name(self):
         errors = errors_of(

@@ -2,6 +2,7 @@
 
 import signal
 
+from plugvisor.common import notify
 from plugvisor.supervisor import states
 from plugvisor.supervisor.supervisor import Supervisor
 
@@ -588,3 +589,22 @@ class TestDraDrivers:
             "synced",
             {"healthy": 7, "total": 8},
         )
+
+    def test_a_driver_removed_by_a_reload_is_told_it_goes_for_good_and_one_stopped_with_the_agent_is_not(
+        self, spawner, clock
+    ):
+        """The stop-for-good signal makes the driver withdraw its slices; an agent's stop keeps them."""
+        supervisor = self.make(spawner, clock)
+        driver_pid = supervisor.children[self.DRIVER].pid
+        plugin_pid = supervisor.children[GPU].pid
+
+        supervisor.reload(node_config(GPU))
+
+        assert (driver_pid, notify.STOP_FOR_GOOD_SIGNAL) in spawner.signals
+        assert (plugin_pid, notify.STOP_FOR_GOOD_SIGNAL) not in spawner.signals
+
+        again = self.make(spawner, clock)
+        driver_pid = again.children[self.DRIVER].pid
+        again.stop()
+        assert (driver_pid, signal.SIGTERM) in spawner.signals
+        assert (driver_pid, notify.STOP_FOR_GOOD_SIGNAL) not in spawner.signals

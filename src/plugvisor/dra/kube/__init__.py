@@ -14,11 +14,12 @@ from collections.abc import Callable, Mapping
 import httpx2
 
 from plugvisor.common.names import node_name_problem
+from plugvisor.dra.cluster import PublishState
 from plugvisor.dra.kube.claims import ClaimReader
 from plugvisor.dra.kube.config import KubeConfigError, api_client, load_api_config
-from plugvisor.dra.kube.slices import PublishState, SlicePublisher
+from plugvisor.dra.kube.slices import SlicePublisher
 
-__all__ = ["connect"]
+__all__ = ["KubeConfigError", "PublishState", "connect"]
 
 
 async def connect(

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Final
 
 import httpx2
@@ -28,6 +27,7 @@ from lightkube import ApiError, AsyncClient
 from lightkube.resources.resource_v1 import ResourceClaim
 
 from plugvisor.common.validation import shorten
+from plugvisor.dra.cluster import AllocatedDevice, ClaimError
 
 READ_TIMEOUT: Final = 10.0
 """Seconds one claim is tried for while the API server fails (the kubelet waits up to 45 s per call)."""
@@ -35,30 +35,8 @@ READ_TIMEOUT: Final = 10.0
 _log = structlog.get_logger("plugvisor.dra.claims")
 
 
-class ClaimError(Exception):
-    """The claim cannot be prepared; the message names it and says why (one line)."""
-
-    def __init__(self, message: str, *, retriable: bool = False) -> None:
-        super().__init__(message)
-        self.retriable = retriable
-        """The API server failed, not the claim: the same call may succeed later."""
-
-
-@dataclass(frozen=True, slots=True)
-class AllocatedDevice:
-    """One allocation result of the claim (``status.allocation.devices.results[i]``)."""
-
-    request: str
-    """The claim's request (``gpu``, or ``gpus/first`` for a subrequest) the device was allocated for."""
-    driver: str
-    pool: str
-    device: str
-    admin_access: bool = False
-    """Allocated for administration (monitoring, reset) without reserving it: no exclusive use."""
-
-
 class ClaimReader:
-    """Reads claims' allocations."""
+    """Reads claims' allocations (the :class:`plugvisor.dra.cluster.ClaimReader` of a real cluster)."""
 
     def __init__(
         self, client: AsyncClient, *, timeout: float = READ_TIMEOUT, backoff_initial: float = 0.2
@@ -111,8 +89,7 @@ class ClaimReader:
                 message = f"HTTP {code} {shorten(str(exc.status.message or exc.status.reason), 200)}"
                 if code in (401, 403):
                     raise ClaimError(
-                        f"{where}: {message} (the driver's ServiceAccount needs get on resourceclaims)",
-                        retriable=True,
+                        f"{where}: {message} (the driver's ServiceAccount needs get on resourceclaims)"
                     ) from None
                 if code not in (429,) and (code is None or code < 500):
                     raise ClaimError(f"{where}: {message}") from None
@@ -120,7 +97,7 @@ class ClaimReader:
             except httpx2.HTTPError as exc:
                 last = f"{type(exc).__name__}: {shorten(str(exc), 200)}"
             if loop.time() + delay > deadline:
-                raise ClaimError(f"{where}: the API server did not answer: {last}", retriable=True)
+                raise ClaimError(f"{where}: the API server did not answer: {last}")
             _log.warning(
                 "claim_read_retry", claim=f"{namespace}/{name}", error=last, retry_in=round(delay, 2)
             )

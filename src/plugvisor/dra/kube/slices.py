@@ -16,9 +16,12 @@ behaviour this follows in our own terms:
   there. A change that needs more than one write (a new slice, two changed
   slices) bumps the generation, so no consumer ever mixes old and new slices;
   a change confined to one slice is a single atomic update and keeps it.
-- A device the API server would refuse is left out before anything is sent
-  (:mod:`.validation`), with one log line naming the device and the field. A
-  slice that the API server refuses anyway (a rule we do not know) has the
+- What the API server would refuse never gets here: a
+  :class:`~plugvisor.dra.devices.PublishedDevice` keeps the API's rules of one
+  device when it is built (:mod:`plugvisor.dra.validation`); what depends on
+  the pool (a name used twice, an attribute named with and without the
+  driver's domain) is left out with one log line naming the device and field.
+  A slice that the API server refuses anyway (a rule we do not know) has the
   device its error names left out, and the rest is published again.
 - Tainted devices: where the cluster keeps device taints (``DRADeviceTaints``:
   GA in 1.37, beta and on in 1.36, off before), the taint is published; where
@@ -52,7 +55,9 @@ from lightkube.resources.core_v1 import Node
 from lightkube.resources.resource_v1 import ResourceSlice
 
 from plugvisor.common.validation import shorten
-from plugvisor.dra.kube import validation
+from plugvisor.dra import validation
+from plugvisor.dra.cluster import PublishState
+from plugvisor.dra.devices import AttributeValue, PublishedDevice, device_json
 
 INDEX_DIGITS: Final = 5
 """Hex digits of a slice's index in its name (upstream's minimum, so both sort alike)."""
@@ -68,81 +73,6 @@ WITHDRAWING_EFFECTS: Final = ("NoSchedule", "NoExecute")
 _log = structlog.get_logger("plugvisor.dra.slices")
 
 
-@dataclass(frozen=True, slots=True)
-class SemVer:
-    """A version attribute (semver 2.0.0): CEL compares it as a version, not as a string."""
-
-    value: str
-
-    def __str__(self) -> str:
-        return self.value
-
-    @classmethod
-    def loose(cls, text: str) -> SemVer | None:
-        """The semver closest to a vendor's version string, or None.
-
-        ``535.104.05`` (NVIDIA's driver) has a leading zero and ``6.2`` no patch
-        number: neither is semver, and the API server would refuse both.
-        """
-        match = re.fullmatch(r"v?(\d+)(?:\.(\d+))?(?:\.(\d+))?([-+].*)?", text.strip())
-        if match is None:
-            return None
-        major, minor, patch, rest = match.groups()
-        version = f"{int(major)}.{int(minor or 0)}.{int(patch or 0)}{rest or ''}"
-        return None if validation.version_problem(version) else cls(version)
-
-
-AttributeValue = bool | int | str | SemVer
-
-
-@dataclass(frozen=True, slots=True)
-class DeviceTaint:
-    """A taint on a device: NoSchedule keeps new claims off it, NoExecute also evicts its users."""
-
-    key: str
-    value: str = ""
-    effect: str = "NoSchedule"
-
-
-@dataclass(frozen=True, slots=True)
-class PublishedDevice:
-    """One device as the driver wants it in the pool.
-
-    ``attributes`` without a domain belong to the driver's own
-    (``model`` is ``device.attributes["gpu.plugvisor.io"].model`` in CEL); others
-    name theirs, e.g. ``resource.kubernetes.io/pcieRoot``. ``capacity`` holds
-    Kubernetes quantities such as ``80Gi``.
-    """
-
-    name: str
-    attributes: Mapping[str, AttributeValue]
-    capacity: Mapping[str, str]
-    taints: tuple[DeviceTaint, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class PublishState:
-    """What is in the API server now, for the driver's status and logs."""
-
-    synced: bool = False
-    """The latest desired state is what the API server holds."""
-    devices: int = 0
-    """Devices published (the last successful write)."""
-    left_out: int = 0
-    """Devices of the desired state that are not published (invalid, refused, or tainted without taints)."""
-    generation: int = 0
-    slices: int = 0
-    error: str | None = None
-    """Why the latest attempt failed (None once one succeeds)."""
-
-    @property
-    def summary(self) -> str:
-        """One line for the agent (the driver's ``SLICES=`` status field): synced, pending, failing: <why>."""
-        if self.synced:
-            return "synced"
-        return f"failing: {shorten(self.error, 200)}" if self.error else "pending"
-
-
 class _RetryLaterError(Exception):
     """A failure worth retrying after a backoff (the API server is down, slow, or said so)."""
 
@@ -154,107 +84,33 @@ class _StartOverError(Exception):
 # -- building the desired pool ----------------------------------------------------------------
 
 
-def _attribute_json(value: AttributeValue) -> dict[str, Any]:
-    if isinstance(value, bool):  # before int: a bool is an int to Python
-        return {"bool": value}
-    if isinstance(value, int):
-        return {"int": value}
-    if isinstance(value, SemVer):
-        return {"version": value.value}
-    return {"string": value}
-
-
-def _attribute_problem(value: object) -> str | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return validation.int_problem(value)
-    if isinstance(value, SemVer):
-        return validation.version_problem(value.value)
-    if isinstance(value, str):
-        return validation.string_problem(value)
-    return f"a {type(value).__name__} is not an attribute value (bool, int, str or SemVer)"
-
-
 def _qualified(name: str, driver: str) -> str:
     return name if "/" in name else f"{driver}/{name}"
 
 
-def _taint_problem(taint: DeviceTaint) -> str | None:
-    if taint.effect not in validation.TAINT_EFFECTS:
-        return f"the effect {shorten(taint.effect)!r} is not one of {', '.join(validation.TAINT_EFFECTS)}"
-    return validation.label_name_problem(taint.key) or (
-        validation.label_value_problem(taint.value) if taint.value else None
-    )
+def checked_device(device: PublishedDevice, *, driver: str) -> tuple[PublishedDevice, list[str]]:
+    """``device`` as the API server would take it from ``driver``, and the problems found (one line each).
 
-
-def checked_device(device: PublishedDevice, *, driver: str) -> tuple[PublishedDevice | None, list[str]]:
-    """``device`` as the API server would take it, and the problems found (one line each).
-
-    An entry (attribute, capacity, taint) that breaks a rule is dropped and the
-    device kept; a device whose name or size breaks one is dropped (None).
+    :class:`PublishedDevice` already holds every rule of one device by itself;
+    what depends on the driver is left: an attribute named both without the
+    domain and with the driver's (``model`` and ``gpu.plugvisor.io/model``) is
+    one name twice. The second spelling is dropped and the device kept.
     """
     problems: list[str] = []
-    name_problem = validation.device_name_problem(device.name)
-    if name_problem is not None:
-        return None, [f"device {shorten(device.name)!r}: {name_problem}; device left out"]
-    where = f"device {device.name}"
     attributes: dict[str, AttributeValue] = {}
     seen: set[str] = set()
     for key, value in device.attributes.items():
-        problem = validation.qualified_problem(key) or _attribute_problem(value)
-        if problem is None and _qualified(key, driver) in seen:
-            problem = "named twice (with and without the driver's domain)"
-        if problem is not None:
-            problems.append(f"{where}: attributes[{shorten(key)}]: {problem}; attribute left out")
+        if _qualified(key, driver) in seen:
+            problems.append(
+                f"device {device.name}: attributes[{shorten(key)}]: named twice (with and without "
+                "the driver's domain); attribute left out"
+            )
             continue
         seen.add(_qualified(key, driver))
         attributes[key] = value
-    capacity: dict[str, str] = {}
-    for key, quantity in device.capacity.items():
-        problem = validation.qualified_problem(key)
-        if problem is None:
-            try:
-                validation.parse_quantity(quantity)
-            except ValueError as exc:
-                problem = str(exc)
-        if problem is not None:
-            problems.append(f"{where}: capacity[{shorten(key)}]: {problem}; capacity left out")
-            continue
-        capacity[key] = quantity
-    taints: list[DeviceTaint] = []
-    for index, taint in enumerate(device.taints):
-        problem = _taint_problem(taint)
-        if problem is not None:
-            problems.append(f"{where}: taints[{index}]: {problem}; taint left out")
-            continue
-        taints.append(taint)
-    if len(attributes) + len(capacity) > validation.MAX_ATTRIBUTES_AND_CAPACITIES:
-        count = len(attributes) + len(capacity)
-        limit = validation.MAX_ATTRIBUTES_AND_CAPACITIES
-        problems.append(
-            f"{where}: {count} attributes and capacities, at most {limit} allowed; device left out"
-        )
-        return None, problems
-    if len(taints) > validation.MAX_TAINTS:
-        problems.append(f"{where}: {len(taints)} taints, at most {validation.MAX_TAINTS}; device left out")
-        return None, problems
-    return replace(device, attributes=attributes, capacity=capacity, taints=tuple(taints)), problems
-
-
-def device_json(device: PublishedDevice) -> dict[str, Any]:
-    """The ``resource.k8s.io/v1`` form of a (checked) device."""
-    body: dict[str, Any] = {"name": device.name}
-    if device.attributes:
-        body["attributes"] = {key: _attribute_json(value) for key, value in device.attributes.items()}
-    if device.capacity:
-        body["capacity"] = {key: {"value": value} for key, value in device.capacity.items()}
-    if device.taints:
-        body["taints"] = [
-            {"key": t.key, "effect": t.effect, **({"value": t.value} if t.value else {})}
-            for t in device.taints
-        ]
-    return body
+    if not problems:
+        return device, problems
+    return replace(device, attributes=attributes), problems
 
 
 def layout(devices: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:
@@ -408,15 +264,16 @@ class SlicePublisher:
         checked: list[PublishedDevice] = []
         names: set[str] = set()
         for device in devices:
+            if device.name in names:
+                self._log_once(
+                    "device_invalid", f"device {device.name}: the name is used twice; the second is left out"
+                )
+                continue
             kept, problems = checked_device(device, driver=self.driver)
-            if kept is not None and kept.name in names:
-                problems.append(f"device {kept.name}: the name is used twice; the second is left out")
-                kept = None
             for problem in problems:
                 self._log_once("device_invalid", problem)
-            if kept is not None:
-                names.add(kept.name)
-                checked.append(kept)
+            names.add(kept.name)
+            checked.append(kept)
         if checked == self._desired.devices and self._desired.version:
             return
         self._desired = _Desired(checked, self._desired.version + 1, invalid=len(devices) - len(checked))

@@ -1,8 +1,8 @@
 """The ``fpga`` kind: Intel DFL/OPAE ports and Xilinx-style user/management PF pairs.
 
 Discovery reads sysfs as Intel's and Xilinx's plugins do (no OPAE or XRT library).
-The framework serves one resource per process, so ``mode`` (``af``, ``region``,
-``xilinx``) and ``match`` (AFU IDs, interface IDs, shells, vendors, addresses)
+The framework serves one resource per process, so ``family`` (``af``, ``region``,
+``xilinx``; once called ``mode``) and ``match`` (AFU IDs, interface IDs, shells, vendors, addresses)
 choose the devices of this resource; :func:`intel_resource_name` and
 :func:`suggest_resources` give the names Intel's and Xilinx's plugins would use,
 for writing the configuration. Health (all-``f`` IDs, port errors, lost shell,
@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Final
 
 from plugvisor.plugins.fpga.naming import intel_af_resource, intel_region_resource, xilinx_resource
-from plugvisor.plugins.fpga.options import FpgaOptions, Mode
+from plugvisor.plugins.fpga.options import Family, FpgaOptions
 from plugvisor.plugins.fpga.source import (
     FpgaScan,
     FpgaSource,
@@ -31,10 +31,10 @@ KIND: Final = PluginKind("fpga", FpgaOptions, FpgaSource)
 
 __all__ = [
     "KIND",
+    "Family",
     "FpgaOptions",
     "FpgaScan",
     "FpgaSource",
-    "Mode",
     "Suggestion",
     "intel_af_resource",
     "intel_region_resource",

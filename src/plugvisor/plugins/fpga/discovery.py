@@ -28,7 +28,7 @@ from typing import Final, Literal
 
 from plugvisor.common.hostpaths import HostPaths
 from plugvisor.plugins import sysfs
-from plugvisor.plugins.fpga.options import FpgaOptions, Mode
+from plugvisor.plugins.fpga.options import Family, FpgaOptions
 
 ACCELERATOR_CLASS: Final = 0x12
 FPGA_SUBCLASS: Final = 0x1200
@@ -231,7 +231,7 @@ class FpgaScanner:
         afu_text = sysfs.read_text(port.path / "afu_id")
         afu = valid_id(afu_text)
         interface = valid_id(port.interface_id) if port.interface_id is not None else None
-        if self.options.mode is Mode.AF:
+        if self.options.family is Family.AF:
             problem = _id_problem("afu_id", afu_text)
             if problem:
                 problems.append(problem)

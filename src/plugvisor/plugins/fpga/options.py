@@ -1,12 +1,16 @@
 """The ``fpga`` keys of a resource entry, validated (unknown keys are errors).
 
 The framework serves one resource per process, so these options say which FPGA
-devices form *this* resource: ``mode`` picks the family and Intel's granularity
-(``af``: ports carrying given accelerator functions, ``region``: ports of given
-FPGA interfaces, ``xilinx``: Xilinx-style user/management PF pairs), ``match``
-narrows it down. :mod:`plugvisor.plugins.fpga.naming` computes the resource
-name Intel's or Xilinx's plugin would give each device, so a configuration can
-keep those names.
+devices form *this* resource: ``family`` picks the device family and Intel's
+granularity (``af``: ports carrying given accelerator functions, ``region``:
+ports of given FPGA interfaces, ``xilinx``: Xilinx-style user/management PF
+pairs), ``match`` narrows it down. :mod:`plugvisor.plugins.fpga.naming`
+computes the resource name Intel's or Xilinx's plugin would give each device, so
+a configuration can keep those names.
+
+``family`` was called ``mode`` before node.yaml's ``mode`` came to mean the
+kubelet API (``device-plugin`` or ``dra``); the old spelling is still taken,
+with a warning, and means the same.
 """
 
 from __future__ import annotations
@@ -14,9 +18,10 @@ from __future__ import annotations
 import re
 from enum import StrEnum
 from pathlib import PurePosixPath
-from typing import Annotated, Final, Self
+from typing import Annotated, Any, Final, Self
 
 import pydantic
+import structlog
 
 from plugvisor.plugins.sysfs import AerKind, HexId, PciAddress
 
@@ -55,7 +60,7 @@ AbsolutePath = Annotated[str, pydantic.AfterValidator(_absolute)]
 Argv = Annotated[list[Annotated[str, pydantic.StringConstraints(min_length=1)]], pydantic.Field(min_length=1)]
 
 
-class Mode(StrEnum):
+class Family(StrEnum):
     """Which devices form the resource, and at what granularity (Intel's modes, plus Xilinx)."""
 
     AF = "af"
@@ -97,10 +102,16 @@ class ReleaseCleanup(_Model):
     timeout: Annotated[float, pydantic.Field(gt=0.0, le=3600.0)] = 120.0
 
 
+DEPRECATED_FAMILY_KEY: Final = "mode"
+"""The key ``family`` had before node.yaml's ``mode`` named the kubelet API."""
+
+_log = structlog.get_logger("plugvisor.plugins.fpga")
+
+
 class FpgaOptions(_Model):
     """The ``fpga`` keys of a resource entry."""
 
-    mode: Mode = Mode.AF
+    family: Family = Family.AF
     match: FpgaMatch = pydantic.Field(default_factory=FpgaMatch)
     visible_devices_env: Annotated[str, pydantic.StringConstraints(pattern=_ENV_NAME.pattern)] = (
         pydantic.Field(default="FPGA_VISIBLE_DEVICES", alias="visibleDevicesEnv")
@@ -119,20 +130,47 @@ class FpgaOptions(_Model):
         default_factory=lambda: [AerKind.FATAL], alias="aerUnhealthy"
     )
 
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _family_once_called_mode(cls, data: Any) -> Any:
+        """Take ``mode: af|region|xilinx`` as ``family``, saying (at every validation) that it is renamed.
+
+        Another value of ``mode`` stays where it is, so the key is refused as
+        unknown (node.yaml then says what an entry's ``mode`` may be).
+        """
+        if not isinstance(data, dict) or data.get(DEPRECATED_FAMILY_KEY) not in set(Family):
+            return data
+        data = dict(data)
+        value = str(data.pop(DEPRECATED_FAMILY_KEY))
+        if "family" in data:
+            raise ValueError(
+                f"give the family once: 'family' ({data['family']!r}), not also its old name "
+                f"'mode' ({value!r})"
+            )
+        data["family"] = value
+        _log.warning(
+            "deprecated_key",
+            key=DEPRECATED_FAMILY_KEY,
+            value=value,
+            use=f"family: {value}",
+            why="an entry's mode is the kubelet API (device-plugin or dra)",
+        )
+        return data
+
     @pydantic.model_validator(mode="after")
-    def _keys_fit_the_mode(self) -> Self:
+    def _keys_fit_the_family(self) -> Self:
         m = self.match
-        if self.mode is Mode.XILINX and (m.afu_ids is not None or m.interface_ids is not None):
-            raise ValueError("match.afuIds and match.interfaceIds select Intel DFL ports, not mode xilinx")
-        if self.mode is not Mode.XILINX and m.shells is not None:
-            raise ValueError("match.shells selects Xilinx cards: it needs mode xilinx")
-        if self.mode is Mode.REGION and m.afu_ids is not None:
-            raise ValueError("match.afuIds needs mode af (mode region hands out ports by interface ID)")
+        if self.family is Family.XILINX and (m.afu_ids is not None or m.interface_ids is not None):
+            raise ValueError("match.afuIds and match.interfaceIds select Intel DFL ports, not family xilinx")
+        if self.family is not Family.XILINX and m.shells is not None:
+            raise ValueError("match.shells selects Xilinx cards: it needs family xilinx")
+        if self.family is Family.REGION and m.afu_ids is not None:
+            raise ValueError("match.afuIds needs family af (family region hands out ports by interface ID)")
         return self
 
     def vendor_ids(self) -> frozenset[int] | None:
         """The wanted vendors as integers (``None``: any)."""
         vendors = self.match.vendors
-        if vendors is None and self.mode is Mode.XILINX:
+        if vendors is None and self.family is Family.XILINX:
             vendors = list(XILINX_VENDORS)
         return None if vendors is None else frozenset(int(v, 16) for v in vendors)

@@ -23,14 +23,14 @@ from plugvisor.plugins import sysfs, telemetry
 from plugvisor.plugins.draattributes import function_attributes
 from plugvisor.plugins.fpga import naming
 from plugvisor.plugins.fpga.discovery import FpgaDevice, FpgaScanner
-from plugvisor.plugins.fpga.options import FpgaOptions, Mode, PreStartAction
+from plugvisor.plugins.fpga.options import Family, FpgaOptions, PreStartAction
 
 EVENT_ATTRIBUTES: Final = ("ap1_event", "ap2_event")
 """DFL port attributes that clear their event when ``1`` is written."""
 _STDERR_TAIL: Final = 300
 
 
-def intel_resource_name(device: FpgaDevice, mode: Mode) -> str | None:
+def intel_resource_name(device: FpgaDevice, family: Family) -> str | None:
     """The name Intel's plugin (mode ``af``/``region``) or Xilinx's would give ``device``'s resource.
 
     ``None`` when the IDs it needs are unknown (an AFU never read right, a shell never read).
@@ -41,7 +41,7 @@ def intel_resource_name(device: FpgaDevice, mode: Mode) -> str | None:
         return naming.xilinx_resource(device.shell, device.timestamp)
     if device.interface_id is None:
         return None
-    if mode is Mode.REGION:
+    if family is Family.REGION:
         return naming.intel_region_resource(device.interface_id)
     if device.afu_id is None:
         return None
@@ -59,34 +59,36 @@ class Suggestion:
 def suggest_resources(root: Path | str = "/") -> list[Suggestion]:
     """Resource entries for every FPGA under ``root``, named as Intel's and Xilinx's plugins name them.
 
-    One entry per distinct name in each mode (``af`` by AFU and interface ID,
+    One entry per distinct name in each family (``af`` by AFU and interface ID,
     ``region`` by interface ID, ``xilinx`` by shell), ready to paste into a
     configuration's ``resources`` list.
     """
     paths = HostPaths(root=Path(root))
     entries: dict[str, dict[str, Any]] = {}
     served: dict[str, list[str]] = {}
-    for mode in Mode:
-        scanner = FpgaScanner(FpgaOptions(mode=mode), paths)
+    for family in Family:
+        scanner = FpgaScanner(FpgaOptions(family=family), paths)
         functions, _ = scanner.candidates()
         for function in functions:
             devices = (
                 [d for d in [scanner.xilinx_device(function)] if d is not None]
-                if mode is Mode.XILINX
+                if family is Family.XILINX
                 else scanner.dfl_devices(function)
             )
             for device in devices:
-                name = intel_resource_name(device, mode)
+                name = intel_resource_name(device, family)
                 if name is None:
                     continue
                 match: dict[str, list[str]]
-                if mode is Mode.AF:
+                if family is Family.AF:
                     match = {"afuIds": [str(device.afu_id)], "interfaceIds": [str(device.interface_id)]}
-                elif mode is Mode.REGION:
+                elif family is Family.REGION:
                     match = {"interfaceIds": [str(device.interface_id)]}
                 else:
                     match = {"shells": [str(device.shell)]}
-                entries.setdefault(name, {"name": name, "kind": "fpga", "mode": mode.value, "match": match})
+                entries.setdefault(
+                    name, {"name": name, "kind": "fpga", "family": family.value, "match": match}
+                )
                 served.setdefault(name, []).append(device.id)
     return [Suggestion(entries[k], tuple(served[k])) for k in sorted(entries)]
 
@@ -122,7 +124,7 @@ class FpgaSource:
         found: list[FpgaDevice] = []
         watch = {self.paths.sysfs / sysfs.PCI_DEVICES, self.paths.devfs}
         for function in functions:
-            if self.options.mode is Mode.XILINX:
+            if self.options.family is Family.XILINX:
                 device = self.scanner.xilinx_device(function)
                 if device is not None and self.scanner.wanted_xilinx(device):
                     found.append(device)

@@ -9,6 +9,7 @@ from typing import Annotated, Final
 
 import pydantic
 
+from plugvisor.common import constants
 from plugvisor.plugins.sysfs import AerKind, HexId, PciAddress, hex_ids
 from plugvisor.plugins.topology import Policy
 
@@ -80,7 +81,7 @@ class GpuOptions(_Model):
         pydantic.Field(default="NVIDIA_VISIBLE_DEVICES", alias="visibleDevicesEnv")
     )
     cdi: bool = False
-    cdi_dir: AbsolutePath = pydantic.Field(default="/var/run/cdi", alias="cdiDir")
+    cdi_dir: AbsolutePath = pydantic.Field(default=constants.DEFAULT_CDI_DIR, alias="cdiDir")
     pass_device_specs: bool | None = pydantic.Field(default=None, alias="passDeviceSpecs")
     aer_unhealthy: list[AerKind] = pydantic.Field(
         default_factory=lambda: [AerKind.FATAL], alias="aerUnhealthy"

@@ -371,11 +371,14 @@ class NicSource:
         """DRA: each VF as ``<pf>-vf<N>``, with its PF, VF number, RDMA device and PCI placement.
 
         Attributes: ``pfName`` (the PF's interface), ``pfPciBusID``, ``vfIndex``,
-        ``rdma`` (whether the VF has an RDMA device) and ``rdmaDevice``
-        (``mlx5_3``), the VF's ``vendor``, ``pciDeviceId``, ``driver`` and
-        ``model``, and the standard ``resource.kubernetes.io/pciBusID``,
-        ``pcieRoot`` and ``numaNode``: a claim can ask for "a VF with RDMA on
-        PF ens1f0" or "a VF on the same PCIe root as the GPU".
+        the VF's ``vendor``, ``pciDeviceId``, ``driver`` and ``model``, and the
+        standard ``resource.kubernetes.io/pciBusID``, ``pcieRoot`` and
+        ``numaNode``; with ``isRdma`` given (the scan looked for RDMA devices,
+        and a VF that has one comes with its verbs node and ``rdma_cm``)
+        also ``rdma`` (whether the VF has an RDMA device) and ``rdmaDevice``
+        (``mlx5_3``). Without it ``rdma`` is left out rather than said false:
+        a claim can ask for "a VF with RDMA on PF ens1f0" or "a VF on the same
+        PCIe root as the GPU".
         """
         answer: dict[str, PublishedDevice] = {}
         for bdf in snapshot.devices:
@@ -386,7 +389,8 @@ class NicSource:
             attributes["pfPciBusID"] = vf.pf.bdf
             if vf.pf.ifname is not None:
                 attributes["pfName"] = vf.pf.ifname[:64]
-            attributes["rdma"] = vf.rdma is not None
+            if self._is_rdma is not None:
+                attributes["rdma"] = vf.rdma is not None
             if vf.rdma is not None:
                 attributes["rdmaDevice"] = vf.rdma[:64]
             name = dra_device_name(bdf)

@@ -1,9 +1,11 @@
-"""The API server's rules for a ResourceSlice's devices, checked before anything is sent.
+"""The API server's rules for a ResourceSlice's devices, in one place for both sides of a DRA driver.
 
-A device the API server would refuse makes it refuse the whole slice, and with it
-every other device in that slice. Checking here first turns that into one
-problem naming the device and the field, and a slice that still goes through.
-The rules are those of ``resource.k8s.io/v1`` as Kubernetes 1.37 validates them
+A device the API server would refuse makes it refuse the whole slice, and with
+it every other device in that slice. :class:`~plugvisor.dra.devices.PublishedDevice`
+applies these rules where a kind builds a device, so a kind's mistake is one
+error naming the device and the field; the slice publisher
+(:mod:`plugvisor.dra.kube.slices`) applies the per-slice ones. The rules are
+those of ``resource.k8s.io/v1`` as Kubernetes 1.37 validates them
 (``pkg/apis/resource/validation`` and the constants of ``k8s.io/api/resource/v1``),
 restated in our own words:
 
@@ -18,6 +20,9 @@ restated in our own words:
   None, NoSchedule, NoExecute;
 - at most 128 devices per slice, or 64 once any device in it has taints.
 
+Pure functions over strings and numbers: gRPC-free and client-free, so a kind's
+module, the driver and the API-server side all use the same copy.
+
 https://kubernetes.io/docs/reference/kubernetes-api/workload-resources/resource-slice-v1/
 """
 
@@ -27,7 +32,7 @@ import re
 from decimal import Decimal, InvalidOperation
 from typing import Final
 
-from plugvisor.common.names import qualified_name_errors
+from plugvisor.common.names import node_name_problem, qualified_name_errors
 from plugvisor.common.validation import shorten
 
 MAX_DEVICES_PER_SLICE: Final = 128
@@ -42,9 +47,6 @@ TAINT_EFFECTS: Final = ("None", "NoSchedule", "NoExecute")
 INT64_MIN: Final = -(2**63)
 INT64_MAX: Final = 2**63 - 1
 
-_DNS1123_LABEL: Final = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
-_DNS1123_LABEL_RE: Final = re.compile(_DNS1123_LABEL)
-_DNS1123_SUBDOMAIN_RE: Final = re.compile(rf"{_DNS1123_LABEL}(\.{_DNS1123_LABEL})*")
 _C_IDENTIFIER_RE: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _LABEL_VALUE_RE: Final = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
 _NUMERIC: Final = r"(0|[1-9][0-9]*)"
@@ -71,15 +73,9 @@ _SUFFIXES: Final = {
 }
 
 
-def device_name_problem(name: str) -> str | None:
-    """Why ``name`` cannot name a device (a DNS-1123 label); None when it can."""
-    if not name:
-        return "the name is empty"
-    if len(name) > 63:
-        return f"the name {shorten(name)!r} is longer than 63 characters"
-    if not _DNS1123_LABEL_RE.fullmatch(name):
-        return f"the name {shorten(name)!r} is not a DNS-1123 label (lowercase letters, digits, '-')"
-    return None
+def _is_str(value: object) -> bool:
+    """Runtime check for kinds written without a type checker (the annotations promise str)."""
+    return isinstance(value, str)
 
 
 def _domain_problem(domain: str) -> str | None:
@@ -87,13 +83,13 @@ def _domain_problem(domain: str) -> str | None:
         return "more than one '/'"
     if len(domain) > MAX_DOMAIN_LENGTH:
         return f"the domain is longer than {MAX_DOMAIN_LENGTH} characters"
-    if not _DNS1123_SUBDOMAIN_RE.fullmatch(domain.lower()):  # the API server ignores case here
+    if node_name_problem(domain.lower()) is not None:  # a DNS subdomain; the API server ignores case here
         return f"the domain {shorten(domain)!r} is not a DNS subdomain"
     return None
 
 
 def qualified_problem(name: str) -> str | None:
-    """Why ``name`` cannot name an attribute or capacity; None when it can."""
+    """Why ``name`` cannot name an attribute or capacity (``[domain/]identifier``); None when it can."""
     domain, sep, identifier = name.rpartition("/")
     if sep and not domain:
         return "the domain before '/' is empty"
@@ -117,6 +113,8 @@ def string_problem(value: str) -> str | None:
 
 def version_problem(value: str) -> str | None:
     """Why ``value`` cannot be a version attribute (semver 2.0.0, at most 64 characters); None when it can."""
+    if not _is_str(value):
+        return f"{value!r} is not a string"
     if len(value) > MAX_VALUE_LENGTH:
         return f"the version is {len(value)} characters long; at most {MAX_VALUE_LENGTH} are allowed"
     if not _SEMVER_RE.fullmatch(value):
@@ -137,9 +135,9 @@ def parse_quantity(text: str) -> Decimal:
     Two quantities are the same capacity when their values are equal: the API
     server stores ``1024Mi`` as ``1Gi``, and that is no change.
     """
-    match = _QUANTITY_RE.fullmatch(text)
+    match = _QUANTITY_RE.fullmatch(text) if _is_str(text) else None
     if match is None:
-        raise ValueError(f"{shorten(text)!r} is not a Kubernetes quantity (e.g. 80Gi, 1500m, 4)")
+        raise ValueError(f"{shorten(str(text))!r} is not a Kubernetes quantity (e.g. 80Gi, 1500m, 4)")
     sign, digits, suffix = match.groups()
     try:
         number = Decimal(digits)
@@ -148,6 +146,15 @@ def parse_quantity(text: str) -> Decimal:
     except (InvalidOperation, ValueError):
         raise ValueError(f"{shorten(text)!r} is not a Kubernetes quantity (out of range)") from None
     return -value if sign == "-" else value
+
+
+def quantity_problem(text: str) -> str | None:
+    """Why ``text`` cannot be a capacity (a Kubernetes quantity); None when it can."""
+    try:
+        parse_quantity(text)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def label_name_problem(key: str) -> str | None:
@@ -163,3 +170,12 @@ def label_value_problem(value: str) -> str | None:
     if not _LABEL_VALUE_RE.fullmatch(value):
         return f"the value {shorten(value)!r} is not a label value (alphanumerics, '-', '_', '.')"
     return None
+
+
+def taint_problem(key: str, value: str, effect: str) -> str | None:
+    """Why a device taint cannot be published; None when it can."""
+    if not all(_is_str(part) for part in (key, value, effect)):
+        return "key, value and effect must be strings"
+    if effect not in TAINT_EFFECTS:
+        return f"the effect {shorten(effect)!r} is not one of {', '.join(TAINT_EFFECTS)}"
+    return label_name_problem(key) or (label_value_problem(value) if value else None)

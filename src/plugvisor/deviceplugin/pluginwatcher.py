@@ -1,16 +1,18 @@
-"""Registration through the kubelet's plugin watcher: what ``plugins_registry/<driver>-reg.sock`` answers.
+"""What a plugin serves to the kubelet's plugin watcher: ``pluginregistration.Registration``, any type.
 
-The kubelet's plugin manager finds the socket, calls ``GetInfo`` and is told
-``DRAPlugin``, the driver's name, the full path of its DRA socket and the
-services it serves; it checks them, connects, and says how that went with
-``NotifyRegistrationStatus``. The driver never calls the kubelet: a restarted
-kubelet finds the socket again and dials back, which arrives here as another
-successful status. A refusal carries the kubelet's reason, which is logged; the
-kubelet tries again by itself.
+The kubelet's plugin manager finds a socket in ``plugins_registry``, calls
+``GetInfo`` and is told the plugin's type (``DRAPlugin``, ``DevicePlugin``,
+``CSIPlugin``), its name, its endpoint (empty: this very socket) and the
+service versions it serves; it checks them, connects, and says how that went
+with ``NotifyRegistrationStatus``. The plugin never calls the kubelet: a
+restarted kubelet finds the socket again and dials back, which arrives here as
+another successful status. A refusal carries the kubelet's reason, which is
+logged; the kubelet tries again by itself.
 
-The socket itself is kept by :class:`~plugvisor.dra.sockets.KeptSocket`: if
-anything deletes it, a fresh one is served at once, which the kubelet takes as
-a new plugin and registers again.
+One service for every plugin type: the DRA driver uses it
+(:mod:`plugvisor.dra.runtime`), and it is the same conversation the device
+plugin's :mod:`~plugvisor.deviceplugin.watcherregistration` holds for
+``DevicePlugin``, which can become an instance of it.
 """
 
 from __future__ import annotations
