@@ -18,6 +18,11 @@ without a word to us; when it stops, the resource would be gone from the node
 until the next kubelet restart. Its socket is named by the same prefix as ours,
 so its removal is counted too (:attr:`DirState.sibling_removals`), and
 :data:`SIBLING_STOPPED` tells the runtime to register again, on the same socket.
+That registration can land before the kubelet has noticed the other plugin's
+stream end; a kubelet up to 1.35 then disconnects whichever client the name has
+at that moment, i.e. the one that just registered (kubernetes#121994). So a
+stream of ours that the kubelet ends after a registration, while that same
+kubelet still listens, is :data:`KUBELET_DROPPED_US`: register again too.
 
 A kubelet that crash-loops restarts within milliseconds of accepting a
 registration, so events that announce the *next* restart can be applied while
@@ -34,10 +39,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Any, Final
 
 import grpc
 import structlog
@@ -48,6 +55,9 @@ from plugvisor.common.kubeletdir import DirChange, DirEvent, KubeletDirWatch
 from plugvisor.common.sockets import is_instance_name, socket_prefix
 from plugvisor.deviceplugin.cell import SnapshotCell
 from plugvisor.deviceplugin.errors import RegistrationRejectedError
+
+if TYPE_CHECKING:
+    from plugvisor.deviceplugin.server import StreamLog
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +79,24 @@ class SocketIdentity:
 
 SIBLING_STOPPED: Final = "another plugin of this resource stopped"
 """:meth:`Registrar.wait_for_restart`'s reason when a plugin that may have superseded us went away."""
+KUBELET_DROPPED_US: Final = "the kubelet ended our ListAndWatch stream"
+""":meth:`Registrar.wait_for_restart`'s reason when the kubelet we registered with, still listening,
+closed a stream it opened for our latest registration."""
+REGISTER_AGAIN: Final = frozenset({SIBLING_STOPPED, KUBELET_DROPPED_US})
+"""Reasons to register again on the socket we serve (the kubelet did not restart)."""
+
+
+def kubelet_listens(path: Path) -> bool:
+    """Whether a server accepts connections on the unix socket ``path`` (a dead kubelet's file refuses)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.setblocking(False)
+        try:
+            probe.connect(os.fspath(path))
+        except BlockingIOError:  # listening, its backlog full
+            return True
+        except OSError:
+            return False
+    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,8 +227,12 @@ class Registrar:
         resource: str,
         register_timeout: float = 30.0,
         safety_interval: float = 1.0,
+        streams: SnapshotCell[StreamLog] | None = None,
     ) -> None:
         self._watch = watch
+        self._streams = streams
+        self._streams_before = 0
+        """Streams opened before the latest Register call began: their end says nothing about it."""
         self._resource = resource
         self._timeout = register_timeout
         self._safety_interval = safety_interval
@@ -233,6 +265,7 @@ class Registrar:
             # Anything the watch counts from here on happened after this call began, so it
             # may be a restart of the kubelet we are about to register with.
             before = self._watch.state.value
+            streams_before = 0 if self._streams is None else self._streams.value.opened
             try:
                 await self._register_unless_lost(endpoint, options)
             except grpc.aio.AioRpcError as err:
@@ -247,6 +280,7 @@ class Registrar:
             self._registered_kubelet = identity
             self._registered_endpoint = own_socket
             self._baseline = before
+            self._streams_before = streams_before
             self.registrations += 1
             elapsed = time.monotonic() - started
             self._log.info("registered", endpoint=endpoint, seconds=round(elapsed, 4))
@@ -308,13 +342,31 @@ class Registrar:
             reason = self._restart_seen_in_files()
             if reason is None and state.sibling_removals > baseline.sibling_removals:
                 return SIBLING_STOPPED
+            if reason is None and self._dropped():
+                return KUBELET_DROPPED_US
             if reason is not None:
                 if seen >= 0:
                     self._log.warning("kubelet_restart_missed_by_watch", reason=reason)
                 return reason
             seen = self._watch.state.version
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._watch.state.wait_newer(seen), self._safety_interval)
+            await self._wait_for_change(seen)
+
+    def _dropped(self) -> bool:
+        """A stream opened since the latest registration was ended by the kubelet, which still listens."""
+        if self._streams is None or self._streams.value.last_dropped <= self._streams_before:
+            return False
+        return kubelet_listens(self._watch.kubelet_socket)
+
+    async def _wait_for_change(self, seen: int) -> None:
+        """Until the directory or our streams change, or ``safety_interval`` passes."""
+        waiters: list[asyncio.Future[Any]] = [asyncio.ensure_future(self._watch.state.wait_newer(seen))]
+        if self._streams is not None:
+            waiters.append(asyncio.ensure_future(self._streams.wait_newer(self._streams.version)))
+        try:
+            await asyncio.wait(waiters, timeout=self._safety_interval, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
 
     def _restart_seen_in_files(self) -> str | None:
         """What the directory itself says, independent of any event: two stat calls."""

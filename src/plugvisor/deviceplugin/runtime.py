@@ -37,7 +37,7 @@ from plugvisor.deviceplugin.endpoint import PluginEndpoint
 from plugvisor.deviceplugin.errors import ConfigurationError, RegistrationRejectedError, SocketInUseError
 from plugvisor.deviceplugin.hooks import DeviceSource, Hooks, resolve_hooks
 from plugvisor.deviceplugin.registration import (
-    SIBLING_STOPPED,
+    REGISTER_AGAIN,
     EndpointLostError,
     KubeletDirState,
     Registrar,
@@ -183,7 +183,10 @@ class DevicePluginRuntime:
         dir_watch = KubeletDirState(self.config.paths.kubelet_dir)
         dir_watch.open()
         registrar = Registrar(
-            dir_watch, resource=self.config.resource, register_timeout=self.config.register_timeout
+            dir_watch,
+            resource=self.config.resource,
+            register_timeout=self.config.register_timeout,
+            streams=self.server.streams,
         )
         tasks = [
             asyncio.create_task(self.watcher.run(), name="discovery"),
@@ -266,11 +269,11 @@ class DevicePluginRuntime:
                 DEVICES=f"{len(devices.healthy_ids)}/{len(devices)}",
             )
             reason = await registrar.wait_for_restart()
-            if reason == SIBLING_STOPPED:
-                # Not a kubelet restart: the kubelet may have followed that plugin and forgotten us.
-                # Registering again on the socket we serve brings the resource back (the same
-                # kubelet dials it once more), whatever the restart policy, and nobody else has to
-                # learn of a new socket.
+            if reason in REGISTER_AGAIN:
+                # Not a kubelet restart: the kubelet followed another plugin of the resource, or
+                # dropped us when one stopped. Registering again on the socket we serve brings the
+                # resource back (the same kubelet dials it once more), whatever the restart policy,
+                # and nobody else has to learn of a new socket.
                 self._log.info("registering_again", reason=reason, endpoint=endpoint.name)
                 continue
             self._log.info("kubelet_restart_detected", reason=reason)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, Final
 
 import grpc
@@ -240,6 +241,16 @@ class AllocateAnswers:
             self._bytes -= costs.pop(oldest)
 
 
+@dataclass(frozen=True, slots=True)
+class StreamLog:
+    """The ListAndWatch streams so far, numbered from 1 in the order they opened."""
+
+    opened: int = 0
+    last_dropped: int = 0
+    """The number of the latest stream that the other side ended (0: none); a stream this
+    server ends (the plugin stopping) does not count."""
+
+
 class PluginServer(api_pb2_grpc.DevicePluginServicer):
     """Serves the five DevicePlugin RPCs for one resource.
 
@@ -270,6 +281,8 @@ class PluginServer(api_pb2_grpc.DevicePluginServicer):
         self._message = api_pb2.ListAndWatchResponse()
         self._log = structlog.get_logger("plugvisor.server").bind(resource=resource)
         self.open_streams = 0
+        self.streams: SnapshotCell[StreamLog] = SnapshotCell(StreamLog())
+        """Which streams the kubelet ended: how the registrar learns that the kubelet dropped us."""
         # Label lookups resolved once: the Allocate path pays one observe and one inc.
         self._errors = metrics.RPC_ERRORS
         self._allocated = metrics.incrementer(metrics.ALLOCATED_DEVICES.labels(resource))
@@ -306,20 +319,28 @@ class PluginServer(api_pb2_grpc.DevicePluginServicer):
         version = cell.version
         sent = cell.value.devices
         self.open_streams += 1
+        log = self.streams.value
+        number = log.opened + 1
+        self.streams.publish(StreamLog(number, log.last_dropped))
         self._streams.inc()
         self._log.info("list_and_watch_opened", devices=len(sent), streams=self.open_streams)
+        ended_here = False
         try:
             yield self._list_message(version, sent)
             while True:
                 try:
                     version, snapshot = await cell.wait_newer(version)
                 except CellClosedError:
+                    ended_here = True
                     return
                 if snapshot.devices == sent:  # only the watch paths or the hooks' data changed
                     continue
                 sent = snapshot.devices
                 yield self._list_message(version, sent)
         finally:
+            if not ended_here:  # cancelled: the kubelet closed the stream (or the server is stopping)
+                log = self.streams.value
+                self.streams.publish(StreamLog(log.opened, max(log.last_dropped, number)))
             self.open_streams -= 1
             self._streams.dec()
             self._log.info("list_and_watch_closed", streams=self.open_streams)
