@@ -253,7 +253,8 @@ def plugin_command(
     try:
         options = plugin_kind.options_model.model_validate(raw)
     except pydantic.ValidationError as exc:
-        click.echo(f"plugvisor plugin {kind}: invalid options\n{describe(exc, source=source_name)}", err=True)
+        problems = describe(exc, source=source_name, model=plugin_kind.options_model)
+        click.echo(f"plugvisor plugin {kind}: invalid options\n{problems}", err=True)
         sys.exit(EXIT_USAGE)
     if spec_root is not None and not spec_root.is_absolute():
         raise click.BadParameter(f"{spec_root} must be an absolute path", param_hint="--spec-root")
