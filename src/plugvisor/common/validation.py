@@ -86,8 +86,11 @@ def _item_type(annotation: Any) -> Any:
     return args[-1] if origin is not None and args else None
 
 
-def known_keys(model: type[pydantic.BaseModel], loc: Sequence[int | str]) -> list[str]:
-    """The keys ``model`` accepts in the mapping at ``loc``, spelled as the user writes them (aliases)."""
+def known_keys(model: Any, loc: Sequence[int | str]) -> list[str]:
+    """The keys ``model`` accepts in the mapping at ``loc``, spelled as the user writes them (aliases).
+
+    ``model`` is what was validated: a pydantic model, or a type such as ``list[Model]``.
+    """
     annotation: Any = model
     for part in loc:
         if isinstance(part, int):
@@ -110,7 +113,7 @@ def known_keys(model: type[pydantic.BaseModel], loc: Sequence[int | str]) -> lis
     return [info.alias or name for m in _models_in(annotation) for name, info in m.model_fields.items()]
 
 
-def problem(item: ErrorDetails, model: type[pydantic.BaseModel] | None = None) -> str:
+def problem(item: ErrorDetails, model: Any = None) -> str:
     """One error's message in the user's words: no pydantic prefix, the nearest key for an unknown one."""
     kind = item["type"]
     if kind == "extra_forbidden":
@@ -125,9 +128,7 @@ def problem(item: ErrorDetails, model: type[pydantic.BaseModel] | None = None) -
     return message
 
 
-def describe(
-    error: pydantic.ValidationError, *, source: str, model: type[pydantic.BaseModel] | None = None
-) -> str:
+def describe(error: pydantic.ValidationError, *, source: str, model: Any = None) -> str:
     """One line per problem, each naming ``source`` and the field, with what was expected.
 
     ``model`` is the model that was validated, so that an unknown key can be
