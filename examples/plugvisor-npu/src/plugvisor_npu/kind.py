@@ -12,15 +12,16 @@ writes the same in plugvisor's lab):
   ``numa_node`` and address the kubelet and the metrics get;
 - ``/dev/acme_npu<N>``, handed to the container.
 
-``health`` is rewritten in place by the driver, which inotify never reports: a
-change is seen at the next periodic rescan (``rescanInterval``), while a card
-appearing or vanishing (its class entry) is seen at once.
+``health`` is rewritten in place by the driver, which nothing announces: a change
+is seen at the next periodic rescan (``rescanInterval``). A card appearing or
+vanishing is seen at once: a uevent on a real node, and in the lab (whose files
+come and go by rename) an inotify event in ``sys/class/acme_npu``.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -96,7 +97,7 @@ class NpuSource:
             serial, health = _read(entry / "serial"), _read(entry / "health")
             function = Path(os.path.realpath(entry / "device"))
             numa = _read(function / "numa_node")
-            if serial is None or health is None or numa is None:
+            if serial is None or health is None or numa is None or not numa.lstrip("-").isdigit():
                 continue  # unplugged while we looked: the next scan will not see it
             if self.options.serials is not None and serial not in self.options.serials:
                 continue
@@ -140,6 +141,10 @@ class NpuSource:
             annotations=allocation.annotations,
             cdi_devices=allocation.cdi_devices,
         )
+
+    def uevent_subsystems(self) -> Collection[str]:
+        """On a real node, a card bound or unbound (hot-plug, a driver reload) is a uevent: rescan at once."""
+        return ("pci", CLASS)
 
     def describe(self, snapshot: Snapshot[NpuScan]) -> Mapping[str, DeviceDescription]:
         """For monitoring: the PCI address, why a card is unhealthy (our own causes), its temperature now."""
