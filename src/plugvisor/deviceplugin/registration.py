@@ -20,9 +20,13 @@ so its removal is counted too (:attr:`DirState.sibling_removals`), and
 :data:`SIBLING_STOPPED` tells the runtime to register again, on the same socket.
 That registration can land before the kubelet has noticed the other plugin's
 stream end; a kubelet up to 1.35 then disconnects whichever client the name has
-at that moment, i.e. the one that just registered (kubernetes#121994). So a
-stream of ours that the kubelet ends after a registration, while that same
-kubelet still listens, is :data:`KUBELET_DROPPED_US`: register again too.
+at that moment, i.e. the one that just registered (kubernetes#121994), either
+ending the stream it opened for us or closing the connection before opening it.
+So such a registration is *confirmed*: if the kubelet, still listening, ends the
+stream of that registration, or opens none within :data:`STREAM_GRACE`, it is
+:data:`KUBELET_DROPPED_US` and the runtime registers again (a bounded number of
+times in a row). Other registrations are not confirmed: a harness that reads one
+list and hangs up must not make a plugin register in a loop.
 
 A kubelet that crash-loops restarts within milliseconds of accepting a
 registration, so events that announce the *next* restart can be applied while
@@ -79,9 +83,12 @@ class SocketIdentity:
 
 SIBLING_STOPPED: Final = "another plugin of this resource stopped"
 """:meth:`Registrar.wait_for_restart`'s reason when a plugin that may have superseded us went away."""
-KUBELET_DROPPED_US: Final = "the kubelet ended our ListAndWatch stream"
-""":meth:`Registrar.wait_for_restart`'s reason when the kubelet we registered with, still listening,
-closed a stream it opened for our latest registration."""
+KUBELET_DROPPED_US: Final = "the kubelet dropped our registration"
+""":meth:`Registrar.wait_for_restart`'s reason when the kubelet we registered with (a confirmed
+registration), still listening, ended the stream it opened for it, or opened none."""
+STREAM_GRACE: Final = 5.0
+"""Seconds a kubelet takes at most to open ListAndWatch after accepting a registration (it does so at
+once; this covers a loaded node). A false alarm only costs one more registration."""
 REGISTER_AGAIN: Final = frozenset({SIBLING_STOPPED, KUBELET_DROPPED_US})
 """Reasons to register again on the socket we serve (the kubelet did not restart)."""
 
@@ -233,6 +240,8 @@ class Registrar:
         self._streams = streams
         self._streams_before = 0
         """Streams opened before the latest Register call began: their end says nothing about it."""
+        self._confirming = False
+        self._registered_at = 0.0
         self._resource = resource
         self._timeout = register_timeout
         self._safety_interval = safety_interval
@@ -243,8 +252,12 @@ class Registrar:
         self.registrations = 0
         watch.sibling_prefix = socket_prefix(resource)
 
-    async def register(self, endpoint: str, options: api_pb2.DevicePluginOptions) -> float:
+    async def register(
+        self, endpoint: str, options: api_pb2.DevicePluginOptions, *, confirm: bool = False
+    ) -> float:
         """Register ``endpoint`` (a bare socket file name); returns the seconds it took, retries included.
+
+        ``confirm``: watch that the kubelet keeps this registration (see the module's doc).
 
         Raises :class:`EndpointLostError` when our socket file disappears first: a
         kubelet that starts after us deletes every socket in its directory before
@@ -281,6 +294,8 @@ class Registrar:
             self._registered_endpoint = own_socket
             self._baseline = before
             self._streams_before = streams_before
+            self._confirming = confirm and self._streams is not None
+            self._registered_at = time.monotonic()
             self.registrations += 1
             elapsed = time.monotonic() - started
             self._log.info("registered", endpoint=endpoint, seconds=round(elapsed, 4))
@@ -351,19 +366,33 @@ class Registrar:
             seen = self._watch.state.version
             await self._wait_for_change(seen)
 
+    def _grace_left(self) -> float | None:
+        """Seconds until a confirmed registration that has no stream yet counts as dropped (None: n/a)."""
+        if not self._confirming or self._streams is None or self._streams.value.opened > self._streams_before:
+            return None
+        return self._registered_at + STREAM_GRACE - time.monotonic()
+
     def _dropped(self) -> bool:
-        """A stream opened since the latest registration was ended by the kubelet, which still listens."""
-        if self._streams is None or self._streams.value.last_dropped <= self._streams_before:
+        """A confirmed registration's stream ended, or never opened, while the same kubelet listens."""
+        if not self._confirming or self._streams is None:
+            return False
+        grace_left = self._grace_left()
+        ended = self._streams.value.last_dropped > self._streams_before
+        if not ended and (grace_left is None or grace_left > 0):
             return False
         return kubelet_listens(self._watch.kubelet_socket)
 
     async def _wait_for_change(self, seen: int) -> None:
-        """Until the directory or our streams change, or ``safety_interval`` passes."""
+        """Until the directory or our streams change, ``safety_interval`` passes, or a stream is overdue."""
         waiters: list[asyncio.Future[Any]] = [asyncio.ensure_future(self._watch.state.wait_newer(seen))]
         if self._streams is not None:
             waiters.append(asyncio.ensure_future(self._streams.wait_newer(self._streams.version)))
+        grace_left = self._grace_left()
+        timeout = (
+            self._safety_interval if grace_left is None else max(min(grace_left, self._safety_interval), 0)
+        )
         try:
-            await asyncio.wait(waiters, timeout=self._safety_interval, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for waiter in waiters:
                 waiter.cancel()

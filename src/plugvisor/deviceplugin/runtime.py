@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import structlog
 import uvloop
@@ -106,6 +106,11 @@ class PluginConfig:
             raise ConfigurationError(
                 f"on_kubelet_restart must be 'reregister' or 'exit', got {self.on_kubelet_restart!r}"
             )
+
+
+MAX_REGISTER_AGAIN: Final = 5
+"""Registrations in a row, made because another plugin of the resource stopped or the kubelet dropped us,
+that are confirmed (and so made again if the kubelet drops them); past it, the plugin stops insisting."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,6 +237,7 @@ class DevicePluginRuntime:
             return
         reason = "start"
         number = 0
+        again = 0
         endpoint: PluginEndpoint | None = None
         while True:
             detected = time.monotonic()
@@ -250,8 +256,13 @@ class DevicePluginRuntime:
                 old, self.endpoint = self.endpoint, endpoint
                 if old is not None:
                     await old.stop(grace=0)
+            # A registration made because another plugin of the resource went away is confirmed: the
+            # kubelet may drop it when it notices that plugin's end (registration.py), a few times at most.
+            again = again + 1 if reason in REGISTER_AGAIN else 0
             try:
-                await registrar.register(endpoint.name, self.server.options)
+                await registrar.register(
+                    endpoint.name, self.server.options, confirm=0 < again <= MAX_REGISTER_AGAIN
+                )
             except EndpointLostError as exc:
                 reason = "plugin socket deleted before registration"
                 self._log.info("kubelet_restart_detected", reason=reason, detail=str(exc))

@@ -57,15 +57,18 @@ async def test_a_restart_whose_events_are_lost_is_still_seen_by_the_safety_net(s
     assert reason == "plugin socket deleted"
 
 
-async def test_a_plugin_the_kubelet_drops_when_an_older_plugin_of_its_resource_stops_registers_again(
+async def test_a_registration_the_kubelet_drops_as_it_notices_the_plugin_that_stopped_is_made_again(
     short_dir,
 ):
-    """A kubelet up to 1.35 disconnects the resource's current client whenever any of its streams ends
-    (kubernetes#121994): a plugin that registered while an older one was still streaming loses its
-    registration when the older one stops. The kubelet ends the newer plugin's stream; the plugin,
-    seeing the same kubelet still listening, registers again on the socket it serves."""
+    """The race behind test_second_plugin's flakiness, made deterministic. A plugin that another plugin
+    of its resource had superseded registers again when that one's socket goes; if the kubelet (up to
+    1.35) handles that one's stream end only afterwards, it disconnects its current client: the plugin
+    that just registered. Seeing the kubelet drop that registration while it still listens, the plugin
+    registers once more, and the resource stays on the node."""
     from plugvisor.common.hostpaths import HostPaths
+    from plugvisor.common.sockets import socket_name
     from plugvisor.deviceplugin.devices import Device
+    from plugvisor.deviceplugin.registration import KUBELET_DROPPED_US
     from plugvisor.deviceplugin.runtime import DevicePluginRuntime, PluginConfig
     from plugvisor.deviceplugin.snapshot import Snapshot
 
@@ -84,25 +87,31 @@ async def test_a_plugin_the_kubelet_drops_when_an_older_plugin_of_its_resource_s
         return check
 
     async with EmulatedKubelet(kubelet_dir, write_view=False, replacement="per-name") as kubelet:
-        older = StubDevicePlugin(
-            kubelet_dir / "older.sock", resource, devices=[api_pb2.Device(ID="d0", health="Healthy")]
-        )
-        await older.start()
-        await older.register(kubelet.socket_path)
-        await kubelet.wait_for(registered_at("older.sock"))
         runtime = DevicePluginRuntime(
             PluginConfig(resource, HostPaths(root=short_dir, kubelet_dir=kubelet_dir)), OneDevice()
         )
         stop = asyncio.Event()
         task = asyncio.create_task(runtime.run(stop))
+        other = StubDevicePlugin(
+            kubelet_dir / socket_name(resource, "0000aaaa"), resource, devices=[api_pb2.Device(ID="d0")]
+        )
         try:
             _, first = await asyncio.wait_for(runtime.registrations.wait_newer(0), 20)
-            await kubelet.wait_for(registered_at(first.endpoint), timeout=20)
-            await older.end_streams()  # the kubelet now disconnects its current client: ours
+            await other.start()
+            await other.register(kubelet.socket_path)  # the kubelet follows the other plugin now
+            await kubelet.wait_for(registered_at(other.socket_path.name), timeout=20)
+            other.socket_path.unlink()  # the other plugin is going: its socket first...
             _, again = await asyncio.wait_for(runtime.registrations.wait_newer(1), 20)
-            assert (again.number, again.endpoint) == (2, first.endpoint)
+            assert (again.endpoint, again.reason) == (
+                first.endpoint,
+                "another plugin of this resource stopped",
+            )
+            await kubelet.wait_for(registered_at(first.endpoint), timeout=20)
+            await other.end_streams()  # ...its stream end reaches the kubelet only now: it drops ours
+            _, third = await asyncio.wait_for(runtime.registrations.wait_newer(2), 20)
+            assert (third.endpoint, third.reason) == (first.endpoint, KUBELET_DROPPED_US)
             await kubelet.wait_for(registered_at(first.endpoint), timeout=20)
         finally:
             stop.set()
             await asyncio.wait_for(task, 20)
-            await older.stop()
+            await other.stop()
