@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Final
@@ -149,8 +149,8 @@ class Demo:
             table.add_row(pod.name, str(pod.phase), shown)
         return table
 
-    def _gpu_rows(self) -> list[tuple[str, str, str, str, str]]:
-        """Per GPU: lab name, device ID, health (and cause), holder, temperatures, from the agent's files."""
+    def _gpu_rows(self) -> list[tuple[str, str, str, str, str, str]]:
+        """Per GPU: lab name, device ID, health (cause), holder, temperatures, alerts: the agent's files."""
         monitor_dir = self.node.runtime_dir / status_.MONITOR_DIR
         report = monitoring.read_report(monitor_dir, GPU)
         if report is None or self.lab is None:
@@ -163,28 +163,25 @@ class Demo:
             held = ", ".join(
                 f"{h.namespace}/{h.pod}/{h.container}" for h in holders.get((GPU, device.id), ())
             )
-            temperatures = {
-                r.labels["sensor"]: r.value
-                for r in device.description.readings
-                if r.family == "plugvisor_device_temperature_celsius"
-            }
+            temperatures = _by_sensor(device.description.readings, "plugvisor_device_temperature_celsius")
             shown = " ".join(
                 f"{sensor} {value:.0f}°C"
                 for sensor, value in temperatures.items()
                 if sensor in ("edge", "junction")
             )
             health = "healthy" if device.healthy else f"unhealthy ({device.description.cause_code})"
-            rows.append((names.get(device.id, "?"), device.id, health, held or "-", shown or "-"))
+            alerts = ", ".join(_alerts(device.description.readings)) or "-"
+            rows.append((names.get(device.id, "?"), device.id, health, held or "-", shown or "-", alerts))
         return rows
 
     def _gpu_table(self) -> Table:
         table = Table(
-            title="GPUs: owner and temperature (from the agent)",
+            title="GPUs: owner, temperature and alerts (from the agent; alerts: deploy/monitoring's rules)",
             show_edge=False,
             header_style="bold",
             expand=True,
         )
-        for column in ("gpu", "device", "health", "held by", "temperature"):
+        for column in ("gpu", "device", "health", "held by", "temperature", "alerts"):
             table.add_column(column, overflow="fold")
         for row in self._gpu_rows():
             table.add_row(*row)
@@ -262,9 +259,13 @@ class Demo:
         await self._pause()
         held = await self._pod()
         await self._pause()
-        await self._gpu_fault(gpus, held)
+        victim = await self._gpu_fault(gpus, held)
         await self._pause()
-        await self._overheat(held)
+        await self._gpu_recovers(victim, len(gpus))
+        await self._pause()
+        hot = await self._overheat(held)
+        await self._pause()
+        await self._cool_down(hot)
         await self._pause()
         await self._kill_child(len(gpus), len(held))
         await self._pause()
@@ -275,9 +276,24 @@ class Demo:
         await self._summary()
 
     async def _pause(self) -> None:
-        """``--pace``: give the audience time to read the step (the default, 0, keeps the story fast)."""
+        """``--pace``: give the audience time to read the step (the default, 0, keeps the story fast).
+
+        Each step returns only once its outcome is in what the view shows (the kubelet's
+        state and the agent's files), so the pause always shows it. Without the live view
+        the pause prints what it would show: the node's resources and the GPUs.
+        """
         if self.pace > 0:
+            if self.live is None:
+                self.console.print(Text("on screen:", style="dim"), self._resource_table(), self._gpu_table())
             await asyncio.sleep(self.pace)
+
+    async def _shown(self, what: str, check: Callable[[Sequence[tuple[str, ...]]], bool]) -> None:
+        """Wait until the GPU table (the agent's report and owners files) satisfies ``check``."""
+        deadline = time.monotonic() + STEP_TIMEOUT
+        while not check(self._gpu_rows()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the agent's view never showed {what}")
+            await asyncio.sleep(0.05)
 
     async def _hardware(self) -> list[lab_.DeviceRecord]:
         self._step(1, "Hardware: an emulated dgx-like node with AMD Instinct-like GPUs")
@@ -357,11 +373,15 @@ class Demo:
         switches = sorted({str(r.pcie_switch) for r in placed})
         where = f"both under PCIe switch {switches[0]}" if len(switches) == 1 else f"switches {switches}"
         self._say(f"  pod {pod.name} is {pod.phase}: {' + '.join(r.name for r in placed)} ({where})")
+        await self._shown(
+            "the pod holding its GPUs",
+            lambda rows: all(_row(rows, r.name)[3] == "default/trainer/train" for r in placed),
+        )
         return held
 
-    async def _gpu_fault(self, gpus: list[lab_.DeviceRecord], held: tuple[str, ...]) -> None:
+    async def _gpu_fault(self, gpus: list[lab_.DeviceRecord], held: tuple[str, ...]) -> lab_.DeviceRecord:
         assert self.lab is not None
-        self._step(4, "A GPU fails (AER fatal error), then recovers")
+        self._step(4, "A GPU fails: an AER fatal error")
         victim = next(r for r in gpus if r.bdf not in held and r.uuid not in held)
         started = time.monotonic()
         await asyncio.to_thread(self.lab.fault, victim.name, "aer-fatal")
@@ -370,13 +390,23 @@ class Demo:
             self._allocatable(GPU, len(gpus) - 1),
             started,
         )
+        await self._shown(
+            f"{victim.name} unhealthy", lambda rows: _row(rows, victim.name)[2] == "unhealthy (aer-fatal)"
+        )
+        self._say(f"  the agent: {victim.name} unhealthy (aer-fatal), alert PlugvisorAerFatalErrors")
+        return victim
+
+    async def _gpu_recovers(self, victim: lab_.DeviceRecord, gpu_count: int) -> None:
+        assert self.lab is not None
+        self._step(5, f"{victim.name} recovers (the fault is healed)")
         started = time.monotonic()
         await asyncio.to_thread(self.lab.heal, victim.name)
         await self._measure(
-            f"{victim.name} healthy again: allocatable {len(gpus)}",
-            self._allocatable(GPU, len(gpus)),
+            f"{victim.name} healthy again: allocatable {gpu_count}",
+            self._allocatable(GPU, gpu_count),
             started,
         )
+        await self._shown(f"{victim.name} healthy", lambda rows: _row(rows, victim.name)[2] == "healthy")
 
     def _scrape(self) -> str:
         log = self.node.agent_log.read_text(errors="replace")
@@ -385,9 +415,9 @@ class Demo:
             text: str = response.read().decode()
         return text
 
-    async def _overheat(self, held: tuple[str, ...]) -> None:
+    async def _overheat(self, held: tuple[str, ...]) -> lab_.DeviceRecord:
         assert self.lab is not None
-        self._step(5, "A GPU the pod holds overheats; the agent's /metrics names the pod")
+        self._step(6, "A GPU the pod holds overheats; the agent's /metrics names the pod")
         names = self._gpu_names()
         victim = names[held[0]]
         wanted = (f'device="{victim.bdf}"', 'pod="trainer"', 'sensor="junction"')
@@ -416,10 +446,30 @@ class Demo:
         self._say(
             f"  /metrics: {victim.name} junction {value:.0f} °C (critical 110), pod default/trainer/train"
         )
+        await self._shown(
+            f"{victim.name} at its critical temperature",
+            lambda rows: "TemperatureCritical" in _row(rows, victim.name)[5],
+        )
+        self._say(f"  the agent: alert PlugvisorDeviceTemperatureCritical on {victim.name}, held by the pod")
+        return victim
+
+    async def _cool_down(self, victim: lab_.DeviceRecord) -> None:
+        assert self.lab is not None
+        self._step(7, f"{victim.name} cools down (the fault is healed)")
+        started = time.monotonic()
         await asyncio.to_thread(self.lab.heal, victim.name)
+        await self._shown(
+            f"{victim.name} below its critical temperature",
+            lambda rows: "TemperatureCritical" not in _row(rows, victim.name)[5],
+        )
+        elapsed = time.monotonic() - started
+        self.timings.append(Timing(f"{victim.name} cooled down -> alert condition clear", elapsed))
+        self._say(
+            f"  [green]done[/green]: {victim.name} below critical in [bold]{elapsed * 1000:.1f} ms[/bold]"
+        )
 
     async def _kill_child(self, gpu_count: int, held: int) -> None:
-        self._step(6, "The gpu plugin process is killed (SIGKILL)")
+        self._step(8, "The gpu plugin process is killed (SIGKILL)")
         child = self._children()[GPU]
         view = self.kubelet.resource(GPU)
         endpoint = view.endpoint if view is not None else None
@@ -434,7 +484,7 @@ class Demo:
         self._say(f"  the other resources kept their processes; the pod still holds {held} GPUs")
 
     async def _kubelet_restart(self) -> None:
-        self._step(7, "The kubelet restarts (every socket in its directory is deleted)")
+        self._step(9, "The kubelet restarts (every socket in its directory is deleted)")
         generation = self.kubelet.generation
         started = time.monotonic()
         await self.kubelet.restart()
@@ -446,7 +496,7 @@ class Demo:
 
     async def _more_vfs(self) -> None:
         assert self.lab is not None
-        self._step(8, "More VFs: sriov_numvfs 8 -> 0 -> 16")
+        self._step(10, "More VFs: sriov_numvfs 8 -> 0 -> 16")
         started = time.monotonic()
         await asyncio.to_thread(self.lab.set_num_vfs, "nic0", 0)
         await asyncio.to_thread(self.lab.set_num_vfs, "nic0", 16)
@@ -454,7 +504,7 @@ class Demo:
         await self._measure("16 VFs advertised, no restart", self._allocatable(NIC, 16), started)
 
     async def _summary(self) -> None:
-        self._step(9, "Summary")
+        self._step(11, "Summary")
         for timing in self.timings:
             self._say(f"  {timing.seconds * 1000:8.1f} ms  {timing.label}")
         if self.keep:
@@ -485,6 +535,36 @@ class Demo:
         except OSError:
             return ""
         return "\n".join(text.splitlines()[-lines:])
+
+
+def _by_sensor(readings: Iterable[monitoring.Reading], family: str) -> dict[str, float]:
+    return {r.labels["sensor"]: r.value for r in readings if r.family == family}
+
+
+def _alerts(readings: Sequence[monitoring.Reading]) -> list[str]:
+    """The alerts of deploy/monitoring's PrometheusRule whose conditions hold for one device's readings."""
+    found = []
+    fatal = [
+        r.value
+        for r in readings
+        if r.family == "plugvisor_device_aer_errors" and r.labels["severity"] == "fatal"
+    ]
+    if any(fatal):
+        found.append(f"AerFatalErrors ({int(max(fatal))})")
+    critical = _by_sensor(readings, "plugvisor_device_temperature_critical_celsius")
+    hot = [
+        sensor
+        for sensor, value in _by_sensor(readings, "plugvisor_device_temperature_celsius").items()
+        if sensor in critical and value >= critical[sensor] - 5
+    ]
+    if hot:
+        found.append(f"TemperatureCritical ({', '.join(hot)})")
+    return found
+
+
+def _row(rows: Sequence[tuple[str, ...]], gpu: str) -> tuple[str, ...]:
+    """The GPU table's row of the lab's ``gpu`` (empty cells while the agent has not reported it)."""
+    return next((row for row in rows if row[0] == gpu), ("",) * 6)
 
 
 def _scratch_parent() -> str:

@@ -300,5 +300,5 @@ def test_a_path_with_a_line_break_cannot_inject_a_supervisord_program(short_dir)
         "resources: [{name: example.com/null, kind: generic, paths: [/dev/null]}]\n"
     )
     result = plugvisor("export", "supervisord", "--config", str(config))
-    assert_usage_error(result, "kubeletDir: Value error", "contains a control character")
+    assert_usage_error(result, "kubeletDir: '/tmp/d", "contains a control character")
     assert "[program:evil]" not in result.stdout

@@ -1,16 +1,26 @@
 """`plugvisor demo`, the README's first command, plays the whole node story and leaves nothing behind."""
 
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+STEP = re.compile(r"^─+ (\d+)\. (.+?) ─+$", re.MULTILINE)
 
 
 def leftovers() -> set[Path]:
     return {*Path("/tmp").glob("pvdemo-*"), *Path("/dev/shm").glob("pvdemo-*")}
 
 
-def test_the_demo_tells_the_whole_story_and_cleans_up():
+@pytest.fixture(scope="module")
+def played():
+    """One run of the demo with --pace and no live view: what would be on screen is printed at each pause.
+
+    A wide terminal, so that the tables' rows are not folded (the content is under test, not the layout).
+    """
     before = leftovers()
     result = subprocess.run(
         [sys.executable, "-m", "plugvisor", "demo", "--no-live", "--pace", "0.01"],
@@ -18,9 +28,26 @@ def test_the_demo_tells_the_whole_story_and_cleans_up():
         text=True,
         timeout=180,
         check=False,
+        env={**os.environ, "COLUMNS": "140"},
     )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result, before
+
+
+def steps(out: str) -> dict[str, str]:
+    """Each step's title -> what it printed, the screen shown at its pause included."""
+    found = list(STEP.finditer(out))
+    ends = [m.start() for m in found[1:]] + [len(out)]
+    return {m.group(2): out[m.end() : end] for m, end in zip(found, ends, strict=True)}
+
+
+def gpu_row(screen: str, gpu: str) -> str:
+    return next(line for line in screen.splitlines() if line.strip().startswith(f"{gpu} "))
+
+
+def test_the_demo_tells_the_whole_story_and_cleans_up(played):
+    result, before = played
     out = result.stdout
-    assert result.returncode == 0, out + result.stderr
     for pattern in (
         r"8 GPUs on 4 PCIe switches and 2 NUMA nodes",
         r"done: agent start -> every resource registered in [\d.]+ ms",
@@ -43,3 +70,31 @@ def test_the_demo_tells_the_whole_story_and_cleans_up():
         ["pgrep", "-f", "pv-forkserver|pv:plugvisor.io"], capture_output=True, check=False
     )
     assert no_orphans.stdout == b"", no_orphans.stdout
+
+
+def test_each_fault_is_on_screen_during_its_pause_and_healed_only_in_the_next_step(played):
+    """A presenter pauses on the fault: the unhealthy GPU, the allocatable drop, the alert, the temperature;
+    the heal is a step of its own. (The live view draws the same tables from the same files.)"""
+    out = played[0].stdout
+    shown = steps(out)
+    titles = list(shown)
+    fault = next(t for t in titles if t.startswith("A GPU fails"))
+    victim = re.search(r"done: (gpu\d) unhealthy", shown[fault]).group(1)
+    overheat = next(t for t in titles if t.startswith("A GPU the pod holds overheats"))
+    hot = re.search(r"done: (gpu\d) overheat", shown[overheat]).group(1)
+    assert titles.index(f"{victim} recovers (the fault is healed)") == titles.index(fault) + 1
+    assert titles.index(f"{hot} cools down (the fault is healed)") == titles.index(overheat) + 1
+
+    screen = shown[fault].split("on screen:", 1)[1]
+    assert re.search(r"plugvisor\.io/gpu\s+│ 8\s+│ 7\s+│ \S+", screen), screen
+    assert "unhealthy (aer-fatal)" in gpu_row(screen, victim) and "AerFatalErrors" in gpu_row(screen, victim)
+    screen = shown[f"{victim} recovers (the fault is healed)"].split("on screen:", 1)[1]
+    assert re.search(r"plugvisor\.io/gpu\s+│ 8\s+│ 8\s+│ -", screen), screen
+    assert "healthy" in gpu_row(screen, victim) and "AerFatal" not in gpu_row(screen, victim)
+
+    screen = shown[overheat].split("on screen:", 1)[1]
+    row = gpu_row(screen, hot)
+    assert "default/trainer/train" in row and "TemperatureCritical" in row, screen
+    assert int(re.search(r"junction (\d+)°C", row).group(1)) >= 110, row
+    row = gpu_row(shown[f"{hot} cools down (the fault is healed)"].split("on screen:", 1)[1], hot)
+    assert "TemperatureCritical" not in row and int(re.search(r"junction (\d+)°C", row).group(1)) < 105, row

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -151,6 +152,11 @@ def exported_metric_names() -> frozenset[str]:
     return frozenset(names)
 
 
+CAUSE_CODE: Final = re.compile(r"[a-z][a-z0-9]*(-[a-z0-9]+)*")
+"""The shape of a ``cause`` label value: lower-case words joined by ``-`` (``aer-fatal``, ``ecc-error``)."""
+CAUSE_CODE_MAX: Final = 40
+
+
 class InvalidReadingError(ValueError):
     """A source built a reading the catalogue does not know (a programming error, named)."""
 
@@ -196,7 +202,9 @@ class DeviceDescription:
 
     ``cause`` is the human text (for logs and ``plugvisor status``); ``cause_code``
     a short stable word for the metric label (``aer-fatal``, ``link-down``...), so
-    that a counter in the text never creates a new series.
+    that a counter in the text never creates a new series. A kind may use its own
+    words (``ecc-error``): any :data:`CAUSE_CODE` shape is accepted, and anything
+    else is refused at construction, naming it.
     """
 
     kind: str = ""
@@ -210,6 +218,12 @@ class DeviceDescription:
         unknown = set(self.identity) - set(IDENTITY_LABELS)
         if unknown:
             raise InvalidReadingError(f"unknown identity labels {sorted(unknown)}; known: {IDENTITY_LABELS}")
+        code = self.cause_code
+        if code is not None and (len(code) > CAUSE_CODE_MAX or not CAUSE_CODE.fullmatch(code)):
+            raise InvalidReadingError(
+                f"cause_code {code[:80]!r}: expected lower-case words joined by '-' (like 'ecc-error'), "
+                f"at most {CAUSE_CODE_MAX} characters"
+            )
         # Immutable and comparable whatever the caller passed (a report equals its parsed file).
         object.__setattr__(self, "identity", MappingProxyType(dict(self.identity)))
         object.__setattr__(self, "readings", tuple(self.readings))

@@ -1,18 +1,31 @@
 """Turning validation failures into one clear message that names the input and the field.
 
 pydantic's own rendering is written for developers (URLs, input reprs on
-separate lines); operators reading a systemd journal need
+separate lines, a "Value error, " before every message our validators raise);
+operators reading a systemd journal need
 ``node.yaml: resources[0].count: Input should be greater than or equal to 1``.
+A key nobody knows is most often a typo, so its error names the nearest known
+key of the same mapping (``unknown key; did you mean `match`?``). Every reader
+of an operator-written file (node.yaml, ``--options-file``, lab profiles)
+renders its errors through :func:`problem`.
 """
 
 from __future__ import annotations
 
+import difflib
 import sys
+import types
+import typing
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # only annotations: readers of YAML files (the agent's first lines) need no pydantic
     import pydantic
+    from pydantic_core import ErrorDetails
+
+_PREFIXES = ("Value error, ", "Assertion failed, ")
+"""What pydantic puts before the message of a ``ValueError`` or ``assert`` raised by a validator."""
 
 
 def shorten(text: str, limit: int = 80) -> str:
@@ -53,18 +66,93 @@ def field_path(loc: tuple[int | str, ...]) -> str:
     return out or "(top level)"
 
 
-def describe(error: pydantic.ValidationError, *, source: str) -> str:
-    """One line per problem, each naming ``source`` and the field, with what was expected."""
-    lines = []
-    for item in error.errors(include_url=False):
-        where = field_path(tuple(item["loc"]))
-        message = item["msg"]
-        if item["type"] == "extra_forbidden":
-            message = "unknown key (check the spelling; unknown keys are errors)"
-        elif item["type"] == "missing":
-            message = "required key is missing"
-        lines.append(f"{source}: {where}: {message}")
-    return "\n".join(lines)
+def unknown_key(key: object, known: Iterable[str] = ()) -> str:
+    """The message for a key nobody expects, with the nearest known key when one is close."""
+    close = difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.6) if isinstance(key, str) else []
+    return f"unknown key; did you mean `{close[0]}`?" if close else "unknown key (check the spelling)"
+
+
+def _models_in(annotation: Any) -> list[type[pydantic.BaseModel]]:
+    """The pydantic models an annotation can hold, looking through Optional, Annotated, unions."""
+    import pydantic  # noqa: PLC0415 - loaded already: a ValidationError is being rendered
+
+    if isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel):
+        return [annotation]
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _models_in(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
+    return []
+
+
+def _item_type(annotation: Any) -> Any:
+    """The element type of a list/tuple/sequence annotation (or of the mapping's values)."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _item_type(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(annotation):
+            found = _item_type(arg)
+            if found is not None:
+                return found
+        return None
+    args = typing.get_args(annotation)
+    return args[-1] if origin is not None and args else None
+
+
+def known_keys(model: Any, loc: Sequence[int | str]) -> list[str]:
+    """The keys ``model`` accepts in the mapping at ``loc``, spelled as the user writes them (aliases).
+
+    ``model`` is what was validated: a pydantic model, or a type such as ``list[Model]``.
+    """
+    annotation: Any = model
+    for part in loc:
+        if isinstance(part, int):
+            annotation = _item_type(annotation)
+            continue
+        models = _models_in(annotation)
+        if not models:
+            annotation = _item_type(annotation)  # a mapping's value
+            continue
+        fields = {
+            key: info
+            for m in models
+            for name, info in m.model_fields.items()
+            for key in (info.alias, name)
+            if key
+        }
+        if part not in fields:
+            return []
+        annotation = fields[part].annotation
+    return [info.alias or name for m in _models_in(annotation) for name, info in m.model_fields.items()]
+
+
+def problem(item: ErrorDetails, model: Any = None) -> str:
+    """One error's message in the user's words: no pydantic prefix, the nearest key for an unknown one."""
+    kind = item["type"]
+    if kind == "extra_forbidden":
+        loc = tuple(item["loc"])
+        known = known_keys(model, loc[:-1]) if model is not None and loc else []
+        return unknown_key(loc[-1] if loc else "", known)
+    if kind == "missing":
+        return "required key is missing"
+    message = item["msg"]
+    for prefix in _PREFIXES:
+        message = message.removeprefix(prefix)
+    return message
+
+
+def describe(error: pydantic.ValidationError, *, source: str, model: Any = None) -> str:
+    """One line per problem, each naming ``source`` and the field, with what was expected.
+
+    ``model`` is the model that was validated, so that an unknown key can be
+    matched against the keys its mapping accepts.
+    """
+    return "\n".join(
+        f"{source}: {field_path(tuple(item['loc']))}: {problem(item, model)}"
+        for item in error.errors(include_url=False)
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -206,7 +206,7 @@ def dra_plugin_command(
     if spec_root is not None and not spec_root.is_absolute():
         raise click.BadParameter(f"{spec_root} must be an absolute path", param_hint="--spec-root")
     host = HostPaths(root=host_root.absolute(), kubelet_dir=kubelet_dir.absolute(), spec_root=spec_root)
-    entry._check_host(kind, host, driver_name)  # one command, two modes: the same checks
+    entry._check_host(plugin_kind, host, driver_name)  # one command, two modes: the same checks
     try:
         config = DriverConfig(
             driver_name,

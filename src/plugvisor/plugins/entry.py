@@ -32,7 +32,7 @@ from plugvisor.common.hostpaths import HostPaths, host_root_problem, kubelet_dir
 from plugvisor.common.logs import configure_logging, log_options
 from plugvisor.common.sockets import live_instances
 from plugvisor.common.validation import describe, huge_integer_problem, json_integer
-from plugvisor.plugins.kinds import UnknownKindError, get_kind
+from plugvisor.plugins.kinds import PluginKind, UnknownKindError, get_kind
 
 # The framework's runtime (and so grpc) is imported when a plugin starts, after this.
 quiet_grpc_core()
@@ -298,13 +298,14 @@ def plugin_command(
     try:
         options = plugin_kind.options_model.model_validate(raw)
     except pydantic.ValidationError as exc:
-        click.echo(f"plugvisor plugin {kind}: invalid options\n{describe(exc, source=source_name)}", err=True)
+        problems = describe(exc, source=source_name, model=plugin_kind.options_model)
+        click.echo(f"plugvisor plugin {kind}: invalid options\n{problems}", err=True)
         sys.exit(EXIT_USAGE)
     if spec_root is not None and not spec_root.is_absolute():
         raise click.BadParameter(f"{spec_root} must be an absolute path", param_hint="--spec-root")
     resource_name = resource or f"plugvisor.io/{kind}"
     host = HostPaths(root=host_root.absolute(), kubelet_dir=kubelet_dir.absolute(), spec_root=spec_root)
-    _check_host(kind, host, resource_name)
+    _check_host(plugin_kind, host, resource_name)
     try:
         config = PluginConfig(
             resource_name,
@@ -349,7 +350,7 @@ def _drop_unread_metrics(metrics_listen: str | None) -> None:
         metrics.disable()
 
 
-def _check_host(kind: str, host: HostPaths, resource: str) -> None:
+def _check_host(kind: PluginKind[Any], host: HostPaths, resource: str) -> None:
     """Exit 2 naming the option when the host root or kubelet directory cannot work; warn when no PCI bus.
 
     A mistyped --host-root used to give zero devices and no word about why, and an
@@ -360,9 +361,9 @@ def _check_host(kind: str, host: HostPaths, resource: str) -> None:
         ("--kubelet-dir", kubelet_dir_problem(host.kubelet_dir)),
     ):
         if problem is not None:
-            click.echo(f"plugvisor plugin {kind}: {option}: {problem}", err=True)
+            click.echo(f"plugvisor plugin {kind.name}: {option}: {problem}", err=True)
             sys.exit(EXIT_USAGE)
-    if kind != "generic" and not (host.sysfs / "bus/pci/devices").is_dir():
+    if kind.reads_pci and not (host.sysfs / "bus/pci/devices").is_dir():
         structlog.get_logger("plugvisor.plugin").warning(
             "no_pci_bus",
             resource=resource,

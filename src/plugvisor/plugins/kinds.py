@@ -77,6 +77,9 @@ class PluginKind(Generic[OptionsT]):
     name: str
     options_model: type[OptionsT]
     factory: SourceFactory[OptionsT]
+    reads_pci: bool = False
+    """Its devices are found on the PCI bus: a host root without ``sys/bus/pci/devices`` is then worth a
+    warning (``no_pci_bus``, usually a wrong ``--host-root``); a kind of USB or platform devices sets none."""
 
     def build(self, options: OptionsT | Any, paths: HostPaths, *, resource: str) -> DeviceSource:
         """Create the device source for one resource (``options``: validated, or raw keys to validate)."""

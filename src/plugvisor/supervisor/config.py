@@ -30,7 +30,7 @@ from plugvisor.common import constants
 from plugvisor.common.hostpaths import host_root_problem, kubelet_dir_problem, writable_dir_problem
 from plugvisor.common.names import dra_driver_name_problem, extended_resource_name_problem, node_name_problem
 from plugvisor.common.sockets import longest_socket_path
-from plugvisor.common.validation import describe, shorten
+from plugvisor.common.validation import describe, known_keys, shorten, unknown_key
 from plugvisor.common.yamlfile import YamlFileError, read_yaml
 from plugvisor.plugins import kinds
 
@@ -170,6 +170,11 @@ class ResourceConfig(pydantic.BaseModel):
     kind: Annotated[str, pydantic.StringConstraints(min_length=1)]
     registration: Literal["kubelet-sock", "plugin-watcher"] = "kubelet-sock"
     """How the child registers: Register on kubelet.sock, or a plugins_registry socket the kubelet dials."""
+    rescan_interval: Annotated[
+        float | None, pydantic.Field(ge=0.05, le=86400, allow_inf_nan=False, alias="rescanInterval")
+    ] = None
+    """Seconds between the child's periodic rescans (``plugvisor plugin --rescan-interval``; 30 when
+    absent): the bound on noticing a change inotify does not report, such as an attribute written in place."""
 
     @pydantic.field_validator("name")
     @classmethod
@@ -311,6 +316,15 @@ def _entry_errors(config: NodeConfig) -> list[pydantic_core.InitErrorDetails]:
                         _custom("unknown_mode", message, ("resources", index, "mode"), resource.mode)
                     )
                     continue
+                if item["type"] == "extra_forbidden":  # our keys are as valid here as the kind's
+                    within = item["loc"][:-1]
+                    known = known_keys(kind.options_model, within)
+                    if not within:
+                        known += known_keys(ResourceConfig, ())
+                    message = unknown_key(item["loc"][-1], known)
+                    loc = ("resources", index, *item["loc"])
+                    errors.append(_custom("unknown_key", message, loc, item["input"]))
+                    continue
                 detail: pydantic_core.InitErrorDetails = {
                     "type": item["type"],
                     "loc": ("resources", index, *item["loc"]),
@@ -336,7 +350,7 @@ def parse_config(data: Any, *, source: str) -> NodeConfig:
     try:
         config = NodeConfig.model_validate(data)
     except pydantic.ValidationError as exc:
-        raise ConfigError(describe(exc, source=source)) from None
+        raise ConfigError(describe(exc, source=source, model=NodeConfig)) from None
     errors = _entry_errors(config)
     if errors:
         combined = pydantic.ValidationError.from_exception_data("NodeConfig", errors)
@@ -449,6 +463,8 @@ def child_specs(
         ]
         if config.spec_root is not None:
             shared += ["--spec-root", str(config.spec_root)]
+        if resource.rescan_interval is not None:
+            shared += ["--rescan-interval", repr(resource.rescan_interval)]
         if resource.dra:
             # A DRA driver (plugvisor.plugins.draentry) has no kubelet-restart policy: the kubelet's
             # plugin watcher dials its registration socket again when it starts, so the driver keeps

@@ -86,8 +86,9 @@ async def test_default_resource_name_and_json_logs(node):
     ("args", "message"),
     [
         (["--resource", "serial", "--path", "/dev/x"], "resource name 'serial' has no domain"),
-        (["--path", "dev/x"], "paths[0].path: Value error, 'dev/x' must be an absolute path"),
+        (["--path", "dev/x"], "paths[0].path: 'dev/x' must be an absolute path"),
         (["--count", "2"], "'paths' must list at least one path"),
+        (["--options-json", '{"pahts": ["/dev/x"]}'], "pahts: unknown key; did you mean `paths`?"),
     ],
 )
 async def test_bad_configuration_exits_2_with_a_message(node, args, message):

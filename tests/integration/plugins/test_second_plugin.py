@@ -142,6 +142,8 @@ async def test_once_a_plugin_that_took_the_resource_over_stops_the_first_registe
     own socket, so the resource comes back without a kubelet restart."""
     (short_dir / "root/dev").mkdir(parents=True)
     (short_dir / "root/dev/ttyUSB0").touch()
+    failure: TimeoutError | None = None
+    second_stderr = "(not stopped)"
     async with EmulatedKubelet(short_dir / "dp", replacement=replacement) as kubelet:
         first, first_socket = await start_first(short_dir, kubelet)
         try:
@@ -152,7 +154,7 @@ async def test_once_a_plugin_that_took_the_resource_over_stops_the_first_registe
                 await kubelet.wait_for(lambda k: endpoint(k) not in (None, first_socket), timeout=20)
                 registrations = len(kubelet.registrations)
             finally:
-                await stop(second)
+                second_stderr = await stop(second)
             await kubelet.wait_for(
                 lambda k: (
                     len(k.registrations) > registrations
@@ -162,7 +164,11 @@ async def test_once_a_plugin_that_took_the_resource_over_stops_the_first_registe
                 timeout=20,
             )
             assert kubelet.registrations[-1].endpoint == first_socket.rsplit("/", 1)[-1]
+        except TimeoutError as exc:  # say why: both plugins' logs
+            failure = exc
         finally:
             stderr = await stop(first)
+        if failure is not None:
+            raise AssertionError(f"{failure}\nfirst plugin:\n{stderr}\nsecond plugin:\n{second_stderr}")
         assert "registering_again" in stderr, stderr
         assert "kubelet_restart_detected" not in stderr, stderr

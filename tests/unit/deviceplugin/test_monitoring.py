@@ -55,6 +55,15 @@ def test_readings_must_name_a_known_family_and_its_labels():
         DeviceDescription(identity={"serial": "x"})
 
 
+def test_a_kind_may_use_its_own_cause_words_in_the_labels_shape():
+    """The built-in kinds' causes are no closed list: a kind says ``ecc-error`` and the label says so."""
+    described = DeviceDescription(cause="the card reports ecc_error", cause_code="ecc-error")
+    assert described.cause_code == "ecc-error"
+    for bad in ("ECC error", "ecc_error", "-x", "x" * 41, ""):
+        with pytest.raises(monitoring.InvalidReadingError, match="expected lower-case words joined by '-'"):
+            DeviceDescription(cause_code=bad)
+
+
 def test_reports_and_owners_survive_their_files(tmp_path):
     written = report()
     monitoring.write_report(tmp_path, written)

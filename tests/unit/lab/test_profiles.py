@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,22 @@ class TestInvalid:
         fs.create_file("/p.yaml", contents=contents)
         with pytest.raises(ProfileError, match=r"/p.yaml: " + expected):
             load_profile("/p.yaml")
+
+    @pytest.mark.parametrize(
+        ("document", "expected"),
+        [
+            ({"name": "x", "gpu": []}, "gpu: unknown key; did you mean `gpus`?"),
+            (
+                {"name": "x", "gpus": [{"model": "nvidia-h100", "count": 2, "perSwich": 2}]},
+                "gpus[0].perSwich: unknown key; did you mean `perSwitch`?",
+            ),
+            ({"name": "x", "numaNode": 2}, "numaNode: unknown key; did you mean `numaNodes`?"),
+        ],
+    )
+    def test_an_unknown_key_names_the_nearest_known_one(self, document, expected) -> None:
+        """A typo in a profile says which key was probably meant."""
+        with pytest.raises(ProfileError, match=re.escape(expected)):
+            parse_profile(document, source="p.yaml")
 
     def test_missing_file(self, fs: FakeFilesystem) -> None:
         """A profile file that does not exist is a profile error naming it."""

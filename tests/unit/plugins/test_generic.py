@@ -114,11 +114,11 @@ class TestOptions:
     @pytest.mark.parametrize(
         ("options", "expected"),
         [
-            ({}, "(top level): Value error, 'paths' must list at least one path"),
-            ({"paths": ["dev/fuse"]}, "paths[0].path: Value error, 'dev/fuse' must be an absolute path"),
+            ({}, "(top level): 'paths' must list at least one path"),
+            ({"paths": ["dev/fuse"]}, "paths[0].path: 'dev/fuse' must be an absolute path"),
             (
                 {"paths": ["/dev/../etc/shadow"]},
-                "paths[0].path: Value error, '/dev/../etc/shadow' must not contain '..'",
+                "paths[0].path: '/dev/../etc/shadow' must not contain '..'",
             ),
             ({"paths": ["/dev/fuse"], "count": 0}, "count: Input should be greater than or equal to 1"),
             ({"paths": ["/dev/fuse"], "colour": "red"}, "colour: unknown key"),

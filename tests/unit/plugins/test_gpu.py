@@ -173,12 +173,12 @@ class TestOptions:
         [
             (
                 {"match": {"vendors": ["nvidia"]}},
-                "match.vendors[0]: Value error, 'nvidia' is not a 16-bit PCI ID",
+                "match.vendors[0]: 'nvidia' is not a 16-bit PCI ID",
             ),
             ({"replicas": 0}, "replicas: Input should be greater than or equal to 1"),
             ({"allocationPolicy": "random"}, "allocationPolicy: Input should be 'spread' or 'pack'"),
             ({"visibleDevicesEnv": "A-B"}, "visibleDevicesEnv: String should match pattern"),
-            ({"cdiDir": "var/run/cdi"}, "cdiDir: Value error, 'var/run/cdi' must be an absolute path"),
+            ({"cdiDir": "var/run/cdi"}, "cdiDir: 'var/run/cdi' must be an absolute path"),
             ({"mig": "single"}, "mig: unknown key"),
         ],
     )

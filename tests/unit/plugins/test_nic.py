@@ -29,9 +29,9 @@ def test_pf_names_with_vf_ranges():
     [
         (
             {"match": {"pfNames": ["ens1f0#3-1"]}},
-            "match.pfNames[0]: Value error, 'ens1f0#3-1': VF range 3-1 runs backwards",
+            "match.pfNames[0]: 'ens1f0#3-1': VF range 3-1 runs backwards",
         ),
-        ({"match": {"rootDevices": ["zz"]}}, "match.rootDevices[0]: Value error, 'zz' is not a PCI address"),
+        ({"match": {"rootDevices": ["zz"]}}, "match.rootDevices[0]: 'zz' is not a PCI address"),
         ({"match": {"linkTypes": ["ether"]}}, "match.linkTypes: unknown key"),
     ],
 )

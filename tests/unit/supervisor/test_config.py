@@ -48,6 +48,43 @@ class TestParseConfig:
         specs = config_.child_specs(config_.parse_config(yaml.safe_load(GOOD), source="node.yaml"))
         assert all("--replace" in spec.args for spec in specs.values())
 
+    def test_a_resource_sets_its_rescan_interval_for_its_child(self):
+        """``rescanInterval`` is the framework's: it becomes --rescan-interval, not a kind option."""
+        document = GOOD.replace("    count: 10\n", "    count: 10\n    rescanInterval: 2.5\n")
+        specs = config_.child_specs(config_.parse_config(yaml.safe_load(document), source="node.yaml"))
+        fuse, serial = specs["example.com/fuse"].args, specs["example.com/serial"].args
+        assert fuse[fuse.index("--rescan-interval") + 1] == "2.5"
+        assert "rescanInterval" not in json.loads(fuse[fuse.index("--options-json") + 1])
+        assert "--rescan-interval" not in serial  # the plugin's own default
+        for value, expected in (("0", "greater than or equal to 0.05"), (".inf", "a finite number")):
+            entry = f"{{name: a.com/b, kind: generic, paths: [/x], rescanInterval: {value}}}"
+            message = f"resources[0].rescanInterval: Input should be {expected}"
+            assert message in errors_of(f"resources: [{entry}]")
+
+    @pytest.mark.parametrize(
+        ("document", "message"),
+        [
+            ("resource: []", "node.yaml: resource: unknown key; did you mean `resources`?"),
+            ("resources: [{name: a.com/b, kind: gpu, matc: {}}]", "resources[0].matc: unknown key; did you mean `match`?"),  # noqa: E501
+            ("resources: [{name: a.com/b, kind: gpu, match: {vendor: []}}]", "resources[0].match.vendor: unknown key; did you mean `vendors`?"),  # noqa: E501
+            ("resources: [{name: a.com/b, kind: generic, paths: [/x], registraton: x}]", "resources[0].registraton: unknown key; did you mean `registration`?"),  # noqa: E501
+            ("resources: [{name: a.com/b, kind: generic, paths: [/x], zzz: 1}]", "resources[0].zzz: unknown key (check the spelling)"),  # noqa: E501
+            ("supervisor: {restrat: {}}\nresources: [{name: a.com/b, kind: generic, paths: [/x]}]", "supervisor.restrat: unknown key; did you mean `restart`?"),  # noqa: E501
+        ],
+        ids=["top", "kind-key", "kind-nested-key", "our-key-in-an-entry", "nothing-close", "nested-own-key"],
+    )  # fmt: skip
+    def test_an_unknown_key_names_the_nearest_known_one(self, document, message):
+        """A typo is the usual reason for an unknown key: the error says which key was probably meant."""
+        assert message in errors_of(document)
+
+    def test_no_message_carries_pydantics_prefix(self):
+        """pydantic prefixes a validator's message with "Value error, "; the user never sees it."""
+        text = errors_of(
+            "kubeletDir: relative\nmetrics: {listen: nope}\n"
+            "resources: [{name: gpu, kind: generic, paths: [/x]}]"
+        )
+        assert text.count("\n") == 2 and "Value error" not in text, text
+
     def test_each_resource_chooses_its_registration_mode(self):
         """``registration`` is the framework's, not the kind's: it goes to --registration, not the options."""
         document = GOOD.replace("    count: 10\n", "    count: 10\n    registration: plugin-watcher\n")
@@ -83,16 +120,16 @@ class TestParseConfig:
         [
             ("resources: []", "node.yaml: resources: List should have at least 1 item"),
             ("bogus: 1\nresources: [{name: a.com/b, kind: generic, paths: [/dev/x]}]", "node.yaml: bogus: unknown key"),  # noqa: E501
-            ("resources: [{name: gpu, kind: generic, paths: [/dev/x]}]", "resources[0].name: Value error, 'gpu' has no domain"),  # noqa: E501
+            ("resources: [{name: gpu, kind: generic, paths: [/dev/x]}]", "resources[0].name: 'gpu' has no domain"),  # noqa: E501
             ("resources: [{name: a.com/b, kind: nope}]", "resources[0].kind: unknown plugin kind 'nope'"),
             ("resources: [{name: a.com/b, kind: generic, paths: [/dev/x], count: 0}]", "resources[0].count: Input should be greater than or equal to 1"),  # noqa: E501
-            ("resources: [{name: a.com/b, kind: generic, path: [/dev/x]}]", "resources[0].path: unknown key"),
-            ("resources: [{name: a.com/b, kind: generic, paths: [dev/x]}]", "resources[0].paths[0].path: Value error, 'dev/x' must be an absolute path"),  # noqa: E501
+            ("resources: [{name: a.com/b, kind: generic, path: [/dev/x]}]", "resources[0].path: unknown key; did you mean `paths`?"),  # noqa: E501
+            ("resources: [{name: a.com/b, kind: generic, paths: [dev/x]}]", "resources[0].paths[0].path: 'dev/x' must be an absolute path"),  # noqa: E501
             ("resources: [{name: a.com/b, kind: generic, paths: [/x]}, {name: a.com/b, kind: generic, paths: [/y]}]", "resources[1].name: a.com/b is already configured by resources[0]"),  # noqa: E501
-            ("kubeletDir: relative\nresources: [{name: a.com/b, kind: generic, paths: [/x]}]", "kubeletDir: Value error, 'relative' must be an absolute path"),  # noqa: E501
+            ("kubeletDir: relative\nresources: [{name: a.com/b, kind: generic, paths: [/x]}]", "kubeletDir: 'relative' must be an absolute path"),  # noqa: E501
             (f"kubeletDir: /{'d' * 80}\nresources: [{{name: a.com/b, kind: generic, paths: [/x]}}]", "kubeletDir: too long for the sockets of a.com/b"),  # noqa: E501
-            ("metrics: {listen: nope}\nresources: [{name: a.com/b, kind: generic, paths: [/x]}]", "metrics.listen: Value error, 'nope' must be HOST:PORT"),  # noqa: E501
-            ("supervisor: {restart: {initialDelay: 5, maxDelay: 1}}\nresources: [{name: a.com/b, kind: generic, paths: [/x]}]", "supervisor.restart: Value error, maxDelay must be at least initialDelay"),  # noqa: E501
+            ("metrics: {listen: nope}\nresources: [{name: a.com/b, kind: generic, paths: [/x]}]", "metrics.listen: 'nope' must be HOST:PORT"),  # noqa: E501
+            ("supervisor: {restart: {initialDelay: 5, maxDelay: 1}}\nresources: [{name: a.com/b, kind: generic, paths: [/x]}]", "supervisor.restart: maxDelay must be at least initialDelay"),  # noqa: E501
             ("supervisor: {spawner: thread}\nresources: [{name: a.com/b, kind: generic, paths: [/x]}]", "supervisor.spawner: Input should be 'forkserver' or 'exec'"),  # noqa: E501
             ("- a\n- b", "node.yaml: (top level): expected a mapping with a 'resources' list, got list"),
             ("", "got an empty file"),
@@ -142,7 +179,7 @@ class TestBounds:
         [
             (
                 '{"kubeletDir": "/a\\u0000b", "resources": []}',
-                "kubeletDir: Value error, '/a\\x00b' contains a NUL",
+                "kubeletDir: '/a\\x00b' contains a NUL",
             ),
             ('{"hostRoot": "/' + "h" * 5000 + '", "resources": []}', "longer than 4096 bytes"),
             ('{"supervisor": {"runtimeDir": "run"}, "resources": []}', "must be an absolute path"),

@@ -9,6 +9,7 @@ a ``pci.ids`` line, nothing else.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final, Literal
 
@@ -287,12 +288,20 @@ DEVICE_NAMES: Final[dict[tuple[int, int], str]] = {
 """The ``pci.ids`` lines the lab writes, so ghw and lspci can name the devices."""
 
 
-def pci_ids() -> bytes:
-    """Return a ``pci.ids`` with the vendors and devices above, in the file's own syntax."""
+def pci_ids(more: Mapping[tuple[int, int], tuple[str, str]] | None = None) -> bytes:
+    """Return a ``pci.ids`` with the vendors and devices above, in the file's own syntax.
+
+    ``more``: (vendor, device) -> (vendor name, device name) of outside kinds' models.
+    """
+    vendors = dict(VENDOR_NAMES)
+    devices = dict(DEVICE_NAMES)
+    for (vendor, device), (vendor_name, name) in (more or {}).items():
+        vendors.setdefault(vendor, vendor_name)
+        devices.setdefault((vendor, device), name)
     lines = ["# pci.ids subset written by the plugvisor hardware lab", ""]
-    for vendor in sorted(VENDOR_NAMES):
-        lines.append(f"{vendor:04x}  {VENDOR_NAMES[vendor]}")
-        for (v, device), name in sorted(DEVICE_NAMES.items()):
+    for vendor in sorted(vendors):
+        lines.append(f"{vendor:04x}  {vendors[vendor]}")
+        for (v, device), name in sorted(devices.items()):
             if v == vendor:
                 lines.append(f"\t{device:04x}  {name}")
     lines += ["", "C 02  Network controller", "\t00  Ethernet controller"]

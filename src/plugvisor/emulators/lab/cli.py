@@ -17,7 +17,6 @@ from typing import ParamSpec, TypeVar
 import click
 
 from plugvisor.emulators.lab import errors, profiles
-from plugvisor.emulators.lab.faults import FaultKind
 from plugvisor.emulators.lab.lab import DeviceRecord, Lab
 
 P = ParamSpec("P")
@@ -47,11 +46,12 @@ def _errors(func: Callable[P, R]) -> Callable[P, R]:
 
 
 def _line(r: DeviceRecord) -> str:
-    faults = ",".join(f.value for f in r.faults) or "-"
+    faults = ",".join(r.faults) or "-"
     switch = r.pcie_switch or "-"
     extra = f" vfs={r.num_vfs}/{r.total_vfs}" if r.total_vfs is not None else ""
+    extra += "".join(f" {key}={value}" for key, value in r.attributes)
     return (
-        f"{r.name:<10} {r.kind.value:<7} {r.model:<16} {r.bdf:<13} {r.vendor}:{r.device[2:]}  "
+        f"{r.name:<10} {r.kind:<7} {r.model:<16} {r.bdf:<13} {r.vendor}:{r.device[2:]}  "
         f"numa={r.numa_node} switch={switch:<4} {r.state:<9} faults={faults}{extra}"
     )
 
@@ -104,17 +104,20 @@ def show(root: str, as_json: bool) -> None:
 @lab_group.command()
 @_ROOT
 @click.argument("device")
-@click.argument("kind", type=click.Choice([k.value for k in FaultKind]))
+@click.argument("kind")
 @_errors
 def fault(root: str, device: str, kind: str) -> None:
-    """Inject a fault into DEVICE."""
+    """Inject a fault into DEVICE: aer-fatal, fallen-off-bus, overheat... (docs/lab.md).
+
+    A KIND that does not apply to DEVICE is refused, listing those that do.
+    """
     click.echo(_line(Lab.open(root).fault(device, kind)))
 
 
 @lab_group.command()
 @_ROOT
 @click.argument("device")
-@click.argument("kind", required=False, type=click.Choice([k.value for k in FaultKind]))
+@click.argument("kind", required=False)
 @_errors
 def heal(root: str, device: str, kind: str | None) -> None:
     """Undo a fault of DEVICE (all of them without KIND)."""
@@ -174,10 +177,7 @@ def watch(root: str) -> None:
 @_errors
 def check(root: str) -> None:
     """Check the tree as a plugin would read it (links, modalias, PF/VF pairs, nodes); exit 1 on a problem."""
-    from plugvisor.emulators.lab import fidelity  # noqa: PLC0415 - only this command walks the tree
-
-    Lab.open(root)
-    found = fidelity.problems(root)
+    found = Lab.open(root).check()
     for problem in found:
         click.echo(problem)
     if found:

@@ -39,32 +39,36 @@ class FaultKind(StrEnum):
     RDMA_PORT_DOWN = rdma.PORT_DOWN
 
 
-_AER = {FaultKind.AER_FATAL: 0, FaultKind.AER_NONFATAL: 1, FaultKind.AER_CORRECTABLE: 2}
+_AER: dict[str, int] = {FaultKind.AER_FATAL: 0, FaultKind.AER_NONFATAL: 1, FaultKind.AER_CORRECTABLE: 2}
 
 
-def applicable(dev: DeviceState) -> tuple[FaultKind, ...]:
+def fault_kind(name: str) -> FaultKind | str:
+    """A built-in fault as its :class:`FaultKind`; an outside kind's own fault as its name."""
+    try:
+        return FaultKind(name)
+    except ValueError:
+        return name
+
+
+def applicable(dev: DeviceState) -> tuple[FaultKind | str, ...]:
     """Return the faults that make sense for a device, in a stable order (AER first, then its kind's)."""
-    return (*_AER, *(FaultKind(f) for f in kinds.get(dev.kind).faults(dev)))
+    return (*(FaultKind(f) for f in _AER), *(fault_kind(f) for f in kinds.get(dev.kind).faults(dev)))
 
 
-def parse(kind: str | FaultKind, dev: DeviceState) -> FaultKind:
+def parse(kind: str | FaultKind, dev: DeviceState) -> FaultKind | str:
     """Return the fault kind a user named, checked against the device."""
     allowed = applicable(dev)
-    try:
-        fault = FaultKind(kind)
-    except ValueError:
-        raise errors.UsageError(
-            f"unknown fault kind {kind!r}; expected one of: {', '.join(k.value for k in FaultKind)}"
-        ) from None
+    fault = fault_kind(str(kind))
     if fault not in allowed:
-        raise errors.UsageError(
-            f"fault {fault.value!r} does not apply to {dev.name} ({dev.kind.value} {dev.model}); "
-            f"expected one of: {', '.join(k.value for k in allowed)}"
-        )
+        if fault in {f.value for f in FaultKind}:
+            problem = f"fault {str(kind)!r} does not apply to {dev.name} ({dev.kind} {dev.model})"
+        else:
+            problem = f"unknown fault kind {str(kind)!r} for {dev.name} ({dev.kind} {dev.model})"
+        raise errors.UsageError(f"{problem}; expected one of: {', '.join(allowed)}")
     return fault
 
 
-def inject(state: LabState, dev: DeviceState, fault: FaultKind) -> None:
+def inject(state: LabState, dev: DeviceState, fault: FaultKind | str) -> None:
     """Apply ``fault`` to the state (repeating an AER fault raises the counter again)."""
     if not dev.present:
         raise errors.UsageError(f"{dev.name} is unplugged; plug it back before injecting a fault")
@@ -76,17 +80,17 @@ def inject(state: LabState, dev: DeviceState, fault: FaultKind) -> None:
         if FaultKind.VFS_RESET.value not in dev.faults:
             dev.saved_num_vfs = dev.num_vfs
         nic.set_vf_states(state, dev, 0)
-    if fault.value not in dev.faults:
-        dev.faults.append(fault.value)
+    if fault not in dev.faults:
+        dev.faults.append(str(fault))
 
 
-def heal(state: LabState, dev: DeviceState, fault: FaultKind | None = None) -> None:
+def heal(state: LabState, dev: DeviceState, fault: FaultKind | str | None = None) -> None:
     """Undo one fault, or all of a device's faults."""
-    targets = [FaultKind(f) for f in dev.faults] if fault is None else [fault]
+    targets = [fault_kind(f) for f in dev.faults] if fault is None else [fault]
     for kind in targets:
-        if kind.value not in dev.faults:
+        if kind not in dev.faults:
             continue
-        dev.faults.remove(kind.value)
+        dev.faults.remove(str(kind))
         if kind in _AER:
             counts = list(dev.aer)
             counts[_AER[kind]] = 0

@@ -10,7 +10,7 @@ directory ``xbutil reset`` makes vanish), and ``/dev/xclmgmt<instance>``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 from plugvisor.emulators.lab import catalog, kinds, majors, pci
 from plugvisor.emulators.lab.catalog import DflFpgaModel, XilinxFpgaModel
@@ -158,7 +158,7 @@ PLATFORM_DRIVERS = {"dfl-fme": "dfl_fme", "dfl-port": "dfl_afu"}
 class _FpgaKind:
     """FPGA cards: a DFL function, or a Xilinx-like management/user PF pair."""
 
-    owns: tuple[DeviceKind, ...] = (DeviceKind.FPGA,)
+    owns: tuple[str, ...] = (DeviceKind.FPGA,)
     section: str | None = "fpgas"
     prefix = "fpga"
 
@@ -240,4 +240,5 @@ class _FpgaKind:
         return out
 
 
-KIND = kinds.register(_FpgaKind())
+KIND: Final = _FpgaKind()
+"""What the registry finds under ``fpga`` (:data:`.kinds.BUILTIN`)."""

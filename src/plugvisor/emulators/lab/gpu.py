@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import uuid
-from typing import Any
+from typing import Any, Final
 
 from plugvisor.emulators.lab import catalog, hwmon, kinds, majors, pci
 from plugvisor.emulators.lab.catalog import GpuModel
@@ -329,7 +329,7 @@ def drm_shared(shared: kinds.Shared) -> None:
 class _GpuKind:
     """GPUs: one PCI function each, numbered by their driver in bus order."""
 
-    owns: tuple[DeviceKind, ...] = (DeviceKind.GPU,)
+    owns: tuple[str, ...] = (DeviceKind.GPU,)
     section: str | None = "gpus"
     prefix = "gpu"
 
@@ -410,4 +410,5 @@ class _GpuKind:
         return out
 
 
-KIND = kinds.register(_GpuKind())
+KIND: Final = _GpuKind()
+"""What the registry finds under ``gpu`` (:data:`.kinds.BUILTIN`)."""

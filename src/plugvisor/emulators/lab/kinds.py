@@ -4,7 +4,7 @@ Placement, numbering, rendering, faults, records and the node-wide entries a kin
 needs (driver directories, shared nodes, ``proc/devices`` majors) all used to be
 ``if kind is GPU ... elif NIC ... else FPGA`` chains spread over seven files, and
 anything unknown fell through to the FPGA renderer. Now a kind's module (``gpu``,
-``fpga``, ``nic``) defines a :class:`LabKind` and calls :func:`register` at import;
+``fpga``, ``nic``) defines a :class:`LabKind`, which :data:`BUILTIN` names;
 the generic steps (:mod:`.layout`, :mod:`.render`, :mod:`.faults`, :mod:`.platform`,
 :mod:`.lab`) ask :func:`get` and never name a kind. A kind nobody registered is a
 :class:`~.errors.LabError` naming it, never somebody else's renderer.
@@ -13,14 +13,24 @@ Adding hardware of a new *kind* therefore means: a module with its ``LabKind`` (
 its entry in :data:`BUILTIN` so that it is imported), its :class:`~.state.DeviceKind`
 member and its profile section. New *models* of an existing kind stay one entry in
 :mod:`.catalog`.
+
+Other packages add kinds the same way plugin kinds are added: an entry point in
+the ``plugvisor.lab`` group naming a
+:class:`~plugvisor.emulators.lab.extension.PciDeviceKind` (docs/lab.md, "Lab
+device kinds from other packages"). The built-in three are registered there
+too (pyproject.toml) but imported by name, as :data:`BUILTIN` says, and their
+names are reserved. An outside kind that cannot be loaded is remembered with its
+error, which is reported when a profile or a lab needs it, so one broken package
+does not take the lab away from everyone else.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from types import MappingProxyType
+from typing import Any, Final, Protocol
 
 from plugvisor.emulators.lab import errors
 from plugvisor.emulators.lab.pci import Bdf, Identity
@@ -28,8 +38,17 @@ from plugvisor.emulators.lab.profiles import Profile
 from plugvisor.emulators.lab.spec import Spec
 from plugvisor.emulators.lab.state import DeviceKind, DeviceState, FunctionState, LabState
 
-BUILTIN = ("gpu", "fpga", "nic")
-"""Modules of the lab package that define kinds; importing one registers its kinds."""
+ENTRY_POINT_GROUP = "plugvisor.lab"
+
+BUILTIN: Final[Mapping[str, str]] = MappingProxyType(
+    {
+        "gpu": "plugvisor.emulators.lab.gpu:KIND",
+        "fpga": "plugvisor.emulators.lab.fpga:KIND",
+        "nic": "plugvisor.emulators.lab.nic:KIND",
+    }
+)
+"""The lab's own kinds, ``name -> module:attribute``, exactly as pyproject.toml registers them
+(a test keeps the two equal), registered on first use like the kinds of other packages."""
 
 
 class Placer(Protocol):
@@ -64,12 +83,18 @@ class Shared:
     spec: Spec = field(default_factory=dict)
     majors: set[int] = field(default_factory=set)
     drivers: set[str] = field(default_factory=set)
+    names: dict[int, str] = field(default_factory=dict)
+    """``proc/devices`` names of majors the lab's own table (:mod:`.majors`) does not know."""
+    modules: dict[str, str] = field(default_factory=dict)
+    """Kernel modules of PCI drivers :data:`.platform.MODULES` does not know: driver -> module."""
+    pci_ids: dict[tuple[int, int], tuple[str, str]] = field(default_factory=dict)
+    """``pci.ids`` lines for identities :mod:`.catalog` does not know: (vendor, device) -> names."""
 
 
 class LabKind(Protocol):
     """One kind of lab hardware: how it is placed, numbered, drawn, broken and described."""
 
-    owns: tuple[DeviceKind, ...]
+    owns: tuple[str, ...]
     """The state kinds this module owns (the NIC module owns PFs and VFs)."""
     section: str | None
     """The profile section whose groups it places (``gpus``), or None if only derived (VFs)."""
@@ -127,7 +152,9 @@ class LabKind(Protocol):
         ...
 
 
-_REGISTRY: dict[DeviceKind, LabKind] = {}
+_REGISTRY: dict[str, LabKind] = {}
+_BROKEN: dict[str, str] = {}
+"""Outside kinds that failed to load: entry point name -> why."""
 _loaded = False
 
 
@@ -136,34 +163,129 @@ def register(kind: LabKind) -> LabKind:
     for k in kind.owns:
         owner = _REGISTRY.get(k)
         if owner is not None and owner is not kind:
-            raise errors.LabError(f"lab device kind {k.value!r} is registered twice")
+            raise errors.LabError(f"lab device kind {str(k)!r} is registered twice")
+    others = [other for other in dict.fromkeys(_REGISTRY.values()) if other is not kind]
+    if kind.prefix in {other.prefix for other in others}:
+        raise errors.LabError(
+            f"lab device kind {kind.owns[0]!r}: device name prefix {kind.prefix!r} is taken"
+        )
+    if kind.section is not None and kind.section in {other.section for other in others}:
+        raise errors.LabError(f"lab device kind {kind.owns[0]!r}: profile section {kind.section!r} is taken")
+    named = set(getattr(kind, "profiles", {}))
+    for other in others:
+        clash = sorted(named & set(getattr(other, "profiles", {})))
+        if clash:
+            raise errors.LabError(f"lab device kind {kind.owns[0]!r}: profiles {', '.join(clash)} are taken")
+    for k in kind.owns:
         _REGISTRY[k] = kind
     return kind
 
 
+def _load_outside() -> None:
+    from importlib.metadata import entry_points  # noqa: PLC0415 - metadata is read only for outside kinds
+
+    from plugvisor.emulators.lab.extension import PciAdapter, PciDeviceKind  # noqa: PLC0415 - imports this
+
+    try:
+        found = list(entry_points(group=ENTRY_POINT_GROUP))
+    except Exception as exc:  # an unreadable site-packages must not take the built-in kinds away
+        _BROKEN["(entry points)"] = f"{type(exc).__name__}: {exc}"
+        return
+    for ep in found:
+        if ep.name in BUILTIN:
+            if ep.value != BUILTIN[ep.name]:  # not plugvisor's own entry: the name is reserved
+                _BROKEN[f"{ep.name} ({ep.value})"] = f"{ep.name!r} is the name of one of the lab's own kinds"
+            continue
+        try:
+            kind = ep.load()
+        except Exception as exc:  # any import-time failure of another package, reported by name
+            _BROKEN[ep.name] = f"{type(exc).__name__}: {exc}"
+            continue
+        if not isinstance(kind, PciDeviceKind):
+            _BROKEN[ep.name] = f"{ep.value} is a {type(kind).__name__}, not a PciDeviceKind"
+        elif getattr(kind, "name", None) != ep.name:
+            _BROKEN[ep.name] = f"{ep.value} is named {getattr(kind, 'name', None)!r}, not {ep.name!r}"
+        else:
+            try:
+                register(PciAdapter(kind))
+            except errors.LabError as exc:
+                _BROKEN[ep.name] = str(exc)
+
+
 def _load() -> None:
-    global _loaded  # noqa: PLW0603 - the built-in modules are imported once, on first use
+    global _loaded  # noqa: PLW0603 - the kinds are imported once, on first use
     if not _loaded:
-        for name in BUILTIN:
-            importlib.import_module(f"{__package__}.{name}")
         _loaded = True
+        for value in BUILTIN.values():
+            module, _, attribute = value.partition(":")
+            register(getattr(importlib.import_module(module), attribute))
+        _load_outside()
+
+
+def broken() -> dict[str, str]:
+    """Outside kinds that are installed but could not be loaded, with why (for error messages)."""
+    _load()
+    return dict(_BROKEN)
 
 
 def get(kind: DeviceKind | str) -> LabKind:
     """Return the module that owns ``kind``, or raise :class:`~.errors.LabError` naming it."""
     _load()
-    try:
-        return _REGISTRY[DeviceKind(kind)]
-    except (KeyError, ValueError):
-        known = ", ".join(sorted(k.value for k in _REGISTRY))
-        raise errors.LabError(
-            f"no lab device kind {getattr(kind, 'value', kind)!r} is registered; expected one of: {known}"
-        ) from None
+    name = str(kind)
+    found = _REGISTRY.get(name)
+    if found is not None:
+        return found
+    if name in _BROKEN:
+        raise errors.LabError(f"lab device kind {name!r} is installed but cannot be loaded: {_BROKEN[name]}")
+    known = ", ".join(sorted(_REGISTRY))
+    raise errors.LabError(f"no lab device kind {name!r} is registered; expected one of: {known}")
 
 
 def placing() -> list[LabKind]:
-    """The registered kinds that place profile groups, in profile section order."""
+    """The registered kinds that place profile groups: the built-in sections in profile order, then others."""
     _load()
     sections = list(Profile.model_fields)
     unique: Iterable[LabKind] = dict.fromkeys(_REGISTRY.values())
-    return sorted((k for k in unique if k.section is not None), key=lambda k: sections.index(k.section or ""))
+
+    def order(kind: LabKind) -> tuple[int, str]:
+        section = kind.section or ""
+        return (sections.index(section), "") if section in sections else (len(sections), section)
+
+    return sorted((k for k in unique if k.section is not None), key=order)
+
+
+def by_section() -> dict[str, LabKind]:
+    """Every placing kind by its profile section."""
+    return {k.section: k for k in placing() if k.section is not None}
+
+
+def groups(profile: Profile, kind: LabKind) -> list[Any]:
+    """A profile's groups of ``kind``: its own field for a built-in kind, validated extras for others."""
+    from plugvisor.emulators.lab.extension import PciAdapter  # noqa: PLC0415 - it imports this module
+
+    assert kind.section is not None
+    if kind.section in Profile.model_fields:
+        built_in: list[Any] = getattr(profile, kind.section)
+        return built_in
+    assert isinstance(kind, PciAdapter)
+    return list(kind.kind.parse_groups((profile.model_extra or {}).get(kind.section, [])))
+
+
+def check(kind: LabKind, root: str) -> list[str]:
+    """An outside kind's own ``lab check`` problems for the lab at ``root`` (built-in kinds: none here)."""
+    from plugvisor.emulators.lab.extension import PciAdapter  # noqa: PLC0415 - it imports this module
+
+    return kind.kind.check(root) if isinstance(kind, PciAdapter) else []
+
+
+def outside_profiles() -> dict[str, tuple[str, str]]:
+    """Named profiles of outside kinds: name -> (``profile of lab kind <kind>``, YAML text)."""
+    from plugvisor.emulators.lab.extension import PciAdapter  # noqa: PLC0415 - it imports this module
+
+    _load()
+    found: dict[str, tuple[str, str]] = {}
+    for kind in dict.fromkeys(_REGISTRY.values()):
+        if isinstance(kind, PciAdapter):
+            for name, text in kind.profiles.items():
+                found[name] = (f"profile of lab kind {kind.kind.name}", text)
+    return found

@@ -43,7 +43,8 @@ class DeviceRecord:
     """What the lab says about one device, as a value (equality is a diff)."""
 
     name: str
-    kind: DeviceKind
+    kind: DeviceKind | str
+    """A :class:`DeviceKind`, or the name of a lab kind from another package (``acme-npu``)."""
     model: str
     bdf: str
     functions: tuple[str, ...]
@@ -54,7 +55,8 @@ class DeviceRecord:
     pcie_switch: str | None
     sysfs_path: str
     device_nodes: tuple[DeviceNode, ...]
-    faults: tuple[FaultKind, ...]
+    faults: tuple[FaultKind | str, ...]
+    """:class:`FaultKind` members, and an outside kind's own faults by name."""
     state: Literal["present", "unplugged"]
     parent: str | None = None
     vfs: tuple[str, ...] = ()
@@ -62,6 +64,8 @@ class DeviceRecord:
     total_vfs: int | None = None
     netdev: str | None = None
     uuid: str | None = None
+    attributes: tuple[tuple[str, str | int], ...] = ()
+    """What an outside kind decided for the device at creation (``lab show`` prints it as a mapping)."""
 
 
 def _record(st: LabState, dev: DeviceState) -> DeviceRecord:
@@ -85,7 +89,7 @@ def _record(st: LabState, dev: DeviceState) -> DeviceRecord:
         pcie_switch=dev.switch,
         sysfs_path=dev.primary.path,
         device_nodes=nodes,
-        faults=tuple(FaultKind(f) for f in dev.faults),
+        faults=tuple(faults.fault_kind(f) for f in dev.faults),
         state="present" if present else "unplugged",
         parent=dev.parent,
         vfs=tuple(vf.name for vf in st.vfs_of(dev.name)) if dev.kind is DeviceKind.NIC_PF else (),
@@ -93,6 +97,7 @@ def _record(st: LabState, dev: DeviceState) -> DeviceRecord:
         total_vfs=dev.total_vfs,
         netdev=dev.netdev,
         uuid=dev.uuid,
+        attributes=tuple(sorted(dev.attributes.items())),
     )
 
 
@@ -174,13 +179,13 @@ class Lab:
         """Return a fresh copy of the lab's state (for renderers, tests and tools)."""
         return state.load(self._tree.root)
 
-    def devices(self, *, kind: DeviceKind | None = None) -> tuple[DeviceRecord, ...]:
-        """Return every device (VFs included), PFs before their VFs, in name order."""
+    def devices(self, *, kind: DeviceKind | str | None = None) -> tuple[DeviceRecord, ...]:
+        """Return every device (VFs included), PFs before their VFs, in name order; or those of one kind."""
         st = self.state()
         ordered = sorted(
             st.devices.values(), key=lambda d: (*layout.name_key(d.parent or d.name), d.vf_index or -1)
         )
-        return tuple(_record(st, d) for d in ordered if kind is None or d.kind is kind)
+        return tuple(_record(st, d) for d in ordered if kind is None or d.kind == kind)
 
     def device(self, name: str) -> DeviceRecord:
         """Return one device."""
@@ -202,8 +207,18 @@ class Lab:
             "numa_nodes": [n.model_dump() for n in st.numa_nodes],
             "host_bridges": st.host_bridges,
             "switches": [s.model_dump() | {"devices": on_switch.get(s.name, [])} for s in st.switches],
-            "devices": [asdict(r) for r in records],
+            "devices": [asdict(r) | {"attributes": dict(r.attributes)} for r in records],
         }
+
+    def check(self) -> list[str]:
+        """Every way the tree would mislead a real reader (``lab check``): the lab's checks, its kinds'."""
+        from plugvisor.emulators.lab import fidelity  # noqa: PLC0415 - only checking walks the tree
+
+        found = fidelity.problems(self.root)
+        present = dict.fromkeys(kinds.get(d.kind) for d in self.state().devices.values())
+        for kind in present:
+            found += kinds.check(kind, str(self._tree.root))
+        return found
 
     # -- changing ---------------------------------------------------------------------------------------
 
@@ -272,7 +287,7 @@ class Lab:
 
         def mutate(st: LabState, dev: DeviceState) -> None:
             if dev.kind is not DeviceKind.NIC_PF:
-                raise errors.UsageError(f"{dev.name} is a {dev.kind.value}, not an SR-IOV PF (nic-pf)")
+                raise errors.UsageError(f"{dev.name} is a {dev.kind}, not an SR-IOV PF (nic-pf)")
             if not dev.present:
                 raise errors.UsageError(f"{dev.name} is unplugged; plug it back first")
             total = dev.total_vfs or 0

@@ -226,7 +226,7 @@ def _units(profile: Profile) -> list[tuple[int, _Unit]]:
     for kind in kinds.placing():
         assert kind.section is not None
         counter = 0
-        groups: list[Placement] = getattr(profile, kind.section)
+        groups: list[Placement] = kinds.groups(profile, kind)
         for gi, group in enumerate(groups):
             nodes = group.numa_nodes or list(range(profile.numa_nodes))
             per_unit = kind.ports(group)

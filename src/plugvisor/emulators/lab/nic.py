@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import posixpath
-from typing import Any
+from typing import Any, Final
 
 from plugvisor.emulators.lab import catalog, kinds, majors, pci, rdma
 from plugvisor.emulators.lab.pci import Bdf
@@ -207,7 +207,7 @@ def _group(profile: Profile, name: str) -> NicGroup:
 class _NicKind:
     """SR-IOV NICs: PFs (ports of a card) placed from the profile, VFs derived from ``sriov_numvfs``."""
 
-    owns: tuple[DeviceKind, ...] = (DeviceKind.NIC_PF, DeviceKind.NIC_VF)
+    owns: tuple[str, ...] = (DeviceKind.NIC_PF, DeviceKind.NIC_VF)
     section: str | None = "nics"
     prefix = "nic"
 
@@ -326,4 +326,5 @@ class _NicKind:
         return out
 
 
-KIND = kinds.register(_NicKind())
+KIND: Final = _NicKind()
+"""What the registry finds under ``nic`` (:data:`.kinds.BUILTIN`)."""

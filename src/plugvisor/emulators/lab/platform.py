@@ -176,17 +176,23 @@ def render(state: LabState) -> Spec:
     for dev in state.devices.values():
         drivers.update(fn.driver for fn in dev.functions if fn.driver)
         by_kind.setdefault(kinds.get(dev.kind), []).append(dev)
+    outside = kinds.Shared()
     for kind, devices in by_kind.items():
         shared = kind.shared(state, devices)
         spec.update(shared.spec)
         used |= shared.majors
         drivers |= shared.drivers
+        outside.names.update(shared.names)
+        outside.modules.update(shared.modules)
+        outside.pci_ids.update(shared.pci_ids)
+    modules = {**MODULES, **outside.modules}
     for driver in sorted(drivers):
-        driver_dir(spec, "pci", driver, MODULES.get(driver))
+        driver_dir(spec, "pci", driver, modules.get(driver))
     lines = ["Character devices:", "  1 mem", "  4 /dev/vc/0", "  4 tty", "  5 /dev/tty", "  5 /dev/console"]
-    names = {**_device_nodes(spec, state), **{major: majors.NAMES[major] for major in used}}
+    names = {**majors.NAMES, **outside.names}
+    names = {**_device_nodes(spec, state), **{major: names[major] for major in used}}
     lines += [f"{major:3d} {names[major]}" for major in sorted(names)]
     lines += ["", "Block devices:", "  7 loop", "  8 sd", "259 blkext"]
     spec["proc/devices"] = File(("\n".join(lines) + "\n").encode())
-    spec["usr/share/hwdata/pci.ids"] = File(catalog.pci_ids(), 0o644)
+    spec["usr/share/hwdata/pci.ids"] = File(catalog.pci_ids(outside.pci_ids), 0o644)
     return spec

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import importlib.resources
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 import pydantic
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from plugvisor.common.validation import known_keys, problem, unknown_key
 from plugvisor.common.yamlfile import YamlFileError, read_yaml
 from plugvisor.emulators.lab import catalog, errors, majors
 
@@ -110,7 +111,14 @@ class HugePages(_Strict):
 
 
 class Profile(_Strict):
-    """A whole lab."""
+    """A whole lab.
+
+    Keys beyond these are the sections of lab kinds from other packages
+    (``npus:``); :func:`parse_profile` validates each with its kind's group model
+    and refuses any other key.
+    """
+
+    model_config = ConfigDict(extra="allow", alias_generator=to_camel, populate_by_name=True, frozen=True)
 
     name: Annotated[str, Field(min_length=1, max_length=63, pattern=r"^[a-z0-9][a-z0-9._-]*$")]
     description: str = ""
@@ -134,12 +142,10 @@ def _field_name(loc: tuple[int | str, ...]) -> str:
 
 def _cross_checks(profile: Profile) -> list[tuple[str, str]]:
     """Return the problems pydantic cannot see field by field."""
+    from plugvisor.emulators.lab import kinds  # noqa: PLC0415 - kinds imports this module
+
     problems: list[tuple[str, str]] = []
-    groups: list[tuple[str, list[Any]]] = [
-        ("gpus", profile.gpus),
-        ("fpgas", profile.fpgas),
-        ("nics", profile.nics),
-    ]
+    groups = [(kind.section or "", kinds.groups(profile, kind)) for kind in kinds.placing()]
     for section, items in groups:
         for i, group in enumerate(items):
             for node in group.numa_nodes or ():
@@ -165,8 +171,9 @@ def _cross_checks(profile: Profile) -> list[tuple[str, str]]:
     problems += _node_checks(profile)
     total = sum(g.count for _, items in groups for g in items) + len(profile.device_nodes)
     if total == 0:
+        sections = ", ".join(section for section, _ in groups)
         problems.append(
-            ("", "the profile has no devices; expected at least one of gpus, fpgas, nics or deviceNodes")
+            ("", f"the profile has no devices; expected at least one of {sections} or deviceNodes")
         )
     return problems
 
@@ -255,6 +262,53 @@ def _model_checks(profile: Profile) -> list[tuple[str, str]]:
     return problems
 
 
+def _problems(
+    exc: pydantic.ValidationError, model: Any, within: tuple[str, ...] = ()
+) -> list[tuple[str, str]]:
+    problems = []
+    for err in exc.errors():
+        detail = problem(err, model)
+        if err["type"] == "literal_error":
+            detail = f"{detail}, got {err['input']!r}"
+        problems.append((_field_name((*within, *err["loc"])), detail))
+    return problems
+
+
+def _outside_sections(profile: Profile) -> list[tuple[str, str]]:
+    """Check the keys no built-in field has: each must be an installed lab kind's section, and valid."""
+    from plugvisor.emulators.lab import kinds  # noqa: PLC0415 - kinds imports this module
+    from plugvisor.emulators.lab.extension import PciAdapter  # noqa: PLC0415 - it imports this module
+
+    by_section = kinds.by_section()
+    problems: list[tuple[str, str]] = []
+    for key, value in (profile.model_extra or {}).items():
+        kind = by_section.get(key)
+        if not isinstance(kind, PciAdapter):
+            detail = unknown_key(key, [*known_keys(Profile, ()), *by_section])
+            broken = kinds.broken()
+            if broken:
+                detail += "; lab kinds that failed to load: " + "; ".join(
+                    f"{k} ({v})" for k, v in broken.items()
+                )
+            problems.append((key, detail))
+            continue
+        try:
+            groups = kind.kind.parse_groups(value)
+        except pydantic.ValidationError as exc:
+            problems += _problems(exc, list[kind.kind.group_model], (key,))  # type: ignore[name-defined]
+            continue
+        for i, group in enumerate(groups):
+            if group.model not in kind.kind.models:
+                expected = ", ".join(kind.kind.models)
+                problems.append(
+                    (
+                        f"{key}[{i}].model",
+                        f"unknown {kind.kind.name} model {group.model!r}; expected one of: {expected}",
+                    )
+                )
+    return problems
+
+
 def parse_profile(data: object, *, source: str) -> Profile:
     """Validate already-parsed YAML; raise :class:`~.errors.ProfileError` naming every bad field."""
     if not isinstance(data, dict):
@@ -262,17 +316,10 @@ def parse_profile(data: object, *, source: str) -> Profile:
     try:
         profile = Profile.model_validate(data)
     except pydantic.ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            detail = err["msg"]
-            if err["type"] == "extra_forbidden":
-                detail = "unknown key"
-            elif err["type"] == "value_error":
-                detail = detail.removeprefix("Value error, ")
-            elif err["type"] == "literal_error":
-                detail = f"{detail}, got {err['input']!r}"
-            problems.append((_field_name(err["loc"]), detail))
-        raise errors.ProfileError(source, problems) from None
+        raise errors.ProfileError(source, _problems(exc, Profile)) from None
+    problems = _outside_sections(profile)
+    if problems:
+        raise errors.ProfileError(source, problems)
     problems = _cross_checks(profile)
     if problems:
         raise errors.ProfileError(source, problems)
@@ -301,19 +348,32 @@ def _read_builtins() -> dict[str, str]:
 
 _BUILTINS = _read_builtins()
 """Read once at import, so tests that fake the file system (pyfakefs) can still use them."""
+BUILTIN_PROFILES: Final = tuple(_BUILTINS)
+"""The names of plugvisor's own profiles (reserved: a lab kind from another package cannot take one)."""
+
+
+def _named() -> dict[str, tuple[str, str]]:
+    """Every named profile: name -> (where it comes from, YAML text); plugvisor's own first."""
+    from plugvisor.emulators.lab import kinds  # noqa: PLC0415 - kinds imports this module
+
+    named = {name: ("built-in profile", text) for name, text in _BUILTINS.items()}
+    named.update(kinds.outside_profiles())
+    return named
 
 
 def builtin_names() -> list[str]:
-    """Return the names of the profiles shipped with plugvisor."""
-    return sorted(_BUILTINS)
+    """Return the names of the profiles shipped with plugvisor and with installed lab kinds."""
+    return sorted(_named())
 
 
 def builtin(name: str) -> Profile:
-    """Return a shipped profile by name."""
-    if name not in _BUILTINS:
-        known = ", ".join(builtin_names())
+    """Return a named profile (shipped with plugvisor, or with an installed lab kind)."""
+    named = _named()
+    if name not in named:
+        known = ", ".join(sorted(named))
         raise errors.UsageError(f"unknown profile {name!r}; expected a YAML file or one of: {known}")
-    return parse_profile(yaml.safe_load(_BUILTINS[name]), source=f"built-in profile {name}")
+    where, text = named[name]
+    return parse_profile(yaml.safe_load(text), source=f"{where} {name}")
 
 
 def resolve(name_or_path: str) -> Profile:

@@ -23,7 +23,7 @@ import re
 import stat
 from collections.abc import Iterator
 from enum import StrEnum
-from typing import Literal
+from typing import Annotated, Literal
 
 import pydantic
 from pydantic import BaseModel, ConfigDict
@@ -40,12 +40,30 @@ FORMAT_VERSION = 1
 
 
 class DeviceKind(StrEnum):
-    """What a lab device is, which decides its faults and its tree."""
+    """What a built-in lab device is, which decides its faults and its tree.
+
+    A device of a lab kind from another package (docs/lab.md, "Lab device kinds
+    from other packages") has that kind's name, a plain string, instead.
+    """
 
     GPU = "gpu"
     FPGA = "fpga"
     NIC_PF = "nic-pf"
     NIC_VF = "nic-vf"
+
+
+def device_kind(value: object) -> DeviceKind | str:
+    """A built-in kind as its :class:`DeviceKind` member (so ``is`` comparisons hold), any other as is."""
+    if not isinstance(value, str):
+        raise TypeError(f"expected a kind name, got {type(value).__name__}")
+    try:
+        return DeviceKind(value)
+    except ValueError:
+        return value
+
+
+KindName = Annotated[DeviceKind | str, pydantic.PlainValidator(device_kind), pydantic.PlainSerializer(str)]
+"""A device's kind in the state file: a :class:`DeviceKind`, or an outside kind's name."""
 
 
 class _Model(BaseModel):
@@ -57,7 +75,8 @@ class FunctionState(_Model):
 
     bdf: str
     path: str
-    role: Literal["gpu", "fpga", "mgmt", "user", "pf", "vf"]
+    role: Literal["gpu", "fpga", "mgmt", "user", "pf", "vf", "device"]
+    """``device``: the one function of a device of an outside PCI kind."""
     driver: str | None
     iommu_group: int | None
 
@@ -103,7 +122,7 @@ class DeviceState(_Model):
     """
 
     name: str
-    kind: DeviceKind
+    kind: KindName
     model: str
     numa_node: int
     switch: str | None
@@ -137,6 +156,11 @@ class DeviceState(_Model):
     vf_index: int | None = None
     rdma_index: int | None = None
     """``N`` of the function's RDMA device (``mlx5_N``) and of its ``uverbsN`` node; None without RDMA."""
+    # Devices of outside kinds (plugvisor.emulators.lab.extension)
+    index: int | None = None
+    """Its number among the devices of its kind, in bus order (``npu0`` is ``/dev/acme_npu0``)."""
+    attributes: dict[str, str | int] = {}
+    """What the kind decided about it when the lab was created (a serial number, a memory size)."""
 
     @property
     def primary(self) -> FunctionState:
@@ -251,8 +275,10 @@ def _device_problems(st: LabState, name: str, dev: DeviceState) -> list[str]:
         problems.append(f"{where}.parent: no device {dev.parent!r}")
     try:
         kinds.get(dev.kind).identity(dev)
-    except (KeyError, errors.LabError):
-        problems.append(f"{where}.model: {dev.model!r} is not a {dev.kind.value} model the lab knows")
+    except KeyError:
+        problems.append(f"{where}.model: {dev.model!r} is not a {dev.kind} model the lab knows")
+    except errors.LabError as exc:
+        problems.append(f"{where}.kind: {exc}")
     return problems
 
 

@@ -17,6 +17,6 @@ from plugvisor.plugins.gpu.options import GpuOptions
 from plugvisor.plugins.gpu.source import GpuScan, GpuSource
 from plugvisor.plugins.kinds import PluginKind
 
-KIND: Final = PluginKind("gpu", GpuOptions, GpuSource)
+KIND: Final = PluginKind("gpu", GpuOptions, GpuSource, reads_pci=True)
 
 __all__ = ["KIND", "GpuOptions", "GpuScan", "GpuSource"]

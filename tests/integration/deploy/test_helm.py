@@ -1,0 +1,156 @@
+"""The Helm chart (deploy/helm/plugvisor) renders the kustomize overlays' objects, valid, from values.
+
+Each overlay has a values file, deploy/helm/plugvisor/ci/<overlay>-values.yaml; the chart rendered with it
+must give the objects `kubectl kustomize` gives for the overlay, apart from what Helm does its own way:
+its labels (instance, managed-by, version, chart), the ConfigMap's fixed name where kustomize appends a
+content hash, and the checksum annotation that rolls the agents when node.yaml changes instead. Helm is
+the pinned one tools/install_helm.py builds (tox runs it); without it these tests skip, saying why.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib.util
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from .conftest import KUBERNETES_VERSION, OVERLAYS, REPO, render
+
+CHART = REPO / "deploy/helm/plugvisor"
+VALUES = sorted(p.name.removesuffix("-values.yaml") for p in (CHART / "ci").glob("*-values.yaml"))
+HELM_LABELS = (
+    "app.kubernetes.io/instance",
+    "app.kubernetes.io/managed-by",
+    "app.kubernetes.io/version",
+    "helm.sh/chart",
+)
+_HASH = re.compile(r"-[a-z0-9]{10}$")
+KUBE_VERSION = ("--kube-version", KUBERNETES_VERSION)
+"""What `helm template` and `lint` take the cluster to be (Helm's own default, v1.20, predates the chart)."""
+
+
+def _installer() -> Any:
+    spec = importlib.util.spec_from_file_location("install_helm", REPO / "tools" / "install_helm.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@functools.cache
+def helm() -> str:
+    """The Helm tools/install_helm.py installed beside this Python, never one found elsewhere on PATH."""
+    installer = _installer()
+    found = shutil.which("helm", path=str(Path(sys.executable).parent))
+    if found is None or installer.installed_version(Path(found)) != installer.VERSION:
+        pytest.skip(
+            f"helm {installer.VERSION} is not installed in this environment: `python tools/install_helm.py` "
+            "builds it from its Go module (tox's tests environment runs it; it needs go on PATH)"
+        )
+    return found
+
+
+def chart(values: str | None, *extra: str) -> tuple[dict[str, Any], ...]:
+    """`helm template` of the chart into kube-system, with ci/<values>-values.yaml (None: the defaults)."""
+    args = [helm(), "template", "plugvisor", str(CHART), "--namespace", "kube-system", *KUBE_VERSION, *extra]
+    if values is not None:
+        args += ["--values", str(CHART / "ci" / f"{values}-values.yaml")]
+    result = subprocess.run(args, capture_output=True, text=True, check=False, timeout=120)
+    assert result.returncode == 0, f"helm template with {values}-values.yaml failed:\n{result.stderr}"
+    return tuple(doc for doc in yaml.safe_load_all(result.stdout) if doc)
+
+
+def comparable(docs: tuple[dict[str, Any], ...], *, hashed: bool) -> dict[tuple[str, str], dict[str, Any]]:
+    """Objects by kind and name, without what only one of kustomize and Helm does (see the module's doc)."""
+
+    def name(value: str) -> str:
+        return _HASH.sub("", value) if hashed else value
+
+    out = {}
+    for original in docs:
+        doc = copy.deepcopy(original)
+        doc["metadata"]["name"] = name(doc["metadata"]["name"])
+        template = doc.get("spec", {}).get("template", {})
+        for labels in (doc["metadata"].get("labels", {}), template.get("metadata", {}).get("labels", {})):
+            for key in HELM_LABELS:
+                labels.pop(key, None)
+        if doc["kind"] == "ConfigMap":
+            doc["data"] = {k: yaml.safe_load(v) for k, v in doc["data"].items()}
+        if template:
+            template["metadata"].pop("annotations", None)
+            pod = template["spec"]
+            for volume in pod["volumes"]:
+                if "configMap" in volume:
+                    volume["configMap"]["name"] = name(volume["configMap"]["name"])
+            pod["volumes"].sort(key=lambda v: v["name"])
+            for container in pod["containers"] + pod.get("initContainers", []):
+                container["volumeMounts"].sort(key=lambda m: m["name"])
+        out[(doc["kind"], doc["metadata"]["name"])] = doc
+    return out
+
+
+def test_every_overlay_has_a_values_file_and_nothing_else_does() -> None:
+    assert VALUES == OVERLAYS
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_chart_renders_the_overlays_objects(overlay: str) -> None:
+    """Same DaemonSets, containers, mounts, probes, security contexts and node.yaml as `kubectl kustomize`."""
+    expected = comparable(render(overlay), hashed=True)
+    rendered = comparable(chart(overlay), hashed=False)
+    assert sorted(rendered) == sorted(expected)
+    for key, doc in expected.items():
+        assert rendered[key] == doc, f"{key[0]}/{key[1]} differs from overlays/{overlay}"
+
+
+@pytest.mark.parametrize("values", [*VALUES, None])
+def test_every_object_the_chart_renders_is_a_valid_kubernetes_object(values: str | None) -> None:
+    """The Kubernetes schema, unknown fields refused, as for the overlays; by default nothing is enabled."""
+    docs = chart(values)
+    if values is None:
+        assert docs == (), "with its default values the chart deploys nothing: the kinds are opt-in"
+    for doc in docs:
+        try:
+            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{values}: {doc['kind']}/{doc['metadata']['name']} is not a valid object: {exc}")
+
+
+@pytest.mark.parametrize("values", VALUES)
+def test_helm_lint_finds_nothing(values: str) -> None:
+    result = subprocess.run(
+        [
+            helm(),
+            "lint",
+            "--strict",
+            *KUBE_VERSION,
+            str(CHART),
+            "--values",
+            str(CHART / "ci" / f"{values}-values.yaml"),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_changed_node_yaml_rolls_the_agents() -> None:
+    """What the overlays' hashed ConfigMap names do: the pod template changes with node.yaml."""
+
+    def checksum(*extra: str) -> str:
+        ds = next(d for d in chart("generic", *extra) if d["kind"] == "DaemonSet")
+        return str(ds["spec"]["template"]["metadata"]["annotations"]["checksum/node.yaml"])
+
+    assert checksum() != checksum("--set", "kinds.generic.resources[0].count=20")
+    assert checksum() == checksum("--set", "image.tag=other")
