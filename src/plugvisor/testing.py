@@ -9,7 +9,9 @@ A kind is tested at two levels (docs/writing-a-kind.md):
   (:class:`~plugvisor.emulators.kubelet.EmulatedKubelet`): :func:`running_plugin`
   runs it in process, registered and serving, for the duration of an ``async
   with`` block, and :func:`short_socket_dir` gives a directory whose socket
-  paths fit the unix limit.
+  paths fit the unix limit. The emulated kubelet comes with the ``emulators``
+  extra (``pip install 'plugvisor[emulators]'``); the caller creates it, so
+  this module itself, and the first level, need no more than a node's install.
 
 :func:`kind_loads_without_grpc` checks the one rule the agent imposes on a
 kind's module: loading it (the agent does, to validate its configuration) must
@@ -27,13 +29,15 @@ import sys
 import tempfile
 from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from plugvisor.common.hostpaths import HostPaths
 from plugvisor.deviceplugin.runtime import DevicePluginRuntime, PluginConfig
 from plugvisor.deviceplugin.snapshot import Snapshot
-from plugvisor.emulators.kubelet import EmulatedKubelet
 from plugvisor.plugins.kinds import PluginKind, get_kind
+
+if TYPE_CHECKING:
+    from plugvisor.emulators.kubelet import EmulatedKubelet
 
 __all__ = ["kind_loads_without_grpc", "running_plugin", "scan", "short_socket_dir"]
 
