@@ -231,10 +231,17 @@ def report(label: str, stamps: list[tuple[float, float, int]], events: list[list
     if full:
         _, t0, t1, tracked = full[-1]
         print(f"  a full collection at exit: {(t1 - t0) * 1e3:.1f} ms over {tracked} tracked objects")
-    scans = [e[2] - e[1] for e in during if e[0] == "scan"]
+    scans = [e for e in during if e[0] == "scan"]
     if scans:
-        typical = statistics.median(scans) * 1e3
-        print(f"  rescans: {len(scans)}, median {typical:.1f} ms, {sum(scans):.2f} s in all")
+        took = [e[2] - e[1] for e in scans]
+        typical = statistics.median(took) * 1e3
+        print(f"  rescans: {len(scans)}, median {typical:.1f} ms, {sum(took):.2f} s in all")
+        meanwhile = [t1 - t0 for t0, t1, _ in stamps if any(e[2] >= t0 and e[1] <= t1 for e in scans)]
+        if meanwhile:
+            print(
+                f"  calls during a rescan: {len(meanwhile)}, p50 {statistics.median(meanwhile) * 1e3:.3f} ms,"
+                f" max {max(meanwhile) * 1e3:.3f} ms"
+            )
     lags = [e[2] - e[1] for e in during if e[0] == "lag"]
     print(
         f"  loop late > {LOOP_LAG * 1e3:.0f} ms: {len(lags)}"
