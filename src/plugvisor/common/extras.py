@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Final
 
 EMULATORS: Final = "emulators"
-"""The emulated kubelet (``plugvisor kubelet``, :mod:`plugvisor.testing`) and the demo."""
+"""The emulated kubelet (``plugvisor kubelet``, the one ``testing.running_plugin`` needs) and the demo."""
 
 
 class MissingExtraError(ImportError):
@@ -30,4 +30,3 @@ class MissingExtraError(ImportError):
             f"pip install 'plugvisor[{extra}]'",
             name=missing.name,
         )
-        self.extra = extra
