@@ -1,5 +1,7 @@
 """The e2e scenarios' backend: `--backend emulated` (the default, offline, part of the README's test
-command) or `--backend kind` (`tox -e e2e`; skipped with the reason when docker or kind is missing)."""
+command), `--backend kind` (`tox -e e2e`; skipped with the reason when docker or kind is missing) or
+`--backend local` (`tox -e e2e-local`: upstream Kubernetes on this machine; skipped, naming the missing
+piece, without root, Go or the built components)."""
 
 from __future__ import annotations
 
@@ -9,18 +11,27 @@ from typing import Any
 
 import pytest
 
-from .backends import Backend, EmulatedBackend, KindBackend, Progress, kind_unavailable
+from .backends import (
+    Backend,
+    EmulatedBackend,
+    KindBackend,
+    LocalBackend,
+    Progress,
+    kind_unavailable,
+    local_unavailable,
+)
 
 _ACTIVE: list[Backend] = []
+_STEPS: list[Progress] = []
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("plugvisor e2e")
     group.addoption(
         "--backend",
-        choices=("emulated", "kind"),
+        choices=("emulated", "kind", "local"),
         default=os.environ.get("PLUGVISOR_E2E_BACKEND", "emulated"),
-        help="where the e2e scenarios run: emulated nodes (offline) or a kind cluster",
+        help="where the e2e scenarios run: emulated nodes (offline), a kind cluster, or a local cluster",
     )
     group.addoption(
         "--keep-cluster",
@@ -40,6 +51,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
     choice = request.config.getoption("--backend")
     progress = Progress(choice)
+    _STEPS.append(progress)
     chosen: Backend
     if choice == "kind":
         reason = kind_unavailable()
@@ -50,6 +62,11 @@ def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
             keep=request.config.getoption("--keep-cluster"),
             reuse=request.config.getoption("--reuse-cluster"),
         )
+    elif choice == "local":
+        reason = local_unavailable()
+        if reason is not None:
+            pytest.skip(f"the local backend cannot run here: {reason}")
+        chosen = LocalBackend(progress)
     else:
         chosen = EmulatedBackend(progress)
     _ACTIVE.append(chosen)
@@ -72,3 +89,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
         except Exception as exc:  # diagnostics must never hide the failure itself
             report.sections.append(("backend diagnostics", f"could not collect them: {exc!r}"))
     return report
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The backend's steps and their times (set-up, roles, images, the cleanup check) after the results."""
+    for progress in _STEPS:
+        if progress.lines and progress.backend != "emulated":
+            terminalreporter.section(f"e2e {progress.backend} backend: steps")
+            for line in progress.lines:
+                terminalreporter.write_line(line)

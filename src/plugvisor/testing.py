@@ -9,9 +9,16 @@ A kind is tested at two levels (docs/writing-a-kind.md):
   (:class:`~plugvisor.emulators.kubelet.EmulatedKubelet`): :func:`running_plugin`
   runs it in process, registered and serving, for the duration of an ``async
   with`` block, and :func:`short_socket_dir` gives a directory whose socket
-  paths fit the unix limit. The emulated kubelet comes with the ``emulators``
-  extra (``pip install 'plugvisor[emulators]'``); the caller creates it, so
-  this module itself, and the first level, need no more than a node's install.
+  paths fit the unix limit;
+- the kind as a DRA driver, as far as that is honest without a scheduler and
+  an API server (docs/dra.md): :func:`running_dra_driver` runs it registered
+  with the emulated kubelet, whose ``objects_dir`` stands in for the API
+  server; :meth:`DraDriver.prepare` prepares a claim for named devices (the
+  test plays the scheduler) and returns the container edits its CDI devices
+  resolve to, read back from the CDI directory as a container runtime would.
+
+The last two run against the emulated kubelet, so this module comes with the ``emulators`` extra
+(``pip install 'plugvisor[emulators]'``); without it, importing it says so (an ``ImportError``).
 
 :func:`kind_loads_without_grpc` checks the one rule the agent imposes on a
 kind's module: loading it (the agent does, to validate its configuration) must
@@ -22,24 +29,40 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from plugvisor.common.hostpaths import HostPaths
 from plugvisor.deviceplugin.runtime import DevicePluginRuntime, PluginConfig
 from plugvisor.deviceplugin.snapshot import Snapshot
+from plugvisor.dra.devices import PublishedDevice
+from plugvisor.dra.hooks import DraDescriber, kind_resource
+from plugvisor.dra.local import FileClaimReader, FileSlicePublisher
+from plugvisor.dra.pool import build_pool
+from plugvisor.dra.runtime import DraDriverRuntime, DriverConfig
+from plugvisor.emulators.kubelet import EmulatedKubelet
+from plugvisor.emulators.kubelet import dra as kubelet_dra
 from plugvisor.plugins.kinds import PluginKind, get_kind
 
-if TYPE_CHECKING:
-    from plugvisor.emulators.kubelet import EmulatedKubelet
-
-__all__ = ["kind_loads_without_grpc", "running_plugin", "scan", "short_socket_dir"]
+__all__ = [
+    "ContainerEdits",
+    "DraDriver",
+    "dra_devices",
+    "kind_loads_without_grpc",
+    "resolve_cdi_devices",
+    "running_dra_driver",
+    "running_plugin",
+    "scan",
+    "short_socket_dir",
+]
 
 
 def scan(
@@ -126,3 +149,176 @@ def kind_loads_without_grpc(name: str, options: Mapping[str, Any] | None = None)
         raise RuntimeError(f"loading kind {name!r} failed:\n{result.stderr}")
     loaded: list[str] = json.loads(result.stdout)
     return loaded
+
+
+def dra_devices(
+    kind: PluginKind[Any], options: Mapping[str, Any], root: Path, *, driver: str = "example.com"
+) -> dict[str, PublishedDevice]:
+    """Build ``kind`` for a host tree at ``root``, scan once, and return what its DRA driver would publish.
+
+    By name in the pool, healthy or not: the kind's :class:`~plugvisor.dra.hooks.DraDescriber`
+    answer, checked as the driver checks it, or the default one.
+    """
+    source = kind.build(dict(options), HostPaths(root=root), resource=kind_resource(driver, kind.name))
+    describer = source if isinstance(source, DraDescriber) else None
+    return dict(build_pool(source.scan(), describer, driver=driver).devices)
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerEdits:
+    """What a container runtime applies for a set of CDI devices: the union of their specs' edits."""
+
+    device_nodes: tuple[tuple[str, str], ...]
+    """(path in the container, path on the host), in order."""
+    env: Mapping[str, str]
+    mounts: tuple[tuple[str, str, tuple[str, ...]], ...]
+    """(container path, host path, options)."""
+
+
+def resolve_cdi_devices(cdi_dir: Path, names: Sequence[str]) -> ContainerEdits:
+    """Resolve fully qualified CDI device IDs (``vendor/class=name``) against the specs in ``cdi_dir``.
+
+    As a container runtime does: each ID's device edits plus its spec's own
+    edits, in order; a later variable of the same name wins. Raises
+    :class:`LookupError` naming an ID no spec in the directory defines.
+    """
+    specs = [json.loads(path.read_text()) for path in sorted(cdi_dir.glob("*.json"))]
+    nodes: list[tuple[str, str]] = []
+    env: dict[str, str] = {}
+    mounts: list[tuple[str, str, tuple[str, ...]]] = []
+    applied_specs: set[int] = set()
+    for qualified in names:
+        kind, _, device_name = qualified.partition("=")
+        found = [
+            (index, spec, device)
+            for index, spec in enumerate(specs)
+            if spec.get("kind") == kind
+            for device in spec.get("devices", [])
+            if device.get("name") == device_name
+        ]
+        if not found:
+            raise LookupError(f"no CDI spec in {cdi_dir} defines {qualified}")
+        index, spec, device = found[0]
+        edits = [device.get("containerEdits", {})]
+        if index not in applied_specs:
+            applied_specs.add(index)
+            edits.append(spec.get("containerEdits", {}))
+        for edit in edits:
+            nodes += [(n["path"], n.get("hostPath", n["path"])) for n in edit.get("deviceNodes", [])]
+            env.update(entry.partition("=")[::2] for entry in edit.get("env", []))
+            mounts += [
+                (mount["containerPath"], mount["hostPath"], tuple(mount.get("options", [])))
+                for mount in edit.get("mounts", [])
+            ]
+    return ContainerEdits(tuple(nodes), env, tuple(mounts))
+
+
+class DraDriver:
+    """A kind running as a DRA driver in this process, registered with an emulated kubelet."""
+
+    def __init__(self, kubelet: EmulatedKubelet, runtime: DraDriverRuntime) -> None:
+        self.kubelet = kubelet
+        self.runtime = runtime
+        self.driver = runtime.config.driver
+        self.node_name = runtime.config.node_name
+        self._claims = itertools.count(1)
+
+    @property
+    def devices(self) -> dict[str, PublishedDevice]:
+        """The devices the driver publishes now, by name (healthy ones only, as the slice lists them)."""
+        return {device.name: device for device in self.runtime.pools.value.healthy()}
+
+    @property
+    def cdi_dir(self) -> Path:
+        """Where the driver writes its claims' CDI specs (inside the host root)."""
+        return self.runtime.cdi_dir
+
+    async def prepare(
+        self, *devices: str, request: str = "devices", namespace: str = "default", name: str | None = None
+    ) -> tuple[kubelet_dra.ClaimView, ContainerEdits]:
+        """Allocate a claim of ``devices`` (by name) from this node's pool, and have the kubelet prepare it.
+
+        Returns the kubelet's prepared claim and the container edits its CDI
+        devices resolve to. Raises :class:`~plugvisor.emulators.kubelet.dra.DraCallError`
+        with the kubelet's text when the driver refuses it.
+        """
+        manager = _dra_manager(self.kubelet)
+        number = next(self._claims)
+        claim_name = name or f"claim-{number}"
+        claim = kubelet_dra.resource_claim(
+            namespace,
+            claim_name,
+            f"{self.driver}-{claim_name}-{number}",
+            [(request, self.driver, self.node_name, device) for device in devices],
+        )
+        view = await manager.prepare(claim)
+        return view, resolve_cdi_devices(self.cdi_dir, view.cdi_devices())
+
+    async def unprepare(self, claim: kubelet_dra.ClaimView) -> None:
+        """Have the kubelet unprepare a claim :meth:`prepare` returned."""
+        await _dra_manager(self.kubelet).unprepare(claim.namespace, claim.name)
+
+
+def _dra_manager(kubelet: EmulatedKubelet) -> kubelet_dra.DraManager:
+    if kubelet.dra is None or kubelet.dra.objects_dir is None:
+        raise ValueError(
+            "the emulated kubelet needs DRA (kubelet_version 1.34 or later) and an objects_dir standing in "
+            "for the API server: EmulatedKubelet(..., objects_dir=...)"
+        )
+    return kubelet.dra
+
+
+@contextlib.asynccontextmanager
+async def running_dra_driver(
+    kubelet: EmulatedKubelet,
+    kind: PluginKind[Any],
+    options: Mapping[str, Any],
+    *,
+    driver: str,
+    root: Path = Path("/"),
+    cdi_dir: str = "/var/run/cdi",
+    rescan_interval: float = 30.0,
+    timeout: float = 10.0,
+) -> AsyncIterator[DraDriver]:
+    """Run ``kind`` as the DRA driver ``driver`` in this process against ``kubelet`` until the block ends.
+
+    The kubelet needs an ``objects_dir``: the driver reads its claims there and
+    writes its slice there (:mod:`plugvisor.dra.local`). The block starts once
+    the kubelet registered the driver (or raises :class:`TimeoutError`); at its
+    end the driver stops as on SIGTERM and any error it failed with is raised.
+    ``cdi_dir`` is a host path under ``root``.
+    """
+    objects = _dra_manager(kubelet).objects_dir
+    assert objects is not None
+    paths = HostPaths(root=root, kubelet_dir=kubelet.socket_dir)
+    config = DriverConfig(
+        driver,
+        kubelet.node_name,
+        paths,
+        cdi_dir=cdi_dir,
+        rescan_interval=rescan_interval,
+        plugins_registry=kubelet.plugins_registry,
+    )
+    source = kind.build(dict(options), paths, resource=kind_resource(driver, kind.name))
+    runtime = DraDriverRuntime(
+        config,
+        source,
+        claims=FileClaimReader(objects),
+        slices=FileSlicePublisher(objects, driver=driver, node_name=kubelet.node_name),
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(runtime.run(stop), name=f"dra driver {driver}")
+    try:
+        registered = asyncio.ensure_future(runtime.registrations.wait_newer(0))
+        done, _ = await asyncio.wait({registered, task}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            registered.cancel()
+            task.result()
+            raise RuntimeError(f"the DRA driver {driver} stopped before it registered")
+        if registered not in done:
+            registered.cancel()
+            raise TimeoutError(f"the DRA driver {driver} was not registered within {timeout} s")
+        yield DraDriver(kubelet, runtime)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, timeout)

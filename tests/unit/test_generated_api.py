@@ -90,3 +90,56 @@ def test_field_numbers_are_the_wire_contract(message, field, number):
     from plugvisor.api.deviceplugin.v1beta1 import api_pb2
 
     assert api_pb2.DESCRIPTOR.message_types_by_name[message].fields_by_name[field].number == number
+
+
+def test_dra_wire_names_match_the_kubelet():
+    """The DRA services travel under upstream's package names: the kubelet dials exactly these paths."""
+    from plugvisor.api.dra.v1 import api_pb2 as dra_v1
+    from plugvisor.api.dra.v1beta1 import api_pb2 as dra_v1beta1
+    from plugvisor.api.drahealth.v1 import api_pb2 as health_v1
+    from plugvisor.api.drahealth.v1alpha1 import api_pb2 as health_v1alpha1
+
+    def services(module):
+        return {s.full_name: [m.name for m in s.methods] for s in module.DESCRIPTOR.services_by_name.values()}
+
+    methods = ["NodePrepareResources", "NodeUnprepareResources"]
+    assert services(dra_v1) == {"k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin": methods}
+    assert services(dra_v1beta1) == {"k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin": methods}
+    assert services(health_v1) == {"v1.DRAResourceHealth": ["NodeWatchResources"]}
+    assert services(health_v1alpha1) == {"v1alpha1.DRAResourceHealth": ["NodeWatchResources"]}
+
+
+@pytest.mark.parametrize(
+    ("module", "message", "field", "number"),
+    [
+        ("dra.v1", "Claim", "namespace", 1),
+        ("dra.v1", "Claim", "uid", 2),
+        ("dra.v1", "Claim", "name", 3),
+        ("dra.v1", "Device", "request_names", 1),
+        ("dra.v1", "Device", "pool_name", 2),
+        ("dra.v1", "Device", "device_name", 3),
+        ("dra.v1", "Device", "cdi_device_ids", 4),
+        ("dra.v1", "Device", "share_id", 5),
+        ("dra.v1", "NodePrepareResourceResponse", "error", 2),
+        ("dra.v1", "NodeUnprepareResourceResponse", "error", 1),
+        ("dra.v1beta1", "Device", "cdi_device_ids", 4),
+        ("drahealth.v1", "DeviceHealth", "device", 1),
+        ("drahealth.v1", "DeviceHealth", "health", 2),
+        ("drahealth.v1", "DeviceHealth", "last_updated_time", 3),
+        ("drahealth.v1", "DeviceHealth", "health_check_timeout_seconds", 4),
+        ("drahealth.v1", "DeviceHealth", "message", 5),
+        ("drahealth.v1alpha1", "DeviceIdentifier", "device_name", 2),
+    ],
+)
+def test_dra_field_numbers_are_the_wire_contract(module, message, field, number):
+    import importlib
+
+    api_pb2 = importlib.import_module(f"plugvisor.api.{module}.api_pb2")
+    assert api_pb2.DESCRIPTOR.message_types_by_name[message].fields_by_name[field].number == number
+
+
+def test_dra_v1beta1_has_no_share_id():
+    """share_id is v1 only; a v1beta1 answer must not carry it (a 1.32-1.33 kubelet would drop it)."""
+    from plugvisor.api.dra.v1beta1 import api_pb2
+
+    assert "share_id" not in api_pb2.DESCRIPTOR.message_types_by_name["Device"].fields_by_name

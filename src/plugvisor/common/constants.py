@@ -32,3 +32,27 @@ DEVICE_PLUGIN_TYPE: Final = "DevicePlugin"
 
 MAX_UNIX_SOCKET_PATH: Final = 107
 """grpc refuses unix socket paths longer than this many bytes."""
+
+# -- Dynamic Resource Allocation (DRA) kubelet plugins --------------------------------------
+
+DRA_PLUGIN_TYPE: Final = "DRAPlugin"
+"""``PluginInfo.type`` of a DRA driver's kubelet plugin in the plugin-watcher registration."""
+DRA_SERVICE_V1: Final = "v1.DRAPlugin"
+DRA_SERVICE_V1BETA1: Final = "v1beta1.DRAPlugin"
+DRA_SERVICES: Final[tuple[str, ...]] = (DRA_SERVICE_V1, DRA_SERVICE_V1BETA1)
+"""The DRAPlugin services a kubelet 1.34+ accepts, newest first: it picks the first the plugin lists."""
+DRA_HEALTH_SERVICE_V1: Final = "v1.DRAResourceHealth"
+DRA_HEALTH_SERVICE_V1ALPHA1: Final = "v1alpha1.DRAResourceHealth"
+DRA_HEALTH_SERVICES: Final[tuple[str, ...]] = (DRA_HEALTH_SERVICE_V1, DRA_HEALTH_SERVICE_V1ALPHA1)
+"""The optional device health services, newest first, as the kubelet picks them."""
+DRA_PLUGINS_DIR_NAME: Final = "plugins"
+"""``<kubelet root>/plugins/<driver>/`` holds a driver's own files: its DRA socket, its checkpoint."""
+DRA_SOCKET_NAME: Final = "dra.sock"
+DRA_REGISTRATION_SOCKET_SUFFIX: Final = "-reg.sock"
+"""A driver's registration socket is ``plugins_registry/<driver>-reg.sock`` (the upstream helper's name)."""
+DRA_CALL_TIMEOUT_SECONDS: Final = 45
+"""The kubelet gives each NodePrepareResources / NodeUnprepareResources call this long."""
+DRA_HEALTH_TIMEOUT_SECONDS: Final = 30
+"""Without a fresh health report for this long, the kubelet takes a device's health as Unknown."""
+DRA_DRIVER_NAME_MAX: Final = 63
+"""A DRA driver name is a DNS subdomain of at most 63 characters (the API server's limit)."""

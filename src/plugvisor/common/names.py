@@ -19,8 +19,11 @@ _DNS1123_LABEL: Final = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 # (and so the kubelet) rejects.
 _DNS1123_SUBDOMAIN_RE: Final = re.compile(rf"{_DNS1123_LABEL}(\.{_DNS1123_LABEL})*")
 _QUALIFIED_NAME_RE: Final = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
+_DNS1123_LABEL_RE: Final = re.compile(_DNS1123_LABEL)
 _DNS1123_SUBDOMAIN_MAX: Final = 253
+_DNS1123_LABEL_MAX: Final = 63
 _QUALIFIED_NAME_MAX: Final = 63
+_DRA_DRIVER_NAME_MAX: Final = 63
 
 
 def qualified_name_errors(value: str) -> list[str]:
@@ -74,6 +77,55 @@ def extended_resource_name_problem(name: str) -> str | None:
     errors = qualified_name_errors("requests." + name)
     if errors:
         return f"{shown} is not a valid extended resource name: " + "; ".join(errors)
+    return None
+
+
+def dns_label_problem(value: str, *, what: str = "name") -> str | None:
+    """Why ``value`` is not a DNS-1123 label (at most 63 of ``a-z``, ``0-9``, ``-``, alphanumeric ends)."""
+    shown = repr(shorten(value, 80))
+    if not value:
+        return f"{what} must not be empty"
+    if len(value) > _DNS1123_LABEL_MAX:
+        return f"{what} {shown} is {len(value)} characters; at most {_DNS1123_LABEL_MAX} are allowed"
+    if not _DNS1123_LABEL_RE.fullmatch(value):
+        return (
+            f"{what} {shown} must be a DNS label: lowercase letters, digits and '-', "
+            "starting and ending with a letter or digit"
+        )
+    return None
+
+
+def dra_driver_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot be a DRA driver's name, or None.
+
+    The API server takes a ResourceSlice's ``driver`` only as a DNS subdomain
+    of at most 63 characters (the kubelet itself checks nothing but that it is
+    not empty); by convention it ends in a domain the vendor owns, such as
+    ``gpu.plugvisor.io``.
+    """
+    shown = repr(shorten(name, 80))
+    if not name:
+        return "a DRA driver name must not be empty; expected a DNS subdomain such as gpu.example.com"
+    if len(name) > _DRA_DRIVER_NAME_MAX:
+        return (
+            f"DRA driver name {shown} is {len(name)} characters; at most {_DRA_DRIVER_NAME_MAX} are allowed"
+        )
+    if not _DNS1123_SUBDOMAIN_RE.fullmatch(name):
+        return (
+            f"DRA driver name {shown} is not a DNS subdomain: lowercase letters, digits, '-' and '.', "
+            "e.g. gpu.example.com"
+        )
+    return None
+
+
+def node_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot be a Node's name (a DNS-1123 subdomain); None when it can."""
+    if not name:
+        return "must not be empty"
+    if len(name) > _DNS1123_SUBDOMAIN_MAX:
+        return f"{shorten(name)!r} is longer than {_DNS1123_SUBDOMAIN_MAX} characters"
+    if not _DNS1123_SUBDOMAIN_RE.fullmatch(name):
+        return f"{shorten(name)!r} is not a lowercase DNS-1123 subdomain (a Node's name)"
     return None
 
 

@@ -10,6 +10,7 @@ lines. The plugin's fields are::
     ENDPOINT=plugvisor-gpu-1a2b3c-9f8e7d6c.sock
     DEVICES=7/8             healthy/total
     KUBELET_RESTART=plugin socket deleted   (a restart was detected)
+    SLICES=synced           a DRA driver's ResourceSlices: synced, pending, or failing: <why>
 
 Speaking it directly keeps libsystemd out of the dependencies. Sending is best
 effort in both directions: a missing or full socket only drops the message, and

@@ -49,7 +49,12 @@ MAX_BACKOFF_FACTOR: Final = 8
 def holders_from(
     response: api_pb2.ListPodResourcesResponse,
 ) -> dict[tuple[str, str], tuple[monitoring.Holder, ...]]:
-    """``(resource, device ID) -> holders`` from a ``List`` answer."""
+    """``(resource, device ID) -> holders`` from a ``List`` answer.
+
+    Devices a DRA driver prepared for a claim (``dynamic_resources``, on by
+    default since Kubernetes 1.34) are keyed by the driver's name and the
+    device's name in its pool, as the driver's own device report names them.
+    """
     found: dict[tuple[str, str], list[monitoring.Holder]] = {}
     for pod in response.pod_resources:
         for container in pod.containers:
@@ -57,6 +62,9 @@ def holders_from(
             for devices in container.devices:
                 for device_id in devices.device_ids:
                     found.setdefault((devices.resource_name, device_id), []).append(holder)
+            for claim in container.dynamic_resources:
+                for claimed in claim.claim_resources:
+                    found.setdefault((claimed.driver_name, claimed.device_name), []).append(holder)
     return {key: tuple(value) for key, value in found.items()}
 
 

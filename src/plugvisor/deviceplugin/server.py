@@ -17,7 +17,6 @@ from typing import Any, Final
 
 import grpc
 import structlog
-from google.protobuf.message import DecodeError
 
 from plugvisor.api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from plugvisor.common import constants
@@ -29,6 +28,7 @@ from plugvisor.deviceplugin.errors import RequestError
 from plugvisor.deviceplugin.hooks import ContainerAllocation, Hooks
 from plugvisor.deviceplugin.release import Releases
 from plugvisor.deviceplugin.snapshot import Snapshot
+from plugvisor.deviceplugin.wire import checked_stream, checked_unary, tolerant_deserializer
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
@@ -45,63 +45,8 @@ _ID_BYTES: Final = 64
 SERVICE: Final = "v1beta1.DevicePlugin"
 
 
-class MalformedRequest:
-    """What a request that is not valid protobuf deserializes to, so the handler can answer INVALID_ARGUMENT.
-
-    grpc aio turns an exception raised by a request deserializer into UNKNOWN
-    ("Unexpected DecodeError"), and nothing in between lets a server choose the
-    code. So the deserializer returns this value instead of raising, and
-    :func:`add_plugin_servicer`'s thin wrapper answers it (one ``is`` test per call).
-    """
-
-    __slots__ = ("error", "message_type")
-
-    def __init__(self, message_type: str, error: str) -> None:
-        self.message_type = message_type
-        self.error = error
-
-
-def tolerant_deserializer(message: type[Any]) -> Callable[[bytes], Any]:
-    """``message.FromString`` that returns a :class:`MalformedRequest` instead of raising."""
-    parse = message.FromString
-    name = message.DESCRIPTOR.full_name
-
-    def deserialize(data: bytes) -> Any:
-        try:
-            return parse(data)
-        except DecodeError as exc:
-            return MalformedRequest(name, str(exc))
-
-    return deserialize
-
-
-def _malformed_detail(method: str, request: MalformedRequest) -> str:
-    return f"{method}: the request is not a valid {request.message_type} message ({shorten(request.error)})"
-
-
-def _checked_unary(
-    method: str, behaviour: Callable[[Any, Context], Awaitable[Any]], resource: str
-) -> Callable[[Any, Context], Awaitable[Any]]:
-    async def handle(request: Any, context: Context) -> Any:
-        if type(request) is MalformedRequest:
-            metrics.RPC_ERRORS.labels(resource, method, "INVALID_ARGUMENT").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _malformed_detail(method, request))
-        return await behaviour(request, context)
-
-    return handle
-
-
-def _checked_stream(
-    method: str, behaviour: Callable[[Any, Context], AsyncIterator[Any]], resource: str
-) -> Callable[[Any, Context], AsyncIterator[Any]]:
-    async def handle(request: Any, context: Context) -> AsyncIterator[Any]:
-        if type(request) is MalformedRequest:
-            metrics.RPC_ERRORS.labels(resource, method, "INVALID_ARGUMENT").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _malformed_detail(method, request))
-        async for item in behaviour(request, context):
-            yield item
-
-    return handle
+def _malformed_counter(resource: str, method: str) -> Callable[[], None]:
+    return metrics.RPC_ERRORS.labels(resource, method, "INVALID_ARGUMENT").inc
 
 
 _UNARY: Final[dict[str, tuple[Any, Any]]] = {
@@ -122,14 +67,18 @@ def add_plugin_servicer(
     """
     handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
         name: grpc.unary_unary_rpc_method_handler(
-            _checked_unary(name, getattr(servicer, name), resource),
+            checked_unary(name, getattr(servicer, name), on_malformed=_malformed_counter(resource, name)),
             request_deserializer=tolerant_deserializer(request),
             response_serializer=response.SerializeToString,
         )
         for name, (request, response) in _UNARY.items()
     }
     handlers["ListAndWatch"] = grpc.unary_stream_rpc_method_handler(
-        _checked_stream("ListAndWatch", servicer.ListAndWatch, resource),  # type: ignore[arg-type]
+        checked_stream(
+            "ListAndWatch",
+            servicer.ListAndWatch,  # type: ignore[arg-type]
+            on_malformed=_malformed_counter(resource, "ListAndWatch"),
+        ),
         request_deserializer=tolerant_deserializer(api_pb2.Empty),
         response_serializer=api_pb2.ListAndWatchResponse.SerializeToString,
     )
@@ -454,7 +403,9 @@ class PluginServer(api_pb2_grpc.DevicePluginServicer):
         }
         handlers = {
             method: grpc.unary_unary_rpc_method_handler(
-                _checked_unary(method, self._proposed(method), self.resource),
+                checked_unary(
+                    method, self._proposed(method), on_malformed=_malformed_counter(self.resource, method)
+                ),
                 request_deserializer=tolerant_deserializer(api_pb2.PreStartContainerRequest),
                 response_serializer=api_pb2.PreStartContainerResponse.SerializeToString,
             )

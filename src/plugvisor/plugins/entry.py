@@ -84,8 +84,62 @@ def _finite(param: click.Parameter, value: float) -> float:
     return value
 
 
-@click.command("plugin")
+def kind_options(
+    kind: str, options_file: Path | None, options_json: str | None, paths: Sequence[str], count: int | None
+) -> tuple[dict[str, Any], str]:
+    """The kind's raw keys from the command line, and where they came from (for the error message)."""
+    if options_file and options_json:
+        raise click.UsageError("give --options-file or --options-json, not both")
+    raw: dict[str, Any] = _load_options_file(options_file) if options_file else {}
+    if options_json is not None:
+        raw = _parse_options_json(options_json)
+    if paths or count is not None:
+        if kind != "generic":
+            raise click.UsageError("--path and --count apply to the generic kind only; use --options-file")
+        if paths:
+            raw["paths"] = list(paths)
+        if count is not None:
+            raw["count"] = count
+    source_name = (
+        str(options_file) if options_file else "--options-json" if options_json else "command-line options"
+    )
+    return raw, source_name
+
+
+class _ModeDispatch(click.Command):
+    """``plugvisor plugin``: a command line with ``--mode dra`` goes to the DRA driver's command (draentry).
+
+    Dispatched before parsing, since the two modes take different options, for
+    ``plugvisor plugin`` and for the agent's children alike.
+    """
+
+    def make_context(
+        self, info_name: str | None, args: list[str], parent: click.Context | None = None, **extra: Any
+    ) -> click.Context:
+        """The DRA command's context when the arguments ask for it, else this command's."""
+        if "dra" in args or "--mode=dra" in args:  # a device plugin never imports the DRA side
+            from plugvisor.plugins import draentry
+
+            if draentry.wants_dra(args):
+                return draentry.dra_plugin_command.make_context(info_name, args, parent=parent, **extra)
+        return super().make_context(info_name, args, parent=parent, **extra)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        """Run the command the context was made for."""
+        if ctx.command is not self:
+            return ctx.command.invoke(ctx)
+        return super().invoke(ctx)
+
+
+@click.command("plugin", cls=_ModeDispatch)
 @click.argument("kind")
+@click.option(
+    "--mode",
+    type=click.Choice(["device-plugin", "dra"]),
+    default="device-plugin",
+    show_default=True,
+    help="dra: serve the kind as a DRA driver instead; its options: plugvisor plugin KIND --mode dra --help.",
+)
 @click.option(
     "--resource", help="Extended resource name, e.g. example.com/fuse [default: plugvisor.io/<KIND>]."
 )
@@ -199,6 +253,7 @@ def _finite(param: click.Parameter, value: float) -> float:
 def plugin_command(
     *,
     kind: str,
+    mode: str,
     resource: str | None,
     host_root: Path,
     kubelet_dir: Path,
@@ -229,27 +284,14 @@ def plugin_command(
     from plugvisor.deviceplugin.errors import ConfigurationError
     from plugvisor.deviceplugin.runtime import DevicePluginRuntime, PluginConfig, run_plugin
 
+    del mode  # "dra" never gets here (_ModeDispatch)
     _drop_unread_metrics(metrics_listen)
     configure_logging(level=log_level, fmt="json" if log_format == "json" else "kv")
     try:
         plugin_kind = get_kind(kind)
     except UnknownKindError as exc:
         raise click.BadParameter(str(exc), param_hint="KIND") from exc
-    if options_file and options_json:
-        raise click.UsageError("give --options-file or --options-json, not both")
-    raw: dict[str, Any] = _load_options_file(options_file) if options_file else {}
-    if options_json is not None:
-        raw = _parse_options_json(options_json)
-    if paths or count is not None:
-        if kind != "generic":
-            raise click.UsageError("--path and --count apply to the generic kind only; use --options-file")
-        if paths:
-            raw["paths"] = list(paths)
-        if count is not None:
-            raw["count"] = count
-    source_name = (
-        str(options_file) if options_file else "--options-json" if options_json else "command-line options"
-    )
+    raw, source_name = kind_options(kind, options_file, options_json, paths, count)
     try:
         options = plugin_kind.options_model.model_validate(raw)
     except pydantic.ValidationError as exc:

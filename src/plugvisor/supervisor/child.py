@@ -144,6 +144,8 @@ class Child:
         self.registrations_total = 0
         self.endpoint: str | None = None
         self.devices: tuple[int, int] | None = None
+        self.slices: str | None = None
+        """A DRA driver's ResourceSlices (its SLICES= field): ``synced``, ``pending``, ``failing: <why>``."""
 
     @property
     def resource(self) -> str:
@@ -249,6 +251,8 @@ class Child:
                 self.devices = (int(healthy), int(total))
         if "ENDPOINT" in fields:
             self.endpoint = fields["ENDPOINT"]
+        if "SLICES" in fields:
+            self.slices = fields["SLICES"]
         if "KUBELET_RESTART" in fields and self.registered:
             self._lose_registration()
         registered = fields.get("REGISTERED")
@@ -274,7 +278,9 @@ class Child:
         if kubelet_wall is not None and self.registered_wall >= kubelet_wall:
             return False
         self._lose_registration()
-        if restart:
+        # A DRA driver is never restarted for it: the new kubelet's plugin watcher dials its
+        # registration socket again, and a restart would only interrupt its claims and slices.
+        if restart and self.spec.mode != "dra":
             self.restart(CAUSE_KUBELET_RESTART)
         return True
 
@@ -357,6 +363,7 @@ class Child:
         return {
             "resource": self.resource,
             "kind": self.spec.kind,
+            "mode": self.spec.mode,
             "state": self.state.name,
             "pid": self.pid,
             "started_at": self.started_wall if alive else None,
@@ -379,6 +386,7 @@ class Child:
             if exit_ is None
             else {"cause": exit_.cause, "status": exit_.detail, "at": exit_.wall, "uptime": exit_.uptime},
             "spawn_error": self.spawn_error,
+            "slices": self.slices,
         }
 
     # -- internals ------------------------------------------------------------------------
@@ -465,5 +473,6 @@ class Child:
         self.registrations = 0
         self.endpoint = None
         self.devices = None
+        self.slices = None
         self.stop_deadline = None
         self.killed = False

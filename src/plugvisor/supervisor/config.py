@@ -28,7 +28,7 @@ import pydantic_core
 
 from plugvisor.common import constants
 from plugvisor.common.hostpaths import host_root_problem, kubelet_dir_problem, writable_dir_problem
-from plugvisor.common.names import extended_resource_name_problem
+from plugvisor.common.names import dra_driver_name_problem, extended_resource_name_problem, node_name_problem
 from plugvisor.common.sockets import longest_socket_path
 from plugvisor.common.validation import describe, shorten
 from plugvisor.common.yamlfile import YamlFileError, read_yaml
@@ -146,11 +146,24 @@ class MonitoringConfig(_Model):
     telemetry_interval: Annotated[float, pydantic.Field(ge=0.1, le=3600, alias="telemetryInterval")] = 10.0
 
 
+API_MODES: Final = ("device-plugin", "dra")
+
+
 class ResourceConfig(pydantic.BaseModel):
-    """One ``resources`` entry: ``name`` and ``kind`` plus the kind's own keys (kept as written)."""
+    """One ``resources`` entry: ``name`` and ``kind`` plus the kind's own keys (kept as written).
+
+    ``mode`` says which kubelet API the kind is served through: ``device-plugin``
+    (the default; ``name`` is the extended resource, e.g. ``plugvisor.io/gpu``) or
+    ``dra`` (``name`` is the driver, a DNS subdomain such as ``gpu.plugvisor.io``;
+    it always registers through the plugin watcher). Any other value is the
+    kind's own ``mode`` key (the fpga kind's ``af``, ``region``, ``xilinx``,
+    which predate DRA) and the resource a device plugin.
+    """
 
     model_config = pydantic.ConfigDict(extra="allow", frozen=True)
 
+    # Before `name`, whose rule depends on it (pydantic validates fields in this order).
+    mode: str = "device-plugin"
     name: str
     kind: Annotated[str, pydantic.StringConstraints(min_length=1)]
     registration: Literal["kubelet-sock", "plugin-watcher"] = "kubelet-sock"
@@ -158,22 +171,41 @@ class ResourceConfig(pydantic.BaseModel):
 
     @pydantic.field_validator("name")
     @classmethod
-    def _extended_name(cls, value: str) -> str:
-        problem = extended_resource_name_problem(value)
+    def _resource_or_driver_name(cls, value: str, info: pydantic.ValidationInfo) -> str:
+        dra = info.data.get("mode") == "dra"
+        problem = dra_driver_name_problem(value) if dra else extended_resource_name_problem(value)
         if problem is not None:
             raise ValueError(problem)
         return value
 
+    @pydantic.model_validator(mode="after")
+    def _dra_registers_through_the_watcher(self) -> ResourceConfig:
+        if self.dra and "registration" in self.model_fields_set and self.registration != "plugin-watcher":
+            raise ValueError(
+                "a DRA driver registers through the kubelet's plugin watcher: leave out registration"
+            )
+        return self
+
+    @property
+    def dra(self) -> bool:
+        """Whether the kind is served as a DRA driver (else as a device plugin)."""
+        return self.mode == "dra"
+
     @property
     def options(self) -> dict[str, Any]:
         """The kind's keys, exactly as the file has them (handed to the child as JSON)."""
-        return dict(self.model_extra or {})
+        options = dict(self.model_extra or {})
+        if self.mode not in API_MODES:
+            options["mode"] = self.mode
+        return options
 
 
 class NodeConfig(_Model):
     """The whole file."""
 
     kubelet_dir: Path = pydantic.Field(default=Path(constants.DEVICE_PLUGIN_PATH), alias="kubeletDir")
+    node_name: str | None = pydantic.Field(default=None, alias="nodeName")
+    """The Node the DRA drivers publish for (default: ``NODE_NAME``, else the host name)."""
     host_root: Path = pydantic.Field(default=Path("/"), alias="hostRoot")
     spec_root: Path | None = pydantic.Field(default=None, alias="specRoot")
     metrics: MetricsConfig | None = None
@@ -187,6 +219,19 @@ class NodeConfig(_Model):
         if value is not None:
             _check_path(value)
         return value
+
+    @pydantic.field_validator("node_name", mode="after")
+    @classmethod
+    def _node_name(cls, value: str | None) -> str | None:
+        problem = None if value is None else node_name_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
+
+    @property
+    def kubelet_root(self) -> Path:
+        """The kubelet's root directory (``/var/lib/kubelet``): where plugins_registry and plugins/ are."""
+        return self.kubelet_dir.parent
 
     @property
     def runtime_dir(self) -> Path:
@@ -228,7 +273,11 @@ def _entry_errors(config: NodeConfig) -> list[pydantic_core.InitErrorDetails]:
             message = f"{resource.name} is already configured by resources[{seen[resource.name]}]"
             errors.append(_custom("duplicate_resource", message, ("resources", index, "name"), resource.name))
         seen.setdefault(resource.name, index)
-        longest = longest_socket_path(config.kubelet_dir, resource.name)
+        longest = (
+            max(len(os.fsencode(path)) for path in dra_socket_paths(config.kubelet_root, resource.name))
+            if resource.dra
+            else longest_socket_path(config.kubelet_dir, resource.name)
+        )
         if longest > constants.MAX_UNIX_SOCKET_PATH:
             message = (
                 f"too long for the sockets of {resource.name}: {longest} bytes, "
@@ -243,6 +292,10 @@ def _entry_errors(config: NodeConfig) -> list[pydantic_core.InitErrorDetails]:
         except Exception as exc:
             message = f"kind {resource.kind!r} is installed but cannot be loaded: {exc!r}"
             errors.append(_custom("broken_kind", message, ("resources", index, "kind"), resource.kind))
+            continue
+        if resource.mode not in API_MODES and "mode" not in kind.options_model.model_fields:
+            message = f"expected device-plugin or dra, got {shorten(resource.mode)!r}"
+            errors.append(_custom("unknown_mode", message, ("resources", index, "mode"), resource.mode))
             continue
         size = len(json.dumps(resource.options, separators=(",", ":")))
         if size > MAX_OPTIONS_BYTES:
@@ -328,6 +381,16 @@ def load_node_config(path: Path) -> NodeConfig:
     return config
 
 
+def dra_socket_paths(kubelet_root: Path, driver: str) -> tuple[Path, Path]:
+    """A DRA driver's registration socket and DRA socket, where the kubelet looks for them."""
+    return (
+        kubelet_root
+        / constants.PLUGINS_REGISTRY_DIR_NAME
+        / f"{driver}{constants.DRA_REGISTRATION_SOCKET_SUFFIX}",
+        kubelet_root / constants.DRA_PLUGINS_DIR_NAME / driver / constants.DRA_SOCKET_NAME,
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class ChildSpec:
     """Everything that defines one child process; two equal specs mean "no need to restart".
@@ -340,6 +403,7 @@ class ChildSpec:
     resource: str
     kind: str
     args: tuple[str, ...]
+    mode: str = "device-plugin"
 
     def argv(self) -> list[str]:
         """The full command line for fork+exec (and for supervisord)."""
@@ -358,21 +422,13 @@ def child_specs(
     policy = "exit" if config.supervisor.on_kubelet_restart == "restart" else "reregister"
     specs: dict[str, ChildSpec] = {}
     for resource in config.resources:
-        args = [
-            "plugin",
-            resource.kind,
-            "--resource",
-            resource.name,
+        shared = [
             "--host-root",
             str(config.host_root),
             "--kubelet-dir",
             str(config.kubelet_dir),
             "--options-json",
             json.dumps(resource.options, sort_keys=True, separators=(",", ":")),
-            "--on-kubelet-restart",
-            policy,
-            "--registration",
-            resource.registration,
             # The agent owns its resources: a plugin started by hand for one of them is taken over
             # (with a warning), where a plugin started by hand refuses to take over the agent's.
             "--replace",
@@ -382,6 +438,17 @@ def child_specs(
             log_level,
         ]
         if config.spec_root is not None:
-            args += ["--spec-root", str(config.spec_root)]
+            shared += ["--spec-root", str(config.spec_root)]
+        if resource.dra:
+            # A DRA driver (plugvisor.plugins.draentry) has no kubelet-restart policy: the kubelet's
+            # plugin watcher dials its registration socket again when it starts, so the driver keeps
+            # running (its prepared claims, its slices) and the agent only follows.
+            args = ["plugin", resource.kind, "--mode", "dra", "--driver", resource.name, *shared]
+            if config.node_name is not None:
+                args += ["--node-name", config.node_name]
+            specs[resource.name] = ChildSpec(resource.name, resource.kind, tuple(args), mode="dra")
+            continue
+        args = ["plugin", resource.kind, "--resource", resource.name, *shared]
+        args += ["--on-kubelet-restart", policy, "--registration", resource.registration]
         specs[resource.name] = ChildSpec(resource.name, resource.kind, tuple(args))
     return specs

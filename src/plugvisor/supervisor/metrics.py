@@ -91,8 +91,21 @@ class SupervisorCollector(Collector):
             "The current restart delay (0 unless backing off).",
             labels=["resource"],
         )
+        info = GaugeMetricFamily(
+            "plugvisor_child_info",
+            "The resource's kind and mode (device-plugin, or dra: a DRA driver named by the resource).",
+            labels=["resource", "kind", "mode"],
+        )
+        slices = GaugeMetricFamily(
+            "plugvisor_dra_slices_synced",
+            "Whether a DRA driver's ResourceSlices hold its devices as they are now (0: pending or failing).",
+            labels=["resource"],
+        )
         for child in children:
             resource = child["resource"]
+            info.add_metric([resource, child.get("kind", ""), child.get("mode", "device-plugin")], 1.0)
+            if child.get("slices"):
+                slices.add_metric([resource], 1.0 if child["slices"] == "synced" else 0.0)
             up.add_metric([resource], 1.0 if child["pid"] else 0.0)
             for name in states.BY_NAME:
                 state.add_metric([resource, name], 1.0 if child["state"] == name else 0.0)
@@ -108,7 +121,7 @@ class SupervisorCollector(Collector):
             looping.add_metric([resource], 1.0 if child["crash_looping"] else 0.0)
             backoff.add_metric([resource], float(child["backoff_delay"] or 0.0))
         supervisor = document["supervisor"]
-        yield from (up, state, registered, registrations, devices, restarts, looping, backoff)
+        yield from (info, up, state, registered, registrations, devices, restarts, looping, backoff, slices)
         yield CounterMetricFamily(
             "plugvisor_kubelet_restarts",
             "Kubelet restarts the supervisor noticed.",

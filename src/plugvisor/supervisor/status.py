@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from plugvisor.common import monitoring
+from plugvisor.common.validation import shorten
 
 STATE_FILE: Final = "state.json"
 STALE_STATE_FILE: Final = "state.stale.json"
@@ -277,6 +278,9 @@ def render(document: dict[str, Any]) -> str:
         last = child.get("last_exit")
         last_exit = "-" if last is None else f"{last['cause']} ({last['status']})"
         devices = child.get("devices")
+        counts = "-" if devices is None else f"{devices['healthy']}/{devices['total']}"
+        if child.get("slices"):  # a DRA driver: where its ResourceSlices stand
+            counts += f", slices {shorten(str(child['slices']), 60)}"
         rows.append(
             (
                 child["resource"],
@@ -285,7 +289,7 @@ def render(document: dict[str, Any]) -> str:
                 _duration(child.get("uptime")),
                 str(child.get("restarts", 0)),
                 last_exit,
-                "-" if devices is None else f"{devices['healthy']}/{devices['total']}",
+                counts,
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]

@@ -33,6 +33,7 @@ from plugvisor.supervisor.config import (
     ChildSpec,
     NodeConfig,
     child_specs,
+    dra_socket_paths,
 )
 from plugvisor.supervisor.spawner import Spawner
 
@@ -191,7 +192,11 @@ class Supervisor:
             # in the kubelet's directory. Every socket of this resource that no process answers
             # on is such a leftover (even one the process never got to report): they go now,
             # before any new process of the resource can have bound its own.
-            removed = self._sweep_sockets(socket_prefix(child.resource))
+            removed = (
+                self._sweep_dra_sockets(child.resource)
+                if child.spec.mode == "dra"
+                else self._sweep_sockets(socket_prefix(child.resource))
+            )
             if removed:
                 _log.info("dead_socket_removed", resource=child.resource, sockets=removed)
 
@@ -229,14 +234,27 @@ class Supervisor:
             removed += remove_stale_sockets(registry, prefix)
         return removed
 
+    def _sweep_dra_sockets(self, driver: str) -> list[str]:
+        """Remove a DRA driver's sockets that no process answers on (a SIGKILLed driver's).
+
+        The kubelet's plugin watcher would otherwise keep dialling the dead
+        registration socket until a new driver process replaces it.
+        """
+        paths = dra_socket_paths(self.config.kubelet_root, driver)
+        return [str(path) for path in paths if remove_dead_socket(path)]
+
     def _serves_in_kubelet_dir(self, resource: str) -> bool:
         """Whether ``resource``'s socket is in the kubelet's directory.
 
-        A plugin-watcher child's is in ``plugins_registry``: not finding it in the
-        kubelet's directory means nothing, and taking that for an outdated
-        registration restarted such a child after every registration.
+        A plugin-watcher child's is in ``plugins_registry`` (a DRA driver's too):
+        not finding it in the kubelet's directory means nothing, and taking that
+        for an outdated registration restarted such a child after every registration.
         """
-        return all(r.registration == "kubelet-sock" for r in self.config.resources if r.name == resource)
+        return all(
+            r.registration == "kubelet-sock" and not r.dra
+            for r in self.config.resources
+            if r.name == resource
+        )
 
     @property
     def restart_on_kubelet_restart(self) -> bool:

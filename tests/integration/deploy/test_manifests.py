@@ -25,13 +25,18 @@ from ..node_install import plugvisor_without_the_extra
 from .conftest import KUBERNETES_VERSION, OVERLAYS, REPO, kind_config, objects, render
 
 KUBELET_DEVICE_PLUGINS = "/var/lib/kubelet/device-plugins"
+DRA_CDI_DIR = "/var/run/cdi"
+"""Where a DRA driver writes each prepared claim's CDI spec (its --cdi-dir default, inside hostRoot)."""
 KUBELET_POD_RESOURCES = "/var/lib/kubelet/pod-resources"
 _GLOB = re.compile(r"[*?\[]")
 
 
 def test_every_kind_has_an_overlay_and_the_readme_names_each() -> None:
     """One overlay per kind, the CDI variant and the lab; the README says which to apply for what."""
-    assert set(OVERLAYS) == {"gpu", "gpu-cdi", "nic", "fpga", "generic", "lab"}
+    assert set(OVERLAYS) == {
+        *("gpu", "gpu-cdi", "nic", "fpga", "generic", "lab"),
+        *("gpu-dra", "nic-dra", "fpga-dra", "generic-dra"),
+    }
     readme = (REPO / "README.md").read_text()
     for overlay in OVERLAYS:
         assert f"overlays/{overlay}" in readme, f"README.md does not say when to apply overlays/{overlay}"
@@ -95,6 +100,8 @@ def _needed_host_paths(config: NodeConfig) -> dict[str, bool]:
     needs: dict[str, bool] = {}
     for resource in config.resources:
         options = resource.options
+        if resource.dra:
+            needs[DRA_CDI_DIR] = True  # each prepared claim's CDI spec
         if resource.kind == "gpu":
             needs |= {"/sys": False, "/dev": False, "/proc/driver": False}
             if options.get("cdi"):
@@ -166,7 +173,7 @@ def test_kubelet_dir_config_runtime_dir_and_probes_agree(overlay: str, name: str
     kubelet = mounts[str(config.kubelet_dir)]
     assert volumes[kubelet["name"]]["hostPath"]["path"] == KUBELET_DEVICE_PLUGINS
     assert not kubelet.get("readOnly")
-    env = {e["name"]: e["value"] for e in agent.get("env", [])}
+    env = {e["name"]: e.get("value") for e in agent.get("env", [])}
     runtime_dir = raw.get("supervisor", {}).get("runtimeDir") or env["PLUGVISOR_RUNTIME_DIR"]
     for writable in (runtime_dir, "/tmp"):
         assert "emptyDir" in volumes[mounts[writable]["name"]], (
@@ -213,17 +220,115 @@ def test_the_agent_runs_with_least_privilege_as_a_node_critical_daemon(overlay: 
     assert pod["priorityClassName"] == "system-node-critical"
     assert {"operator": "Exists"} in pod["tolerations"]
     assert ds["spec"]["updateStrategy"]["rollingUpdate"]["maxSurge"] == 0
-    assert pod["automountServiceAccountToken"] is False
+    config, _ = _node_config(overlay, ds)
+    # A token only where a DRA driver talks to the API server (test_dra_drivers_* below say which).
+    assert pod["automountServiceAccountToken"] is any(resource.dra for resource in config.resources)
     resources = _container(ds)["resources"]
     assert set(resources["requests"]) == {"cpu", "memory"}
     assert "memory" in resources["limits"]
     selector = dict(pod["nodeSelector"])
     selector.pop("kubernetes.io/os", None)
-    if overlay != "generic":
+    if overlay not in ("generic", "generic-dra"):  # /dev/fuse is on every Linux node
         assert selector, (
             f"{name}: no node selector beyond the OS; the kind would run on nodes without its hardware"
         )
     assert all(v for v in pod["nodeSelector"].values())
+
+
+# -- DRA drivers ---------------------------------------------------------------------------------------------
+
+DRA_OVERLAYS = [overlay for overlay in OVERLAYS if overlay.endswith("-dra")]
+EXAMPLES = sorted((REPO / "deploy/kubernetes/examples/dra").glob("*.yaml"))
+
+
+def _dra_drivers(overlay: str) -> list[str]:
+    return [
+        resource.name
+        for ds in _agents(overlay)
+        for resource in _node_config(overlay, ds)[0].resources
+        if resource.dra
+    ]
+
+
+@pytest.mark.parametrize("overlay", DRA_OVERLAYS)
+def test_dra_drivers_have_their_sockets_token_and_node_name(overlay: str) -> None:
+    """Each DRA overlay runs DRA drivers; their agent mounts the kubelet's plugins_registry and plugins
+    directories read-write from the kubelet root that kubeletDir lies in, runs as the plugvisor-dra
+    ServiceAccount with its token, and knows its node from the downward API."""
+    assert _dra_drivers(overlay), f"overlays/{overlay} configures no resource with mode: dra"
+    for ds in _agents(overlay):
+        config, _ = _node_config(overlay, ds)
+        pod, agent, volumes = ds["spec"]["template"]["spec"], _container(ds), _volumes(ds)
+        mounts = {m["mountPath"]: m for m in agent["volumeMounts"]}
+        for directory in ("plugins_registry", "plugins"):
+            path = str(config.kubelet_root / directory)
+            assert path in mounts and not mounts[path].get("readOnly"), f"{path} must be mounted read-write"
+            assert volumes[mounts[path]["name"]]["hostPath"]["path"] == path
+        assert pod["serviceAccountName"] == "plugvisor-dra"
+        env = {e["name"]: e for e in agent["env"]}
+        assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+
+
+@pytest.mark.parametrize("overlay", DRA_OVERLAYS)
+def test_dra_rbac_is_exactly_what_a_driver_calls(overlay: str) -> None:
+    """Slices of its node (read, watch, write), claims (read), its Node (get); bound to the agent's account;
+    writes restricted to the driver's own node by an admission policy bound to Deny."""
+    (role,) = objects(overlay, "ClusterRole")
+    rules = {(tuple(r["apiGroups"]), tuple(r["resources"])): set(r["verbs"]) for r in role["rules"]}
+    assert rules == {
+        (("resource.k8s.io",), ("resourceslices",)): {"get", "list", "watch", "create", "update", "delete"},
+        (("resource.k8s.io",), ("resourceclaims",)): {"get", "list", "watch"},
+        (("",), ("nodes",)): {"get"},
+    }
+    (binding,) = objects(overlay, "ClusterRoleBinding")
+    (account,) = objects(overlay, "ServiceAccount")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [
+        {
+            "kind": "ServiceAccount",
+            "name": account["metadata"]["name"],
+            "namespace": account["metadata"]["namespace"],
+        }
+    ]
+    (policy,) = objects(overlay, "ValidatingAdmissionPolicy")
+    (policy_binding,) = objects(overlay, "ValidatingAdmissionPolicyBinding")
+    assert policy_binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
+    condition = policy["spec"]["matchConditions"][0]["expression"]
+    assert f':{account["metadata"]["name"]}"' in condition, "the policy must apply to the drivers' account"
+
+
+@pytest.mark.parametrize("overlay", DRA_OVERLAYS)
+def test_every_dra_driver_has_a_device_class_selecting_its_devices(overlay: str) -> None:
+    classes = {c["metadata"]["name"]: c for c in objects(overlay, "DeviceClass")}
+    for driver in _dra_drivers(overlay):
+        assert driver in classes, f"overlays/{overlay}: no DeviceClass {driver}"
+        (selector,) = classes[driver]["spec"]["selectors"]
+        assert selector["cel"]["expression"] == f'device.driver == "{driver}"'
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[e.name for e in EXAMPLES])
+def test_every_dra_example_is_valid_and_claims_from_a_class_an_overlay_installs(example: Path) -> None:
+    classes = {c["metadata"]["name"] for overlay in DRA_OVERLAYS for c in objects(overlay, "DeviceClass")}
+    docs = [doc for doc in yaml.safe_load_all(example.read_text()) if doc]
+    templates = [doc for doc in docs if doc["kind"] == "ResourceClaimTemplate"]
+    assert templates
+    for doc in docs:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+    for template in templates:
+        for request in template["spec"]["spec"]["devices"]["requests"]:
+            assert request["exactly"]["deviceClassName"] in classes
+
+
+def test_the_gpu_pair_example_constrains_both_gpus_to_one_pcie_root() -> None:
+    docs = yaml.safe_load_all(
+        (REPO / "deploy/kubernetes/examples/dra/gpu-pair-same-pcie-root.yaml").read_text()
+    )
+    template = next(doc for doc in docs if doc["kind"] == "ResourceClaimTemplate")
+    devices = template["spec"]["spec"]["devices"]
+    assert devices["requests"][0]["exactly"]["count"] == 2
+    assert devices["constraints"] == [
+        {"requests": ["gpus"], "matchAttribute": "resource.kubernetes.io/pcieRoot"}
+    ]
 
 
 # -- the lab overlay and kind-config.yaml ---------------------------------------------------------------

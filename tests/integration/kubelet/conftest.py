@@ -38,6 +38,15 @@ async def kubelet(socket_dir: Path) -> AsyncIterator[EmulatedKubelet]:
 
 
 @pytest.fixture
+async def kubelet_1_35(socket_dir: Path) -> AsyncIterator[EmulatedKubelet]:
+    """The same, playing 1.35: plugin instances per resource name, ResourceHealthStatus off by default."""
+    emulated = EmulatedKubelet(socket_dir, grace_period=0.5, dial_timeout=1.0, kubelet_version="1.35")
+    await emulated.start()
+    yield emulated
+    await emulated.stop()
+
+
+@pytest.fixture
 async def plugin(socket_dir: Path) -> AsyncIterator[PluginFactory]:
     """Start stub plugins in the socket directory (not registered); all are stopped at the end."""
     started: list[StubDevicePlugin] = []

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import grpc
+import pytest
+
 from plugvisor.common import constants
 from plugvisor.emulators.kubelet import EmulatedKubelet, EventKind, checkpoint, devices
 from plugvisor.emulators.kubelet.pods import PodPhase
@@ -140,12 +143,41 @@ class TestReplacement:
         return old, new
 
     async def test_per_name_the_old_plugins_exit_zeroes_the_new_plugins_resource(
+        self, kubelet_1_35: EmulatedKubelet, plugin: PluginFactory
+    ) -> None:
+        """kubernetes#121994, reproduced (1.35): the current client is disconnected when any stream ends."""
+        old, _new = await self._two_instances(kubelet_1_35, plugin)
+        await old.stop()
+        await kubelet_1_35.wait_for(counts(GPU, 0, 2))
+
+    async def test_from_1_37_a_second_register_from_a_connected_socket_is_refused(
         self, kubelet: EmulatedKubelet, plugin: PluginFactory
     ) -> None:
-        """kubernetes#121994, reproduced: the current client is disconnected when any stream ends."""
+        """As the real v1.37.2 kubelet: refused, and the instance forgotten, so its end keeps the devices."""
+        dp = await plugin(GPU, devices("a", "b"), name="dp1.sock")
+        await dp.register(kubelet.socket_path)
+        await kubelet.wait_for(counts(GPU, 2, 2))
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await dp.register(kubelet.socket_path)
+        assert refused.value.code() is grpc.StatusCode.UNKNOWN
+        assert refused.value.details() == f"device plugin already connected: {dp.socket_path}"
+        await dp.stop()
+        await kubelet.wait_for(
+            lambda k: any(
+                e.kind is EventKind.PLUGIN_INSTANCE_ENDED and "forgotten" in e.message for e in k.events
+            )
+        )
+        assert counts(GPU, 2, 2)(kubelet)
+
+    async def test_from_1_37_the_old_plugins_exit_leaves_the_new_plugins_resource(
+        self, kubelet: EmulatedKubelet, plugin: PluginFactory
+    ) -> None:
+        """1.37 tracks instances per socket (kubernetes#135437), as the real 1.37.2 kubelet does."""
+        assert kubelet.replacement == "per-socket"
         old, _new = await self._two_instances(kubelet, plugin)
         await old.stop()
-        await kubelet.wait_for(counts(GPU, 0, 2))
+        await kubelet.wait_for(lambda k: any(e.kind is EventKind.PLUGIN_INSTANCE_ENDED for e in k.events))
+        await kubelet.wait_for(counts(GPU, 2, 2))
 
     async def test_per_socket_the_hand_over_has_no_dip(self, socket_dir: Path, plugin: PluginFactory) -> None:
         """PR #135437: the old instance's exit does not touch the new one."""

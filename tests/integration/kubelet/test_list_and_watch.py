@@ -146,9 +146,10 @@ class TestReplacement:
         assert view.endpoint == str(second.socket_path)
 
     async def test_the_old_streams_end_disconnects_the_new_plugin(
-        self, kubelet: EmulatedKubelet, plugin: PluginFactory
+        self, kubelet_1_35: EmulatedKubelet, plugin: PluginFactory
     ) -> None:
-        """The replacement race of kubernetes#121994: the old stream's end stops the current endpoint."""
+        """The replacement race of kubernetes#121994 (1.35): the old stream's end stops the current one."""
+        kubelet = kubelet_1_35
         first = await plugin(GPU, devices("a", "b"))
         await first.register(kubelet.socket_path)
         await kubelet.wait_for(counts(GPU, 2, 2))

@@ -110,11 +110,22 @@ class TestAllocatableAndGet:
 
 
 class TestGatesAndLimits:
-    async def test_get_is_disabled_without_its_gate(self, kubelet: EmulatedKubelet) -> None:
-        """KubeletPodResourcesGet is off by default."""
+    async def test_get_is_disabled_without_its_gate_before_1_34(self, socket_dir: Path) -> None:
+        """KubeletPodResourcesGet was off by default until it went beta in 1.34."""
+        kubelet = EmulatedKubelet(socket_dir, kubelet_version="1.29")
+        await kubelet.start()
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await call(kubelet, "Get", pr.GetPodResourcesRequest(pod_name="p", pod_namespace="default"))
+            assert raised.value.details() == "PodResources API Get method disabled"
+        finally:
+            await kubelet.stop()
+
+    async def test_get_answers_by_default_from_1_34(self, kubelet: EmulatedKubelet) -> None:
+        """Beta and on in 1.34, GA in 1.36: a real 1.37 kubelet answers Get with no gate set."""
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             await call(kubelet, "Get", pr.GetPodResourcesRequest(pod_name="p", pod_namespace="default"))
-        assert raised.value.details() == "PodResources API Get method disabled"
+        assert raised.value.details() == "pod p in namespace default not found"
 
     async def test_calls_beyond_the_burst_are_rejected_by_the_rate_limit(
         self, kubelet: EmulatedKubelet

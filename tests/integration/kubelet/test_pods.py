@@ -188,10 +188,24 @@ class TestHealthInStatus:
         finally:
             await kubelet.stop()
 
-    async def test_without_the_gate_there_is_no_health_status(self, kubelet: EmulatedKubelet, gpus) -> None:
-        """Off by default, as upstream."""
-        status = await kubelet.add_pod(manifest("p"))
+    async def test_without_the_gate_there_is_no_health_status(
+        self, kubelet_1_35: EmulatedKubelet, plugin: PluginFactory
+    ) -> None:
+        """Off by default until 1.36 (beta and on since), as upstream."""
+        stub = await plugin(GPU, devices("g0"))
+        await stub.register(kubelet_1_35.socket_path)
+        await kubelet_1_35.wait_for(counts(GPU, 1, 1))
+        status = await kubelet_1_35.add_pod(manifest("p"))
         assert status.container("app").allocated_resources_status is None
+
+    async def test_from_1_36_containers_report_device_health_by_default(
+        self, kubelet: EmulatedKubelet, gpus
+    ) -> None:
+        """ResourceHealthStatus is beta and on from 1.36: the real 1.37 kubelet reports it unasked."""
+        status = await kubelet.add_pod(manifest("p"))
+        health = status.container("app").allocated_resources_status
+        assert health is not None
+        assert health[0].resources[0].health == "Healthy"
 
 
 class TestPodsDirectory:

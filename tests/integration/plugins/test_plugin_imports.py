@@ -31,6 +31,8 @@ NEVER = (
     "kubernetes_validate",
     "plugvisor.demo",
     "plugvisor.testing",
+    "plugvisor.dra",  # the DRA driver: a device plugin never loads it (nor the dispatch's DRA command)
+    "plugvisor.plugins.draentry",
     "rich",  # the demo's terminal view (structlog would import it for a renderer we never use)
     "plugvisor.plugins.gpu",  # kinds never import each other: a generic plugin loads no other kind
     "plugvisor.plugins.fpga",

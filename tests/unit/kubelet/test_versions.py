@@ -25,8 +25,8 @@ def test_each_supported_release_gets_its_rules(version, health_first, skip_runni
 
 
 def test_the_default_is_the_newest_release() -> None:
-    assert versions.DEFAULT_VERSION == versions.SUPPORTED_VERSIONS[-1] == "1.35"
-    assert versions.rules_for().version == "1.35"
+    assert versions.DEFAULT_VERSION == versions.SUPPORTED_VERSIONS[-1] == "1.37"
+    assert versions.rules_for().version == "1.37"
 
 
 @pytest.mark.parametrize("spelling", ["1.29", "v1.29", "1.29.4", " v1.29.0 "])
@@ -69,7 +69,37 @@ def test_a_gate_the_release_does_not_have_is_refused(version, gates, message) ->
 
 def test_every_release_knows_the_emulators_own_proposal_gate() -> None:
     for version in versions.SUPPORTED_VERSIONS:
-        versions.rules_for(version).check_gates(FeatureGates(device_manager_deallocate=True))
+        rules = versions.rules_for(version)
+        rules.check_gates(rules.gates_from_flag("DeviceManagerDeallocate=true"))
+
+
+@pytest.mark.parametrize(
+    ("version", "get", "health", "replacement"),
+    [
+        ("1.29", False, False, "per-name"),
+        ("1.35", True, False, "per-name"),
+        ("1.37", True, True, "per-socket"),
+    ],
+)
+def test_each_release_has_its_own_defaults(version: str, get: bool, health: bool, replacement: str) -> None:
+    """PodResources Get on from 1.34, device health in pod status from 1.36, per-socket instances in 1.37."""
+    rules = versions.rules_for(version)
+    assert rules.default_gates.kubelet_pod_resources_get is get
+    assert rules.default_gates.resource_health_status is health
+    assert rules.replacement == replacement
+
+
+def test_a_locked_gate_cannot_be_turned_off() -> None:
+    """As upstream's feature gate parser: GA gates locked to their default refuse the other value."""
+    with pytest.raises(ValueError, match="cannot set feature gate KubeletPodResourcesGet to false"):
+        versions.rules_for("1.37").gates_from_flag("KubeletPodResourcesGet=false")
+    assert (
+        not versions.rules_for("1.35")
+        .gates_from_flag("KubeletPodResourcesGet=false")
+        .kubelet_pod_resources_get
+    )
+    locked = versions.rules_for("1.37").with_locks(FeatureGates())
+    assert locked.kubelet_pod_resources_get
 
 
 def test_every_rule_names_its_upstream_change_and_a_known_release() -> None:

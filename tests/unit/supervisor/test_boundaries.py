@@ -33,19 +33,22 @@ from plugvisor.supervisor.config import child_specs, parse_config
 for name in {MODULES!r}:
     __import__(name)
 entry = {{"name": "a.example/x", "kind": "generic", "paths": ["/dev/x"]}}
-config = parse_config({{"resources": [entry]}}, source="t")
+driver = {{"name": "gpu.plugvisor.io", "kind": "gpu", "mode": "dra"}}
+config = parse_config({{"resources": [entry, driver]}}, source="t")
 child_specs(config)
 forbidden = ("grpc.", "plugvisor.api.deviceplugin", "plugvisor.api.podresources",
     "plugvisor.api.pluginregistration", "plugvisor.deviceplugin.server", "plugvisor.deviceplugin.endpoint",
-    "plugvisor.deviceplugin.registration", "plugvisor.deviceplugin.runtime", "plugvisor.deviceplugin.errors")
-loaded = sorted(m for m in sys.modules if m == "grpc" or m.startswith(forbidden))
+    "plugvisor.deviceplugin.registration", "plugvisor.deviceplugin.runtime", "plugvisor.deviceplugin.errors",
+    "plugvisor.dra", "lightkube", "httpx2")
+loaded = sorted(m for m in sys.modules if m in ("grpc", "lightkube", "httpx2") or m.startswith(forbidden))
 print(",".join(loaded))
 print("supervisor" in sys.modules)
 """
 
 
 def test_no_supervisor_module_pulls_in_grpc():
-    """Importing every module and validating a configuration loads no gRPC module (fresh interpreter)."""
+    """Importing every module and validating a configuration (a DRA driver's too) loads no gRPC module,
+    no DRA driver module and no Kubernetes API client (fresh interpreter)."""
     result = subprocess.run(
         [sys.executable, "-c", PROBE], capture_output=True, text=True, check=True, cwd="/"
     )

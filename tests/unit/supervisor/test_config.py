@@ -209,3 +209,100 @@ class TestMonitoring:
     )
     def test_bad_monitoring_values_name_the_field(self, section, field):
         assert field in errors_of(GOOD + f"monitoring: {section}\n")
+
+
+DRA = """
+kubeletDir: /var/lib/kubelet/device-plugins
+hostRoot: /host
+specRoot: /
+nodeName: worker-1
+resources:
+  - {name: gpu.plugvisor.io, kind: gpu, mode: dra, match: {vendors: ["0x10de"]}}
+  - {name: plugvisor.io/fuse, kind: generic, paths: ["/dev/fuse"]}
+"""
+
+
+class TestDraMode:
+    def test_a_dra_resource_is_named_by_its_driver_and_runs_the_dra_driver_command(self):
+        config = config_.parse_config(yaml.safe_load(DRA), source="node.yaml")
+        specs = config_.child_specs(config, log_format="json")
+
+        spec = specs["gpu.plugvisor.io"]
+        assert spec.mode == "dra"
+        assert spec.args[:6] == ("plugin", "gpu", "--mode", "dra", "--driver", "gpu.plugvisor.io")
+        args = {
+            option: spec.args[spec.args.index(option) + 1] for option in spec.args if option.startswith("--")
+        }
+        assert args["--kubelet-dir"] == "/var/lib/kubelet/device-plugins"
+        assert args["--node-name"] == "worker-1"
+        assert args["--spec-root"] == "/"
+        assert json.loads(args["--options-json"]) == {"match": {"vendors": ["0x10de"]}}
+        assert "--replace" in spec.args
+        assert "--on-kubelet-restart" not in spec.args  # the plugin watcher re-dials a DRA driver
+        assert specs["plugvisor.io/fuse"].mode == "device-plugin"
+
+    def test_the_driver_sockets_are_where_the_kubelet_looks_relative_to_its_root(self):
+        config = config_.parse_config(yaml.safe_load(DRA), source="node.yaml")
+
+        registration, dra = config_.dra_socket_paths(config.kubelet_root, "gpu.plugvisor.io")
+
+        assert str(registration) == "/var/lib/kubelet/plugins_registry/gpu.plugvisor.io-reg.sock"
+        assert str(dra) == "/var/lib/kubelet/plugins/gpu.plugvisor.io/dra.sock"
+
+    @pytest.mark.parametrize(
+        ("entry", "message"),
+        [
+            (
+                "{name: plugvisor.io/gpu, kind: gpu, mode: dra}",
+                "node.yaml: resources[0].name: Value error, DRA driver name 'plugvisor.io/gpu' is not a DNS "
+                "subdomain",
+            ),
+            (
+                "{name: gpu.plugvisor.io, kind: gpu}",
+                "node.yaml: resources[0].name: Value error, 'gpu.plugvisor.io' has no domain",
+            ),
+            (
+                "{name: gpu.plugvisor.io, kind: gpu, mode: dra, registration: kubelet-sock}",
+                "node.yaml: resources[0]: Value error, a DRA driver registers through the kubelet's plugin "
+                "watcher: leave out registration",
+            ),
+            (
+                "{name: plugvisor.io/gpu, kind: gpu, mode: csi}",
+                "node.yaml: resources[0].mode: expected device-plugin or dra, got 'csi'",
+            ),
+        ],
+        ids=[
+            "dra-named-like-a-resource",
+            "resource-named-like-a-driver",
+            "dra-on-kubelet-sock",
+            "unknown-mode",
+        ],
+    )
+    def test_a_wrong_name_or_mode_names_the_entry(self, entry, message):
+        errors = errors_of(f"resources:\n  - {entry}\n")
+
+        assert message in errors
+        assert len(errors.splitlines()) == 1
+
+    def test_a_driver_name_too_long_for_the_sockets_is_refused(self):
+        name = "a" * 60 + ".io"
+        entry = f"{{name: {name}, kind: gpu, mode: dra}}"
+        errors = errors_of(f"kubeletDir: /{'k' * 40}/device-plugins\nresources:\n  - {entry}\n")
+
+        assert "too long for the sockets of " + name in errors
+
+    def test_the_fpga_kinds_own_mode_key_still_means_the_fpga_kinds_mode(self):
+        """fpga's `mode: af|region|xilinx` predates DRA: that value is the kind's, the API a device plugin."""
+        document = "resources:\n  - {name: plugvisor.io/fpga, kind: fpga, mode: region}\n"
+        config = config_.parse_config(yaml.safe_load(document), source="node.yaml")
+
+        (resource,) = config.resources
+        assert not resource.dra and resource.options == {"mode": "region"}
+        assert config_.child_specs(config)["plugvisor.io/fpga"].args[:2] == ("plugin", "fpga")
+
+    def test_a_node_name_must_be_a_node_name(self):
+        errors = errors_of(
+            "nodeName: Worker_1\nresources:\n  - {name: gpu.plugvisor.io, kind: gpu, mode: dra}\n"
+        )
+
+        assert "node.yaml: nodeName: Value error, 'Worker_1' is not a lowercase DNS-1123 subdomain" in errors

@@ -1,5 +1,6 @@
 """What operators and scripts read: the state file, `plugvisor status`, metrics text, systemd datagrams."""
 
+import dataclasses
 import errno
 import json
 import os
@@ -136,6 +137,28 @@ class TestMetrics:
         assert 'plugvisor_child_restarts_total{cause="killed",resource="example.com/gpu"} 0.0' in text
         assert "plugvisor_kubelet_restarts_total 0.0" in text
         assert "plugvisor_ready 0.0" in text
+
+    def test_a_dra_driver_shows_its_mode_and_whether_its_slices_are_synced(
+        self, running, tmp_path, agent_lock
+    ):
+        """A DRA child's SLICES= report reaches `plugvisor status` and /metrics."""
+        child = running.children["example.com/nic"]
+        child.spec = dataclasses.replace(child.spec, mode="dra")
+        running.handle_report(child.pid, {"REGISTERED": "1", "DEVICES": "8/8", "SLICES": "failing: HTTP 403"})
+
+        text = Metrics(running.snapshot, multiproc_dir=tmp_path).render().decode()
+        document = running.snapshot()
+        document["supervisor"]["pid"] = os.getpid()
+        status_.write_state(tmp_path, document)
+        output = CliRunner().invoke(status_command, ["--runtime-dir", str(tmp_path)]).output
+
+        assert 'plugvisor_child_info{kind="generic",mode="dra",resource="example.com/nic"} 1.0' in text
+        assert (
+            'plugvisor_child_info{kind="generic",mode="device-plugin",resource="example.com/gpu"} 1.0' in text
+        )
+        assert 'plugvisor_dra_slices_synced{resource="example.com/nic"} 0.0' in text
+        assert 'plugvisor_dra_slices_synced{resource="example.com/gpu"}' not in text
+        assert output.splitlines()[3].endswith("8/8, slices failing: HTTP 403")
 
 
 class TestSystemdNotifier:

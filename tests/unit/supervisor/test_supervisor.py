@@ -527,3 +527,64 @@ class TestDeadSockets:
         supervisor.start()
         crash(supervisor, spawner, GPU, returncode=-9)
         assert swept == [socket_prefix(GPU)]
+
+
+class TestDraDrivers:
+    DRIVER = "gpu.plugvisor.io"
+
+    def make(self, spawner, clock, **settings: object) -> Supervisor:
+        config = node_config(GPU, **settings)
+        dra = config.resources[0].model_copy(update={"name": self.DRIVER, "mode": "dra"})
+        supervisor = Supervisor(
+            config.model_copy(update={"resources": [dra, config.resources[0]]}),
+            spawner=spawner,
+            clock=clock,
+            rand=lambda: 0.5,
+            socket_exists=lambda name: name == "kubelet.sock",  # no child's socket is in the kubelet dir
+        )
+        supervisor.start()
+        return supervisor
+
+    def test_a_driver_is_never_restarted_for_a_kubelet_restart_but_waits_for_its_new_registration(
+        self, spawner, clock
+    ):
+        """The new kubelet's plugin watcher dials the driver again: restarting it would only cost its work."""
+        supervisor = self.make(spawner, clock, onKubeletRestart="restart")
+        driver = supervisor.children[self.DRIVER]
+        supervisor.handle_report(driver.pid, {"REGISTERED": "1", "ENDPOINT": f"{self.DRIVER}-reg.sock"})
+        assert driver.state is states.RUNNING  # its socket is not in the kubelet dir, and that is fine
+
+        supervisor.handle_kubelet_started(clock.wall() + 0.001)
+
+        assert (driver.pid, signal.SIGTERM) not in spawner.signals
+        assert not driver.registered and not supervisor.ready
+        clock.advance(0.01)
+        supervisor.handle_report(driver.pid, {"REGISTERED": "2"})
+        assert driver.registered and driver.restarts == {}
+
+    def test_a_driver_that_is_never_dialled_again_is_restarted_after_the_registration_timeout(
+        self, spawner, clock
+    ):
+        supervisor = self.make(spawner, clock, onKubeletRestart="restart", registrationTimeout=30)
+        driver = supervisor.children[self.DRIVER]
+        supervisor.handle_report(driver.pid, {"REGISTERED": "1"})
+        supervisor.handle_kubelet_started(clock.wall() + 0.001)
+
+        clock.advance(31)
+        supervisor.tick()
+
+        assert driver.state is states.STOPPING
+        assert driver.restart_after_stop == "unregistered"
+
+    def test_the_drivers_slices_and_mode_are_in_the_status(self, spawner, clock):
+        supervisor = self.make(spawner, clock)
+        driver = supervisor.children[self.DRIVER]
+        supervisor.handle_report(driver.pid, {"REGISTERED": "1", "DEVICES": "7/8", "SLICES": "synced"})
+
+        child = next(c for c in supervisor.snapshot()["children"] if c["resource"] == self.DRIVER)
+
+        assert (child["mode"], child["slices"], child["devices"]) == (
+            "dra",
+            "synced",
+            {"healthy": 7, "total": 8},
+        )

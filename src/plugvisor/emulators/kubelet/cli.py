@@ -72,12 +72,14 @@ async def _serve(socket_dir: Path, *, options: dict[str, Any]) -> None:
         await kubelet.stop()
 
 
-def _parse_gates(ctx: click.Context, param: click.Parameter, value: str | None) -> gates.FeatureGates:
+def _parse_gates(ctx: click.Context, param: click.Parameter, value: str | None) -> str:
+    """Check the syntax now (one error naming the gate); the release's defaults are applied later."""
     del ctx, param
     try:
-        return gates.FeatureGates.parse(value or "")
+        gates.FeatureGates.parse(value or "")
     except ValueError as error:
         raise click.BadParameter(str(error)) from None
+    return value or ""
 
 
 @click.command(name="kubelet")
@@ -135,10 +137,10 @@ def _parse_gates(ctx: click.Context, param: click.Parameter, value: str | None) 
 @click.option(
     "--replacement",
     type=click.Choice(registration.REPLACEMENTS),
-    default="per-name",
-    show_default=True,
+    default=None,
     help="A second plugin for a registered resource: per-name (kubelet 1.26-1.35, the new client replaces "
-    "the old) or per-socket (instances tracked per socket, zero-downtime hand-over; kubernetes#135437).",
+    "the old) or per-socket (instances tracked per socket, zero-downtime hand-over; kubernetes#135437) "
+    "[default: the release's: per-socket from 1.37].",
 )
 @click.option(
     "--feature-gates",
@@ -146,8 +148,8 @@ def _parse_gates(ctx: click.Context, param: click.Parameter, value: str | None) 
     callback=_parse_gates,
     default=None,
     metavar="GATES",
-    help="Kubelet feature gates, e.g. KubeletPodResourcesGet=true,ResourceHealthStatus=true,"
-    "DeviceManagerDeallocate=true.",
+    help="Kubelet feature gates over the release's defaults, e.g. ResourceHealthStatus=false,"
+    "DeviceManagerDeallocate=true (docs/kubelet.md lists each release's defaults).",
 )
 @click.option(
     "--plugins-registry",
@@ -180,8 +182,8 @@ def kubelet_command(  # noqa: PLR0917 - click passes every option positionally
     pod_resources_socket: Path | None,
     no_pod_resources: bool,
     pods_view_path: Path | None,
-    replacement: registration.Replacement,
-    feature_gates: gates.FeatureGates,
+    replacement: registration.Replacement | None,
+    feature_gates: str,
     plugins_registry: Path | None,
     no_plugin_watcher: bool,
     kubelet_version: str,
@@ -200,7 +202,8 @@ def kubelet_command(  # noqa: PLR0917 - click passes every option positionally
     except versions.UnsupportedVersionError as error:
         raise click.BadParameter(str(error), param_hint="'--kubelet-version'") from None
     try:
-        rules.check_gates(feature_gates)
+        parsed_gates = rules.gates_from_flag(feature_gates)
+        rules.check_gates(parsed_gates)
     except ValueError as error:
         raise click.BadParameter(str(error), param_hint="'--feature-gates'") from None
     options: dict[str, Any] = {
@@ -212,7 +215,7 @@ def kubelet_command(  # noqa: PLR0917 - click passes every option positionally
         "pod_resources_socket": pod_resources_socket,
         "pods_view_path": pods_view_path,
         "replacement": replacement,
-        "gates": feature_gates,
+        "gates": parsed_gates,
         "kubelet_version": rules.version,
         "plugin_watcher": not no_plugin_watcher,
         "plugins_registry": plugins_registry,

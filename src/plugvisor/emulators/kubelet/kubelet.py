@@ -40,6 +40,7 @@ from plugvisor.common import constants
 from plugvisor.emulators.kubelet import allocation as allocation_
 from plugvisor.emulators.kubelet import (
     devicemanager,
+    dra,
     journal,
     manager,
     manifest,
@@ -106,6 +107,11 @@ class EmulatedKubelet:
     pods ``<name>-<node name>`` as a real node does. ``pod_sources_delay`` is the
     time between serving Register and re-admitting pods at a start
     (:data:`POD_SOURCES_DELAY`).
+
+    On releases with DRA (1.34 and later) the plugin watcher also registers DRA
+    drivers' kubelet plugins, and :attr:`dra` prepares claims a test states
+    (:mod:`.dra`); ``objects_dir`` is where it writes them for drivers run with
+    ``--objects-dir`` (the API server's part, as files).
     """
 
     def __init__(
@@ -126,7 +132,7 @@ class EmulatedKubelet:
         pod_resources_socket: Path | None = None,
         pod_resources_qps: float = podresources.DEFAULT_QPS,
         pod_resources_burst: int = podresources.DEFAULT_BURST,
-        replacement: registration.Replacement = "per-name",
+        replacement: registration.Replacement | None = None,
         gates: gates_.FeatureGates | None = None,
         node_name: str | None = None,
         kubelet_version: str = versions.DEFAULT_VERSION,
@@ -134,15 +140,18 @@ class EmulatedKubelet:
         plugin_watcher: bool = True,
         plugins_registry: Path | None = None,
         plugin_watcher_period: float = pluginwatcher.RECONCILE_PERIOD,
+        objects_dir: Path | None = None,
     ) -> None:
         self.socket_dir = Path(os.path.abspath(socket_dir))  # noqa: PTH100 - no symlink resolution
         self.socket_path = self.socket_dir / constants.KUBELET_SOCKET_NAME
         _check_socket_path(self.socket_path)
+        self.rules = versions.rules_for(kubelet_version)
+        if replacement is None:
+            replacement = self.rules.replacement
         if replacement not in registration.REPLACEMENTS:
             raise ValueError(f"replacement must be one of {registration.REPLACEMENTS}, got {replacement!r}")
         self.replacement: registration.Replacement = replacement
-        self.rules = versions.rules_for(kubelet_version)
-        self.gates = gates if gates is not None else _default_gates()
+        self.gates = self.rules.with_locks(gates if gates is not None else self.rules.default_gates)
         self.rules.check_gates(self.gates)
         self.node_name = node_name if node_name is not None else default_node_name()
         self.pod_sources_delay = pod_sources_delay
@@ -200,6 +209,16 @@ class EmulatedKubelet:
         self._pods = pods_.Pods(
             devices=self._devices, journal=self._journal, health_status=self.gates.resource_health_status
         )
+        self.dra: dra.DraManager | None = (
+            dra.DraManager(
+                journal=self._journal,
+                health_status=self.gates.resource_health_status,
+                objects_dir=Path(os.path.abspath(objects_dir)) if objects_dir is not None else None,  # noqa: PTH100
+            )
+            if dra.dra_available(self.rules.version)
+            else None
+        )
+        """The DRA side (kubelets 1.34 and later): drivers registered by the plugin watcher, claims."""
         self._pod_resources_server: podresources.PodResourcesServer | None = None
         self._pod_watcher: podsource.DirectoryWatcher | None = None
         self._reported_invalid: set[str] = set()
@@ -212,6 +231,15 @@ class EmulatedKubelet:
             self._journal.add_listener(self._view.mark_dirty)
             self._pods_view = view.ViewWriter(self.pods_view_path, self.pods_document)
             self._journal.add_listener(self._pods_view.mark_dirty)
+
+    def _plugin_handlers(self) -> dict[str, pluginwatcher.PluginHandler]:
+        """The plugin manager's handlers by plugin type: the device manager's, and DRA's where it exists."""
+        handlers: dict[str, pluginwatcher.PluginHandler] = {}
+        if self._devices.server is not None:
+            handlers[constants.DEVICE_PLUGIN_TYPE] = self._devices.server
+        if self.dra is not None:
+            handlers[constants.DRA_PLUGIN_TYPE] = self.dra
+        return handlers
 
     def _default_plugins_registry(self) -> Path:
         """``<root>/plugins_registry``; beside DIR (``<DIR>.plugins_registry``) when there is no root."""
@@ -321,7 +349,7 @@ class EmulatedKubelet:
             # The plugin manager starts with the device manager's handler registered.
             watcher = pluginwatcher.PluginWatcher(
                 self.plugins_registry,
-                handler=lambda: self._devices.server,
+                handlers=self._plugin_handlers,
                 journal=self._journal,
                 reconcile_period=self._plugin_watcher_period,
             )
@@ -398,6 +426,8 @@ class EmulatedKubelet:
         if self._pod_resources_server is not None:
             await self._pod_resources_server.stop()
             self._pod_resources_server = None
+        if self.dra is not None:
+            await self.dra.stop()
         await self._devices.stop()
         self._journal.event(model.EventKind.STOPPED, "kubelet stopped")
         for writer in (self._view, self._pods_view):
@@ -686,10 +716,6 @@ class EmulatedKubelet:
         for writer in (self._view, self._pods_view):
             if writer is not None and self.running:
                 await writer.settled()
-
-
-def _default_gates() -> gates_.FeatureGates:
-    return gates_.FeatureGates()
 
 
 def _check_socket_path(path: Path) -> None:

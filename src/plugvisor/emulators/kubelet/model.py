@@ -161,6 +161,8 @@ class EventKind(enum.StrEnum):
     PLUGIN_SOCKET_FOUND = "plugin_socket_found"
     PLUGIN_SOCKET_REMOVED = "plugin_socket_removed"
     PLUGIN_DEREGISTERED = "plugin_deregistered"
+    CLAIM_PREPARED = "claim_prepared"
+    CLAIM_UNPREPARED = "claim_unprepared"
 
 
 @dataclass(frozen=True, slots=True)

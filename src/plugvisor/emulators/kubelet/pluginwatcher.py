@@ -18,9 +18,11 @@ and the kubelet dials back. This module follows the upstream parts one by one:
   retried with exponential back-off (0.5 s doubling to 2 min 2 s, goroutinemap's);
 * **the register operation** (``operationexecutor/operation_generator.go``):
   blocking dial (10 s), ``GetInfo`` (1 s), the handler for ``PluginInfo.type``
-  (only ``DevicePlugin`` here), an empty endpoint meaning the registry socket
-  itself, ``ValidatePlugin``, ``RegisterPlugin``, and ``NotifyRegistrationStatus``
-  (5 s) telling the plugin the outcome, with upstream's error texts;
+  (``DevicePlugin``, and ``DRAPlugin`` on kubelets with DRA, see :mod:`.dra`),
+  an empty endpoint meaning the registry socket itself, ``ValidatePlugin``,
+  ``RegisterPlugin``, and ``NotifyRegistrationStatus`` (5 s) telling the plugin
+  the outcome, with upstream's error texts; a plugin that cannot be told it
+  was registered is deregistered again;
 * **the DevicePlugin handler** (``devicemanager/plugin/v1beta1/handler.go``):
   ``ValidatePlugin`` checks the supported versions and the resource name;
   ``RegisterPlugin`` connects to ``PluginInfo.endpoint`` as a full socket path
@@ -40,7 +42,7 @@ import contextlib
 import itertools
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Protocol
@@ -50,7 +52,6 @@ from asyncinotify import Inotify, Mask
 
 from plugvisor.api.pluginregistration.v1 import api_pb2 as reg_pb2
 from plugvisor.api.pluginregistration.v1 import api_pb2_grpc as reg_grpc
-from plugvisor.common import constants
 from plugvisor.emulators.kubelet import client as client_
 from plugvisor.emulators.kubelet import errors, journal, model
 
@@ -71,12 +72,12 @@ _MASK: Final = Mask.CREATE | Mask.MOVED_TO | Mask.DELETE | Mask.DELETE_SELF
 
 
 class PluginHandler(Protocol):
-    """**Protocol:** ``cache.PluginHandler`` for type ``DevicePlugin`` (the device manager's server)."""
+    """**Protocol:** ``cache.PluginHandler``: the device manager's server, the DRA manager."""
 
-    def validate_plugin(self, name: str, versions: list[str]) -> str | None:
+    def validate_plugin(self, name: str, endpoint: str, versions: list[str]) -> str | None:
         """Return the validation error text, or ``None`` when the plugin is acceptable."""
 
-    async def register_plugin(self, name: str, endpoint: str) -> None:
+    async def register_plugin(self, name: str, endpoint: str, versions: list[str]) -> None:
         """Connect the plugin; raise :class:`~plugvisor.emulators.kubelet.client.ConnectError` on failure."""
 
     async def deregister_plugin(self, name: str, endpoint: str) -> None:
@@ -95,6 +96,7 @@ class RegisteredPlugin:
     timestamp: int
     name: str
     endpoint: str
+    handler: PluginHandler
 
 
 @dataclass(slots=True)
@@ -110,13 +112,13 @@ class PluginWatcher:
         self,
         directory: Path,
         *,
-        handler: Callable[[], PluginHandler | None],
+        handlers: Callable[[], Mapping[str, PluginHandler]],
         journal: journal.Journal,
         dial_timeout: float = DIAL_TIMEOUT,
         reconcile_period: float = RECONCILE_PERIOD,
     ) -> None:
         self.directory = directory
-        self._handler = handler
+        self._handlers = handlers
         self._journal = journal
         self._dial_timeout = dial_timeout
         self._reconcile_period = reconcile_period
@@ -235,14 +237,14 @@ class PluginWatcher:
 
     async def reconcile(self) -> None:
         """One pass: unregistrations first, then registrations (``reconciler.reconcile``)."""
-        handler = self._handler()
-        if handler is None:
+        handlers = self._handlers()
+        if not handlers:
             return
         for socket_path, registered in list(self.actual.items()):
             wanted = self.desired.get(socket_path)
             if wanted is None or wanted != registered.timestamp:
                 del self.actual[socket_path]
-                await handler.deregister_plugin(registered.name, registered.endpoint)
+                await registered.handler.deregister_plugin(registered.name, registered.endpoint)
                 self._journal.event(
                     model.EventKind.PLUGIN_DEREGISTERED,
                     f"{registered.name}: plugin at {socket_path} deregistered",
@@ -258,7 +260,7 @@ class PluginWatcher:
             if backoff is not None and now < backoff.not_before:
                 continue
             try:
-                await self._register(handler, socket_path, timestamp)
+                await self._register(handlers, socket_path, timestamp)
             except RegistrationFailedError as failure:
                 delay = INITIAL_BACKOFF if backoff is None else min(backoff.delay * 2, MAX_BACKOFF)
                 self._backoff[socket_path] = _Backoff(not_before=now + delay, delay=delay)
@@ -273,7 +275,9 @@ class PluginWatcher:
 
     # -- the register operation ----------------------------------------------------------
 
-    async def _register(self, handler: PluginHandler, socket_path: str, timestamp: int) -> None:
+    async def _register(
+        self, handlers: Mapping[str, PluginHandler], socket_path: str, timestamp: int
+    ) -> None:
         received_at = self._journal.clock()
         async with grpc.aio.insecure_channel(
             "unix:" + socket_path, options=[("grpc.use_local_subchannel_pool", 1)]
@@ -294,7 +298,8 @@ class PluginWatcher:
                     "RegisterPlugin error -- failed to get plugin info using RPC GetInfo at socket "
                     f"{socket_path}, err: {errors.go_rpc_error(error)}"
                 ) from None
-            if info.type != constants.DEVICE_PLUGIN_TYPE:
+            handler = handlers.get(info.type)
+            if handler is None:
                 message = (
                     f"RegisterPlugin error -- no handler registered for plugin type: {info.type} "
                     f"at socket {socket_path}"
@@ -304,7 +309,7 @@ class PluginWatcher:
             endpoint = info.endpoint or socket_path
             versions = list(info.supported_versions)
             record = _Record(self._journal, info.name, endpoint, versions, received_at)
-            problem = handler.validate_plugin(info.name, versions)
+            problem = handler.validate_plugin(info.name, endpoint, versions)
             if problem is not None:
                 record.done(problem)
                 await self._notify(
@@ -317,16 +322,22 @@ class PluginWatcher:
                     "RegisterPlugin error -- pluginHandler.ValidatePluginFunc failed"
                 )
             # Recorded before the handler runs, so that a removal meanwhile becomes a deregistration.
-            self.actual[socket_path] = RegisteredPlugin(socket_path, timestamp, info.name, endpoint)
+            self.actual[socket_path] = RegisteredPlugin(socket_path, timestamp, info.name, endpoint, handler)
             try:
-                await handler.register_plugin(info.name, endpoint)
+                await handler.register_plugin(info.name, endpoint, versions)
             except client_.ConnectError as error:
+                self.actual.pop(socket_path, None)
                 record.done(str(error))
                 message = f"RegisterPlugin error -- plugin registration failed with err: {error}"
                 await self._notify(plugin, socket_path, registered=False, error=message)
                 raise RegistrationFailedError(message) from None
             record.done(None)
-            await self._notify(plugin, socket_path, registered=True, error="")
+            try:
+                await self._notify(plugin, socket_path, registered=True, error="")
+            except RegistrationFailedError:
+                self.actual.pop(socket_path, None)
+                await handler.deregister_plugin(info.name, endpoint)
+                raise
 
     async def _notify(
         self, plugin: reg_grpc.RegistrationAsyncStub, socket_path: str, *, registered: bool, error: str

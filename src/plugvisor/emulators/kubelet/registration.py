@@ -31,8 +31,13 @@ generations (docs/kubelet-contract.md, section 8):
   path. The newest live instance is the resource's endpoint and only its list
   counts; a failed Register leaves the others alone; when an instance ends, the
   newest remaining one takes over again (its last list applied, no capacity
-  dip) and only the last one's end disconnects the resource. A Register on a
-  socket path already in use replaces that instance (unsupported upstream).
+  dip) and only the last one's end disconnects the resource. A second Register
+  from a socket that is connected is refused, as 1.37 refuses it (``device
+  plugin already connected: <path>``), and it makes the kubelet forget that
+  instance while its stream runs on: when the stream ends nothing is
+  disconnected, and the resource keeps the devices it last listed (seen on the
+  real v1.37.2 kubelet; upstream's failed connect deregisters every client of
+  that socket path, the running one included).
 
 At start, every unix socket in the directory is deleted (following symlinks,
 as ``os.Stat`` does) - directories, regular files and the checkpoint stay. That
@@ -141,6 +146,8 @@ class RegistrationServer(api_pb2_grpc.RegistrationServicer):
         """The current client per resource name (``server.clients``)."""
         self.instances: dict[str, dict[str, client_.PluginClient]] = {}
         """Per-socket mode: live instances per resource, by socket path, oldest first."""
+        self.forgotten: set[client_.PluginClient] = set()
+        """Per-socket mode: instances whose socket registered again; their stream's end changes nothing."""
         self.registration_counts: collections.Counter[str] = collections.Counter()
         """Register attempts per resource name, valid or not (the kubelet's metric)."""
         self._server: grpc.aio.Server | None = None
@@ -172,6 +179,7 @@ class RegistrationServer(api_pb2_grpc.RegistrationServicer):
         self._runs.clear()
         self.clients.clear()
         self.instances.clear()
+        self.forgotten.clear()
 
     def is_current(self, name: str, plugin_client: client_.PluginClient | None) -> bool:
         """Tell whether a client's ListAndWatch messages count for the resource."""
@@ -237,7 +245,7 @@ class RegistrationServer(api_pb2_grpc.RegistrationServicer):
 
     # -- the plugin watcher's DevicePlugin handler (handler.go) ------------------------
 
-    def validate_plugin(self, name: str, versions: list[str]) -> str | None:
+    def validate_plugin(self, name: str, endpoint: str, versions: list[str]) -> str | None:
         """``ValidatePlugin``: a supported version and an extended resource name, else the kubelet's text."""
         if not any(version in constants.SUPPORTED_VERSIONS for version in versions):
             return (
@@ -248,7 +256,7 @@ class RegistrationServer(api_pb2_grpc.RegistrationServicer):
             return f"invalid name of device plugin socket: the ResourceName {names.go_quote(name)} is invalid"
         return None
 
-    async def register_plugin(self, name: str, endpoint: str) -> None:
+    async def register_plugin(self, name: str, endpoint: str, versions: list[str]) -> None:
         """``RegisterPlugin``: connect the client at ``endpoint`` (a full socket path), as Register does.
 
         Raises :class:`~plugvisor.emulators.kubelet.client.ConnectError` with the
@@ -288,6 +296,10 @@ class RegistrationServer(api_pb2_grpc.RegistrationServicer):
         )
         adapter.client = plugin_client
         per_socket = self.replacement == "per-socket"
+        if per_socket and socket_path in self.instances.get(name, {}):
+            self.forgotten.add(self.instances[name].pop(socket_path))
+            _log.info("failed to connect to new client", resource=name, socket=socket_path)
+            raise client_.ConnectError(f"device plugin already connected: {socket_path}")
         previous = self.clients.get(name)
         self.clients[name] = plugin_client
         try:
@@ -350,6 +362,17 @@ class RegistrationServer(api_pb2_grpc.RegistrationServicer):
         await current.disconnect()
 
     async def _instance_ended(self, name: str, plugin_client: client_.PluginClient) -> None:
+        if plugin_client in self.forgotten:
+            self.forgotten.discard(plugin_client)
+            await plugin_client.close()
+            self._journal.event(
+                model.EventKind.PLUGIN_INSTANCE_ENDED,
+                f"{name}: the instance at {plugin_client.socket_path} ended after its socket registered "
+                "again; the kubelet had forgotten it, so the resource keeps its devices",
+                resource=name,
+                endpoint=plugin_client.socket_path,
+            )
+            return
         instances = self.instances.get(name, {})
         if instances.get(plugin_client.socket_path) is plugin_client:
             del instances[plugin_client.socket_path]

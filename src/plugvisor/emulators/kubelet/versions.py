@@ -17,12 +17,16 @@ releases are named in the rule's notes but not modelled.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from plugvisor.emulators.kubelet import gates as gates_
 
-SUPPORTED_VERSIONS: Final[tuple[str, ...]] = ("1.26", "1.29", "1.35")
+if TYPE_CHECKING:
+    from plugvisor.emulators.kubelet.registration import Replacement
+
+SUPPORTED_VERSIONS: Final[tuple[str, ...]] = ("1.26", "1.29", "1.35", "1.37")
 """The releases whose device manager sources were read for this emulator, oldest first."""
 
 DEFAULT_VERSION: Final = SUPPORTED_VERSIONS[-1]
@@ -111,6 +115,41 @@ RULES: Final[tuple[Rule, ...]] = (
         change="feature gate `ResourceHealthStatus`, alpha (KEP-4680; Kubernetes feature-gate reference)",
         what="the `ResourceHealthStatus` feature gate exists (off by default)",
     ),
+    Rule(
+        name="pod_resources_get_on_by_default",
+        since="1.34",
+        until=None,
+        change="feature gate `KubeletPodResourcesGet` beta in 1.34 (pkg/features/kube_features.go)",
+        what="PodResources `Get` answers without any `--feature-gates`",
+    ),
+    Rule(
+        name="pod_resources_get_locked_on",
+        since="1.36",
+        until=None,
+        change="feature gate `KubeletPodResourcesGet` GA in 1.36, locked to its default",
+        what=(
+            "`KubeletPodResourcesGet=false` is refused (`cannot set feature gate KubeletPodResourcesGet "
+            "to false, feature is locked to true`)"
+        ),
+    ),
+    Rule(
+        name="resource_health_status_on_by_default",
+        since="1.36",
+        until=None,
+        change="feature gate `ResourceHealthStatus` beta in 1.36 (pkg/features/kube_features.go)",
+        what="containers report `allocatedResourcesStatus` without any `--feature-gates`",
+    ),
+    Rule(
+        name="replacement_per_socket",
+        since="1.37",
+        until=None,
+        change="kubernetes#135437 (read in v1.37.2's plugin/v1beta1/handler.go; 1.36 not checked)",
+        what=(
+            "plugin instances are tracked per socket path: a second instance of a resource takes over "
+            "and the first one's end does not zero its allocatable (`--replacement per-socket`); "
+            "before, `per-name`"
+        ),
+    ),
 )
 """Every version-dependent rule of the device manager, oldest first."""
 
@@ -134,6 +173,12 @@ class KubeletRules:
     pending_admission_pod_is_active: bool
     feature_gates: frozenset[str]
     """Upstream names of the gates this release knows (the emulator's own proposal gate always)."""
+    default_gates: gates_.FeatureGates
+    """The gates as this release has them when ``--feature-gates`` says nothing."""
+    locked_gates: frozenset[str]
+    """Gates this release refuses to turn off (GA, locked to their default)."""
+    replacement: Replacement
+    """How a second plugin instance of a resource is handled (``--replacement``'s default)."""
 
     @property
     def schema_version(self) -> str:
@@ -146,6 +191,18 @@ class KubeletRules:
         if self.health_checks_before_reuse:
             return "cannot allocate unregistered device {resource}"
         return "can't allocate unregistered device {resource}"
+
+    def gates_from_flag(self, text: str) -> gates_.FeatureGates:
+        """``--feature-gates`` over this release's defaults; a locked gate set to false is refused."""
+        for name, value in gates_.FeatureGates.parse_values(text).items():
+            if name in self.locked_gates and not value:
+                raise ValueError(f"cannot set feature gate {name} to false, feature is locked to true")
+        return gates_.FeatureGates.parse(text, base=self.default_gates)
+
+    def with_locks(self, gates: gates_.FeatureGates) -> gates_.FeatureGates:
+        """``gates`` with this release's locked gates on (they cannot be off in it)."""
+        on = {field: True for name, field in gates_.FIELDS.items() if name in self.locked_gates}
+        return dataclasses.replace(gates, **on)
 
     def check_gates(self, gates: gates_.FeatureGates) -> None:
         """Raise :class:`ValueError` for an enabled gate this release does not know."""
@@ -176,6 +233,11 @@ def rules_for(version: str = DEFAULT_VERSION) -> KubeletRules:
     applied = {rule.name for rule in RULES if rule.applies_to(played)}
     known_gates = {gate for gate, rule in _GATE_RULES.items() if rule in applied}
     known_gates.add(gates_.DEVICE_MANAGER_DEALLOCATE)
+    defaults = gates_.FeatureGates(
+        kubelet_pod_resources_get="pod_resources_get_on_by_default" in applied,
+        resource_health_status="resource_health_status_on_by_default" in applied,
+    )
+    locked = {gates_.KUBELET_POD_RESOURCES_GET} if "pod_resources_get_locked_on" in applied else set()
     return KubeletRules(
         version=played,
         health_checks_before_reuse="health_checks_before_reuse" in applied,
@@ -184,6 +246,9 @@ def rules_for(version: str = DEFAULT_VERSION) -> KubeletRules:
         ),
         pending_admission_pod_is_active="pending_admission_pod_is_active" in applied,
         feature_gates=frozenset(known_gates),
+        default_gates=defaults,
+        locked_gates=frozenset(locked),
+        replacement="per-socket" if "replacement_per_socket" in applied else "per-name",
     )
 
 

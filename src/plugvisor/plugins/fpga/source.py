@@ -17,7 +17,10 @@ from plugvisor.common.monitoring import DeviceDescription, Reading
 from plugvisor.deviceplugin.devices import Device, DeviceSpec, Health
 from plugvisor.deviceplugin.hooks import ReleaseWatch
 from plugvisor.deviceplugin.snapshot import Snapshot
+from plugvisor.dra.devices import PublishedDevice
+from plugvisor.dra.hooks import dra_device_name
 from plugvisor.plugins import sysfs, telemetry
+from plugvisor.plugins.draattributes import function_attributes
 from plugvisor.plugins.fpga import naming
 from plugvisor.plugins.fpga.discovery import FpgaDevice, FpgaScanner
 from plugvisor.plugins.fpga.options import FpgaOptions, Mode, PreStartAction
@@ -178,6 +181,30 @@ class FpgaSource:
                 readings=per_function[bdf],
             )
         return described
+
+    def dra_devices(self, snapshot: Snapshot[FpgaScan]) -> Mapping[str, PublishedDevice]:
+        """DRA: each port (DFL) or card (Xilinx) with what a bitstream is built for, and its placement.
+
+        Attributes: ``flavor`` (``dfl``, ``xilinx``), ``interfaceId`` (the FPGA
+        interface a bitstream targets; a Xilinx card's shell), ``afuId`` (the
+        accelerator loaded in a DFL port), the card's ``vendor``,
+        ``pciDeviceId``, ``driver`` and ``model``, and the standard
+        ``resource.kubernetes.io/pciBusID``, ``pcieRoot`` and ``numaNode``.
+        """
+        answer: dict[str, PublishedDevice] = {}
+        for device_id in snapshot.devices:
+            device = snapshot.data.get(device_id)
+            if device is None:
+                continue
+            attributes = function_attributes(device.function, self.paths)
+            attributes["flavor"] = device.flavor
+            interface = device.interface_id or device.shell
+            if interface:
+                attributes["interfaceId"] = interface[:64]
+            if device.afu_id:
+                attributes["afuId"] = device.afu_id[:64]
+            answer[device_id] = PublishedDevice(dra_device_name(device_id), attributes)
+        return answer
 
     # -- PreStartContainer -----------------------------------------------------------
 

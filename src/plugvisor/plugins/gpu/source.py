@@ -13,8 +13,10 @@ from plugvisor.common.monitoring import DeviceDescription, Reading
 from plugvisor.deviceplugin.devices import Device, DeviceSpec, Health
 from plugvisor.deviceplugin.hooks import ContainerAllocation
 from plugvisor.deviceplugin.snapshot import Snapshot
+from plugvisor.dra.devices import PublishedDevice
 from plugvisor.plugins import sysfs, telemetry, topology
 from plugvisor.plugins.gpu import cdi
+from plugvisor.plugins.gpu import dra as gpu_dra
 from plugvisor.plugins.gpu.discovery import Gpu, GpuScanner
 from plugvisor.plugins.gpu.options import GpuOptions, IdStrategy
 
@@ -168,6 +170,11 @@ class GpuSource:
                 readings=readings[gpu.bdf],
             )
         return described
+
+    def dra_devices(self, snapshot: Snapshot[GpuScan]) -> Mapping[str, PublishedDevice]:
+        """DRA: one device per physical GPU, with its identity, placement and memory (see :mod:`.dra`)."""
+        physical = {device_id: p.physical for device_id, p in snapshot.data.placements.items()}
+        return gpu_dra.published(self.paths, snapshot, snapshot.data.gpus, physical)
 
     def _physical_id(self, gpu: Gpu) -> str:
         strategy = self.options.device_id_strategy

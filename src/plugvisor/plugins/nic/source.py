@@ -34,7 +34,10 @@ from plugvisor.common.monitoring import DeviceDescription, Reading
 from plugvisor.deviceplugin.devices import Device, DeviceSpec, Health
 from plugvisor.deviceplugin.hooks import ContainerAllocation
 from plugvisor.deviceplugin.snapshot import Snapshot
+from plugvisor.dra.devices import PublishedDevice
+from plugvisor.dra.hooks import dra_device_name
 from plugvisor.plugins import sysfs, telemetry
+from plugvisor.plugins.draattributes import function_attributes
 from plugvisor.plugins.nic.options import NicOptions
 
 VFIO_DRIVER: Final = "vfio-pci"
@@ -81,6 +84,10 @@ class ScannedVf:
     problems: tuple[str, ...]
     rdma: str | None = None
     """The VF's RDMA device name (``mlx5_3``) when it has one: what the post-allocate hook reports."""
+    vf_index: int | None = None
+    """The VF's number on its PF (``virtfn<N>``)."""
+    function: sysfs.PciFunction | None = None
+    """The VF as read: identity, driver, NUMA node, place in the PCI tree (what DRA publishes)."""
 
 
 class NicSource:
@@ -167,18 +174,18 @@ class NicSource:
             watch.add(pf.path)
             if pf.ifname is not None:
                 watch.add(pf.path / "net" / pf.ifname)
-            for _, vf_bdf in self._virtual_functions(pf, seen):
+            for vf_index, vf_bdf in self._virtual_functions(pf, seen):
                 if self._addresses is not None and vf_bdf not in self._addresses:
                     continue
                 seen.append(vf_bdf)
-                device = self._device(pf, vf_bdf, watch, found)
+                device = self._device(pf, vf_bdf, vf_index, watch, found)
                 if device is not None:
                     devices.append(device)
         self._problems.forget_absent(seen)
         return Snapshot(devices, watch=sorted(watch, key=str), data=MappingProxyType(found))
 
     def _device(
-        self, pf: PhysicalFunction, bdf: str, watch: set[Path], found: dict[str, ScannedVf]
+        self, pf: PhysicalFunction, bdf: str, vf_index: int, watch: set[Path], found: dict[str, ScannedVf]
     ) -> Device | None:
         vf = sysfs.read_function(self.paths.sysfs, bdf)
         if isinstance(vf, sysfs.Unreadable):
@@ -215,7 +222,9 @@ class NicSource:
         if self.options.vf_link_health:
             problems += self._vf_link(vf.path, watch)
         self._problems.report(bdf, "; ".join(problems) or None)
-        found[bdf] = ScannedVf(vf.path, pf, tuple(problems), None if rdma is None else rdma.name)
+        found[bdf] = ScannedVf(
+            vf.path, pf, tuple(problems), None if rdma is None else rdma.name, vf_index=vf_index, function=vf
+        )
         numa = None if self.options.exclude_topology else vf.numa_node
         return Device(
             bdf,
@@ -335,6 +344,35 @@ class NicSource:
         return ("pci", "net")
 
     # -- hooks ---------------------------------------------------------------------
+
+    def dra_devices(self, snapshot: Snapshot[Mapping[str, ScannedVf]]) -> Mapping[str, PublishedDevice]:
+        """DRA: each VF as ``<pf>-vf<N>``, with its PF, VF number, RDMA device and PCI placement.
+
+        Attributes: ``pfName`` (the PF's interface), ``pfPciBusID``, ``vfIndex``,
+        ``rdma`` (whether the VF has an RDMA device) and ``rdmaDevice``
+        (``mlx5_3``), the VF's ``vendor``, ``pciDeviceId``, ``driver`` and
+        ``model``, and the standard ``resource.kubernetes.io/pciBusID``,
+        ``pcieRoot`` and ``numaNode``: a claim can ask for "a VF with RDMA on
+        PF ens1f0" or "a VF on the same PCIe root as the GPU".
+        """
+        answer: dict[str, PublishedDevice] = {}
+        for bdf in snapshot.devices:
+            vf = snapshot.data.get(bdf)
+            if vf is None or vf.function is None:
+                continue
+            attributes = function_attributes(vf.function, self.paths)
+            attributes["pfPciBusID"] = vf.pf.bdf
+            if vf.pf.ifname is not None:
+                attributes["pfName"] = vf.pf.ifname[:64]
+            attributes["rdma"] = vf.rdma is not None
+            if vf.rdma is not None:
+                attributes["rdmaDevice"] = vf.rdma[:64]
+            name = dra_device_name(bdf)
+            if vf.vf_index is not None:
+                attributes["vfIndex"] = vf.vf_index
+                name = dra_device_name(f"{vf.pf.ifname or vf.pf.bdf}-vf{vf.vf_index}")
+            answer[bdf] = PublishedDevice(name, attributes)
+        return answer
 
     def post_allocate(self, allocation: ContainerAllocation, snapshot: Snapshot[Any]) -> ContainerAllocation:
         """Add ``<ENV>_INFO``: the network device-info JSON the SR-IOV plugin hands to CNI plugins."""

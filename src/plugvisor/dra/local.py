@@ -1,0 +1,166 @@
+"""Claims and slices as files: the API server's part, for a node that has none (emulation, tests).
+
+Without a scheduler and an API server nobody allocates claims or stores
+slices, yet a driver's whole node side (registration, prepare, CDI, health,
+restarts) can be exercised honestly: the allocation a scheduler would have made
+is written as a ResourceClaim object by whoever plays the scheduler (a test,
+the emulated kubelet), and the slices the driver publishes are written as
+ResourceSlice objects for anyone to read. Both are the API's own JSON shapes
+(``resource.k8s.io/v1``), in one directory::
+
+    <dir>/resourceclaims/<namespace>/<name>.json    read by FileClaimReader
+    <dir>/resourceslices/<driver>-<pool>.json       written by FileSlicePublisher
+
+``plugvisor plugin KIND --mode dra --objects-dir DIR`` runs a driver this way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import structlog
+
+from plugvisor.common.atomicfile import write_atomically
+from plugvisor.dra.cluster import AllocatedDevice, ClaimError
+from plugvisor.dra.devices import AttributeValue, PublishedDevice, SemVer
+
+API_VERSION: Final = "resource.k8s.io/v1"
+CLAIMS_DIR: Final = "resourceclaims"
+SLICES_DIR: Final = "resourceslices"
+_MAX_OBJECT_BYTES: Final = 4 << 20
+
+
+def claim_path(directory: Path, namespace: str, name: str) -> Path:
+    """Where the claim ``namespace/name`` is kept."""
+    return directory / CLAIMS_DIR / namespace / f"{name}.json"
+
+
+def slice_path(directory: Path, driver: str, pool: str) -> Path:
+    """Where the driver's slice of ``pool`` is kept."""
+    return directory / SLICES_DIR / f"{driver}-{pool}.json"
+
+
+def _read_json(path: Path) -> Any:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as handle:
+        return json.loads(handle.read(_MAX_OBJECT_BYTES))
+
+
+def allocation_results(claim: Mapping[str, Any]) -> list[AllocatedDevice]:
+    """A ResourceClaim object's ``status.allocation.devices.results``; raises ``KeyError``/``TypeError``."""
+    results = claim["status"]["allocation"]["devices"]["results"]
+    if not isinstance(results, list):
+        raise TypeError("status.allocation.devices.results must be a list")
+    return [
+        AllocatedDevice(
+            request=str(result["request"]),
+            driver=str(result["driver"]),
+            pool=str(result["pool"]),
+            device=str(result["device"]),
+            admin_access=bool(result.get("adminAccess", False)),
+        )
+        for result in results
+    ]
+
+
+class FileClaimReader:
+    """Reads allocated claims from ``<dir>/resourceclaims``, with the API server's three refusals."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    async def allocated_devices(self, *, namespace: str, name: str, uid: str) -> Sequence[AllocatedDevice]:
+        """The claim's allocated devices; :class:`ClaimError` when it is missing, newer or not allocated."""
+        return await asyncio.to_thread(self._read, namespace, name, uid)
+
+    def _read(self, namespace: str, name: str, uid: str) -> list[AllocatedDevice]:
+        path = claim_path(self.directory, namespace, name)
+        if "/" in namespace or "/" in name or namespace in {"", ".", ".."} or name in {"", ".", ".."}:
+            raise ClaimError(f"resourceclaims {name!r} in namespace {namespace!r}: not a valid name")
+        try:
+            claim = _read_json(path)
+        except FileNotFoundError:
+            raise ClaimError(f'resourceclaims "{name}" not found in namespace "{namespace}"') from None
+        except (OSError, ValueError) as exc:
+            raise ClaimError(f"{path}: cannot read the claim: {exc}") from None
+        found = claim.get("metadata", {}).get("uid") if isinstance(claim, dict) else None
+        if found != uid:
+            raise ClaimError(
+                f"{namespace}/{name} now has UID {found}, not {uid}: the claim was deleted and created again"
+            )
+        try:
+            return allocation_results(claim)
+        except (KeyError, TypeError):
+            raise ClaimError(f"{namespace}/{name} is not allocated") from None
+
+
+def attribute_json(value: AttributeValue) -> dict[str, Any]:
+    """An attribute value in the API's form (exactly one of ``bool``, ``int``, ``string``, ``version``)."""
+    if isinstance(value, bool):
+        return {"bool": value}
+    if isinstance(value, int):
+        return {"int": value}
+    if isinstance(value, SemVer):
+        return {"version": value.value}
+    return {"string": value}
+
+
+def device_json(device: PublishedDevice) -> dict[str, Any]:
+    """A published device in a ResourceSlice's ``spec.devices``."""
+    document: dict[str, Any] = {"name": device.name}
+    if device.attributes:
+        document["attributes"] = {key: attribute_json(value) for key, value in device.attributes.items()}
+    if device.capacity:
+        document["capacity"] = {key: {"value": value} for key, value in device.capacity.items()}
+    if device.taints:
+        document["taints"] = [
+            {"key": taint.key, "value": taint.value, "effect": taint.effect} for taint in device.taints
+        ]
+    return document
+
+
+class FileSlicePublisher:
+    """Writes the driver's pool on this node as one ResourceSlice file; a new generation at every change."""
+
+    def __init__(self, directory: Path, *, driver: str, node_name: str) -> None:
+        self.path = slice_path(directory, driver, node_name)
+        self.driver = driver
+        self.node_name = node_name
+        self.generation = 0
+        self._devices: list[dict[str, Any]] | None = None
+        self._log = structlog.get_logger("plugvisor.dra").bind(driver=driver)
+
+    async def publish(self, devices: Sequence[PublishedDevice]) -> None:
+        """Write the slice if the devices changed (a failed write is logged, and tried at the next change)."""
+        rendered = [device_json(device) for device in devices]
+        if rendered == self._devices:
+            return
+        generation = self.generation + 1
+        document = {
+            "apiVersion": API_VERSION,
+            "kind": "ResourceSlice",
+            "metadata": {"name": f"{self.node_name}-{self.driver}"},
+            "spec": {
+                "driver": self.driver,
+                "nodeName": self.node_name,
+                "pool": {"name": self.node_name, "generation": generation, "resourceSliceCount": 1},
+                "devices": rendered,
+            },
+        }
+        content = (json.dumps(document, indent=1) + "\n").encode()
+        try:
+            await asyncio.to_thread(write_atomically, self.path, content, durable=False)
+        except OSError as exc:
+            self._log.error("slice_not_written", path=str(self.path), error=exc.strerror or str(exc))
+            return
+        self.generation, self._devices = generation, rendered
+
+    async def withdraw(self) -> None:
+        """Remove the slice file."""
+        await asyncio.to_thread(self.path.unlink, missing_ok=True)
+        self._devices = None

@@ -1,0 +1,388 @@
+"""One DRA driver's kubelet plugin, start to finish: discover, publish, serve, register, keep its sockets.
+
+The order follows what the kubelet and the scheduler need: the first scan and
+the pool it gives come first (a claim prepared before them would find no
+device); the slices are published from then on, on every change, by a task of
+their own (a slow or absent API server must not hold the node side back); the
+DRA socket serves before the registration socket exists (the kubelet connects
+as soon as it has registered the driver); prepared claims are read back from
+the checkpoint before either, so that a restarted driver answers for the
+claims it prepared before.
+
+Device discovery and health come from the same machinery as the device-plugin
+side (:class:`~plugvisor.deviceplugin.watch.DeviceWatcher`, the kind's
+``scan()``), and so does monitoring (:class:`~plugvisor.deviceplugin.device_monitor.DeviceMonitor`);
+what differs is only how the devices reach the kubelet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+import uvloop
+
+from plugvisor.common import constants
+from plugvisor.common.exitcodes import EXIT_CONFIGURATION, EXIT_FAILURE, EXIT_OK
+from plugvisor.common.hostpaths import HostPaths
+from plugvisor.common.names import dra_driver_name_problem
+from plugvisor.common.notify import StatusReporter
+from plugvisor.deviceplugin.cell import CellClosedError, SnapshotCell
+from plugvisor.deviceplugin.device_monitor import DeviceDescriber, DeviceMonitor, MonitorConfig
+from plugvisor.deviceplugin.errors import ConfigurationError, SocketInUseError
+from plugvisor.deviceplugin.hooks import DeviceSource, Hooks, resolve_hooks
+from plugvisor.deviceplugin.release import default_pod_resources_socket
+from plugvisor.deviceplugin.snapshot import Snapshot
+from plugvisor.deviceplugin.watch import DeviceWatcher
+from plugvisor.dra import cdi, sockets
+from plugvisor.dra.checkpoint import FILE_NAME, Checkpoint, CheckpointError, PreparedClaim
+from plugvisor.dra.cluster import ClaimReader, SlicePublisher
+from plugvisor.dra.hooks import DraDescriber
+from plugvisor.dra.pool import Pool, build_pool
+from plugvisor.dra.preparer import ClaimPreparer
+from plugvisor.dra.registration import RegistrationService
+from plugvisor.dra.server import DraServer
+
+DEFAULT_CDI_DIR = "/var/run/cdi"
+
+
+@dataclass(frozen=True, slots=True)
+class DriverConfig:
+    """Everything one DRA driver process needs besides its device source and the API server.
+
+    The kubelet root is the parent of ``paths.kubelet_dir`` (the device-plugins
+    directory): the registration socket goes to ``<root>/plugins_registry``, the
+    DRA socket and the checkpoint to ``<root>/plugins/<driver>/``. ``cdi_dir`` is
+    host-absolute (resolved inside the host root). ``withdraw_on_stop`` removes
+    the node's slices at a clean stop: for a driver that stops for good, not one
+    that is restarted (the kubelet keeps the slices of a driver that is back
+    within its grace).
+    """
+
+    driver: str
+    node_name: str
+    paths: HostPaths = field(default_factory=HostPaths)
+    cdi_dir: str = DEFAULT_CDI_DIR
+    rescan_interval: float = 30.0
+    monitoring: MonitorConfig = field(default_factory=MonitorConfig)
+    plugins_registry: Path | None = None
+    replace: bool = False
+    withdraw_on_stop: bool = False
+
+    def __post_init__(self) -> None:
+        problem = dra_driver_name_problem(self.driver)
+        if problem is not None:
+            raise ConfigurationError(problem)
+        if not self.node_name:
+            raise ConfigurationError("the node name is empty: set NODE_NAME or --node-name")
+        if self.rescan_interval <= 0:
+            raise ConfigurationError(f"rescan interval must be positive, got {self.rescan_interval}")
+        if not self.cdi_dir.startswith("/"):
+            raise ConfigurationError(f"the CDI directory {self.cdi_dir!r} must be an absolute path")
+
+    @property
+    def kubelet_root(self) -> Path:
+        """The directory ``kubeletDir`` lies in (``/var/lib/kubelet``)."""
+        return self.paths.kubelet_dir.parent
+
+    @property
+    def registry_dir(self) -> Path:
+        """Where the kubelet's plugin watcher looks for registration sockets."""
+        if self.plugins_registry is not None:
+            return self.plugins_registry
+        return self.kubelet_root / constants.PLUGINS_REGISTRY_DIR_NAME
+
+    @property
+    def driver_dir(self) -> Path:
+        """The driver's own directory: its DRA socket and its checkpoint."""
+        return self.kubelet_root / constants.DRA_PLUGINS_DIR_NAME / self.driver
+
+    @property
+    def dra_socket(self) -> Path:
+        """The endpoint the registration names."""
+        return self.driver_dir / constants.DRA_SOCKET_NAME
+
+    @property
+    def registration_socket(self) -> Path:
+        """The socket the kubelet's plugin watcher finds."""
+        return self.registry_dir / f"{self.driver}{constants.DRA_REGISTRATION_SOCKET_SUFFIX}"
+
+
+@dataclass(frozen=True, slots=True)
+class DriverRegistration:
+    """One successful registration with the kubelet, as the driver saw it."""
+
+    number: int
+    seconds: float
+
+
+class DraDriverRuntime:
+    """Runs one driver until told to stop, and owns everything that runs for it.
+
+    ``pools`` holds the latest published pool; ``registrations`` the latest
+    successful registration (tests, benchmarks and the agent's readiness await
+    it); ``preparer`` the prepared claims.
+    """
+
+    def __init__(
+        self,
+        config: DriverConfig,
+        source: DeviceSource,
+        *,
+        claims: ClaimReader,
+        slices: SlicePublisher,
+        hooks: Hooks | None = None,
+        status: StatusReporter | None = None,
+    ) -> None:
+        self.config = config
+        self.slices = slices
+        self.hooks = hooks if hooks is not None else resolve_hooks(source)
+        self.status = status if status is not None else StatusReporter()
+        self.snapshot: SnapshotCell[Snapshot[Any]] = SnapshotCell(Snapshot())
+        self.pools: SnapshotCell[Pool] = SnapshotCell(Pool())
+        self.registrations: SnapshotCell[DriverRegistration | None] = SnapshotCell(None)
+        self.pool_ready = asyncio.Event()
+        """Set once the first scan's pool is built: the driver serves and registers only then."""
+        self._describer = source if isinstance(source, DraDescriber) else None
+        self._log = structlog.get_logger("plugvisor.dra").bind(driver=config.driver)
+        self.checkpoint = Checkpoint(config.driver_dir / FILE_NAME, driver=config.driver)
+        self.cdi_dir = config.paths.host(config.cdi_dir)
+        self.preparer = ClaimPreparer(
+            driver=config.driver,
+            pool_name=config.node_name,
+            pools=self.pools,
+            hooks=self.hooks,
+            claims=claims,
+            checkpoint=self.checkpoint,
+            cdi_dir=self.cdi_dir,
+        )
+        self.watcher = DeviceWatcher(
+            source, self.snapshot, rescan_interval=config.rescan_interval, resource=config.driver
+        )
+        self.monitor: DeviceMonitor | None = None
+        if config.monitoring.enabled:
+            self.monitor = DeviceMonitor(
+                config.driver,
+                self.snapshot,
+                source if isinstance(source, DeviceDescriber) else None,
+                config.monitoring,
+                pod_resources_socket=config.monitoring.pod_resources_socket
+                or default_pod_resources_socket(config.paths.kubelet_dir),
+            )
+        self.server = DraServer(self.preparer, self.pools, causes=self._causes)
+        self.registration = RegistrationService(
+            plugin_type=constants.DRA_PLUGIN_TYPE,
+            name=config.driver,
+            endpoint=str(config.dra_socket),
+            versions=(*constants.DRA_SERVICES, *constants.DRA_HEALTH_SERVICES),
+        )
+        self.dra_socket = sockets.KeptSocket(
+            config.dra_socket, self.server.handlers(), role="dra", replace=config.replace
+        )
+        self.registration_socket = sockets.KeptSocket(
+            config.registration_socket,
+            (self.registration.handler(),),
+            role="registration",
+            replace=config.replace,
+            directory_mode=0o755,
+        )
+
+    def _causes(self) -> Mapping[str, str]:
+        """Why each unhealthy device is unhealthy, as the monitor last described it (empty without one)."""
+        report = self.monitor.report.value if self.monitor is not None else None
+        if report is None:
+            return {}
+        return {device.id: device.description.cause for device in report.devices if device.description.cause}
+
+    def load_prepared(self) -> dict[str, PreparedClaim]:
+        """The claims earlier runs prepared: the checkpoint, or what the CDI specs record if it is unusable.
+
+        An unusable checkpoint is kept aside (``.damaged-<time>``) for people to
+        look at, never overwritten silently.
+        """
+        try:
+            return self.checkpoint.load()
+        except CheckpointError as exc:
+            kept = self.checkpoint.path.with_name(f"{self.checkpoint.path.name}.damaged-{int(time.time())}")
+            with contextlib.suppress(OSError):
+                self.checkpoint.path.rename(kept)
+            recovered, problems = cdi.recover(self.cdi_dir, self.config.driver)
+            self._log.error(
+                "checkpoint_unusable",
+                error=str(exc),
+                kept_as=str(kept),
+                recovered_from_cdi_specs=sorted(recovered),
+                unreadable_specs=problems,
+            )
+            return recovered
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Discover, publish, serve, register; keep it so until ``stop`` is set."""
+        lifecycle = self.hooks.lifecycle
+        if lifecycle is not None:
+            await asyncio.to_thread(lifecycle.start)
+        try:
+            await self._run(stop)
+        finally:
+            if lifecycle is not None:
+                try:
+                    await asyncio.to_thread(lifecycle.close)
+                except Exception:  # closing must not hide why the driver stopped
+                    self._log.exception("close_failed")
+
+    async def _run(self, stop: asyncio.Event) -> None:
+        self.preparer.prepared = await asyncio.to_thread(self.load_prepared)
+        if self.preparer.prepared:
+            self._log.info("prepared_claims_restored", claims=sorted(self.preparer.prepared))
+        tasks = [
+            asyncio.create_task(self.watcher.run(), name="discovery"),
+            asyncio.create_task(self._build_pools(), name="pool"),
+        ]
+        if self.monitor is not None:
+            tasks.append(asyncio.create_task(self.monitor.run(), name="monitor"))
+        main = asyncio.create_task(self._serve_and_register(), name="serve-and-register")
+        stopper = asyncio.create_task(stop.wait(), name="stop")
+        try:
+            done, _ = await asyncio.wait([main, stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task is not stopper and not task.cancelled():
+                    error = task.exception()
+                    if error is not None:
+                        raise error
+        finally:
+            for task in [main, stopper, *tasks]:
+                task.cancel()
+            for task in [main, stopper, *tasks]:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            # The registration first: the kubelet deregisters the driver and stops calling it.
+            await self.registration_socket.stop(grace=0)
+            self.pools.close()
+            self.snapshot.close()
+            await self.dra_socket.stop(grace=1.0)
+            if self.config.withdraw_on_stop:
+                await self._withdraw()
+            self.status.close()
+            self._log.info("stopped")
+
+    async def _withdraw(self) -> None:
+        try:
+            await self.slices.withdraw()
+        except Exception as exc:  # the publisher logs API errors itself; a bug must not hide the stop
+            self._log.error("slices_not_withdrawn", error=f"{type(exc).__name__}: {exc}")
+
+    async def _build_pools(self) -> None:
+        """Turn every new snapshot into the pool, and publish its healthy devices when they changed.
+
+        The first pool is built once the first scan is done, even a failed one
+        (the driver then registers with no devices, as a plugin does).
+        """
+        await self.watcher.first_scan_done.wait()
+        seen = self.snapshot.version
+        snapshot = self.snapshot.value
+        published: list[Any] | None = None
+        while True:
+            pool = await asyncio.to_thread(self._pool_of, snapshot)
+            if self.pools.closed:
+                return
+            self.pools.publish(pool)
+            self.pool_ready.set()
+            healthy = pool.healthy()
+            self.status.send(DEVICES=f"{len(healthy)}/{len(pool.devices)}")
+            if healthy != published:
+                published = healthy
+                try:
+                    await self.slices.publish(healthy)
+                except Exception as exc:  # the publisher never raises for API errors; a bug is logged
+                    self._log.error("slices_not_published", error=f"{type(exc).__name__}: {exc}")
+            try:
+                seen, snapshot = await self.snapshot.wait_newer(seen)
+            except CellClosedError:
+                return
+
+    def _pool_of(self, snapshot: Snapshot[Any]) -> Pool:
+        try:
+            return build_pool(snapshot, self._describer, driver=self.config.driver)
+        except Exception as exc:  # a describer bug keeps the previous names for the devices still there
+            self._log.error("dra_devices_failed", error=f"{type(exc).__name__}: {exc}")
+            previous = self.pools.value
+            kept = {name: d for name, d in previous.devices.items() if previous.ids[name] in snapshot.devices}
+            return Pool(snapshot, kept, {name: previous.ids[name] for name in kept})
+
+    async def _serve_and_register(self) -> None:
+        await self.pool_ready.wait()
+        await self.dra_socket.start()
+        await self.registration_socket.start()
+        self.status.send(ENDPOINT=self.registration_socket.path.name)
+        keeper = asyncio.create_task(
+            sockets.keep([self.dra_socket, self.registration_socket]), name="sockets"
+        )
+        try:
+            number = 0
+            while True:
+                verdict = await self.registration.wait_registered()
+                number += 1
+                self.registrations.publish(DriverRegistration(number, verdict.seconds))
+                pool = self.pools.value
+                self.status.send(
+                    REGISTERED=number,
+                    ENDPOINT=self.registration_socket.path.name,
+                    DEVICES=f"{len(pool.healthy())}/{len(pool.devices)}",
+                )
+                self._log.info("registered", number=number, seconds=verdict.seconds)
+        finally:
+            keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keeper
+
+
+ExitCode = int
+
+
+Connect = Callable[[], Awaitable[tuple[ClaimReader, SlicePublisher]]]
+"""Makes the driver's claim reader and slice publisher, in the driver's event loop (clients bind to it)."""
+
+
+def run_driver(
+    config: DriverConfig,
+    source: DeviceSource,
+    *,
+    connect: Connect,
+    on_ready: Callable[[DraDriverRuntime], None] | None = None,
+) -> ExitCode:
+    """Run a driver in this process until SIGTERM or SIGINT; returns the process exit code.
+
+    0 after a clean stop, 2 for configuration problems (a bad driver name, a
+    socket path that is too long, a live driver of the same name already
+    serving its sockets), 1 for anything else.
+    """
+    log = structlog.get_logger("plugvisor.dra").bind(driver=config.driver)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        claims, slices = await connect()
+        runtime = DraDriverRuntime(config, source, claims=claims, slices=slices)
+        if on_ready is not None:
+            on_ready(runtime)
+        await runtime.run(stop)
+
+    try:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(main())
+    except (ConfigurationError, SocketInUseError) as exc:
+        log.error("cannot_run", error=str(exc))
+        return EXIT_CONFIGURATION
+    except OSError as exc:
+        log.error("cannot_run", error=str(exc))
+        return EXIT_FAILURE
+    return EXIT_OK

@@ -1,0 +1,168 @@
+"""``plugvisor plugin KIND --mode dra`` as a process: registration, claims, restarts, kills, exit codes."""
+
+import asyncio
+import json
+import socket
+import sys
+
+import pytest
+
+from plugvisor.common import notify
+from plugvisor.emulators.kubelet.dra import DraCallError, resource_claim
+
+from .conftest import NODE, driver_args, eventually, registered, slice_devices
+
+DRIVER = "gpu.plugvisor.io"
+
+
+def spec_of(lab_root, claim_uid):
+    return lab_root / "cdi" / f"k8s.{DRIVER}-claim_{claim_uid}.json"
+
+
+def checkpointed(base):
+    path = base / "plugins" / DRIVER / "prepared-claims.json"
+    return [] if not path.exists() else [c["uid"] for c in json.loads(path.read_text())["claims"]]
+
+
+def claim(devices, uid="uid-1", name="gpus"):
+    return resource_claim("default", name, uid, [("gpus", DRIVER, NODE, device) for device in devices])
+
+
+class TestProcess:
+    async def test_a_driver_registers_prepares_and_reports_to_its_agent(
+        self, kubelet, base, lab_root, start_driver
+    ):
+        status_path = base / "status.sock"
+        receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        receiver.bind(str(status_path))
+        receiver.setblocking(False)
+        try:
+            await start_driver(env={notify.STATUS_SOCKET_ENV: str(status_path)})
+            await kubelet.wait_for(registered(), what="the driver registered", timeout=60)
+            await eventually(lambda: len(slice_devices(base)) == 8, what="the slice")
+            view = await kubelet.dra.prepare(claim(slice_devices(base)[:2]))
+            assert view.cdi_devices() == [f"k8s.{DRIVER}/claim=uid-1-gpus"]
+            assert spec_of(lab_root, "uid-1").exists() and checkpointed(base) == ["uid-1"]
+            await kubelet.dra.unprepare("default", "gpus")
+            assert not spec_of(lab_root, "uid-1").exists() and checkpointed(base) == []
+            fields: dict[str, str] = {}
+            await eventually(lambda: _drain(receiver, fields) and "REGISTERED" in fields, what="REGISTERED=")
+        finally:
+            receiver.close()
+        assert fields["REGISTERED"] == "1"
+        assert fields["DEVICES"] == "8/8"
+        assert fields["ENDPOINT"] == f"{DRIVER}-reg.sock"
+
+    async def test_a_killed_driver_restarted_unprepares_what_it_prepared(
+        self, kubelet, base, lab_root, start_driver
+    ):
+        first = await start_driver()
+        await kubelet.wait_for(registered(), what="the driver registered", timeout=60)
+        await eventually(lambda: len(slice_devices(base)) == 8, what="the slice")
+        await kubelet.dra.prepare(claim(slice_devices(base)[:1]))
+        first.kill()
+        assert await first.stop() == -9
+        await start_driver()
+        await kubelet.wait_for(registered(times=2), what="registered again", timeout=60)
+        await kubelet.dra.unprepare("default", "gpus")
+        assert not spec_of(lab_root, "uid-1").exists() and checkpointed(base) == []
+
+    async def test_a_kill_between_writing_the_spec_and_the_checkpoint_loses_nothing(
+        self, kubelet, base, lab_root, start_driver
+    ):
+        """SIGKILL in the very instant after the claim's CDI spec is written, before the checkpoint is."""
+        killer = (
+            "import os, signal, sys\n"
+            "from plugvisor.dra.checkpoint import Checkpoint\n"
+            "save = Checkpoint.save\n"
+            "def dying(self, claims):\n"
+            "    claims = list(claims)\n"
+            "    if claims: os.kill(os.getpid(), signal.SIGKILL)\n"
+            "    save(self, claims)\n"
+            "Checkpoint.save = dying\n"
+            "from plugvisor.cli import main\n"
+            "main(sys.argv[1:], prog_name='plugvisor')\n"
+        )
+        args = driver_args(base, lab_root)
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-c", killer, *args[3:])
+        await kubelet.wait_for(registered(), what="the driver registered", timeout=60)
+        await eventually(lambda: len(slice_devices(base)) == 8, what="the slice")
+        devices = slice_devices(base)[:2]
+        with pytest.raises(DraCallError, match="prepare dynamic resources: NodePrepareResources: rpc error"):
+            await kubelet.dra.prepare(claim(devices))
+        assert await proc.wait() == -9
+        assert spec_of(lab_root, "uid-1").exists() and checkpointed(base) == []
+        await start_driver()
+        await kubelet.wait_for(registered(times=2), what="registered again", timeout=60)
+        # The pod went away meanwhile: the kubelet unprepares a claim the driver never recorded.
+        await kubelet.dra.plugin(DRIVER).call(
+            "NodeUnprepareResources",
+            _unprepare_request("uid-1"),
+            _unprepare_response(),
+            timeout=30,
+        )
+        assert not spec_of(lab_root, "uid-1").exists()
+        # And a retried prepare succeeds as if nothing had happened.
+        view = await kubelet.dra.prepare(claim(devices))
+        assert view.cdi_devices() and checkpointed(base) == ["uid-1"]
+
+    @pytest.mark.parametrize("withdraw", [False, True], ids=["restarting", "for-good"])
+    async def test_a_clean_stop_leaves_the_slice_unless_the_driver_goes_for_good(
+        self, kubelet, base, start_driver, withdraw
+    ):
+        driver = await start_driver(*(["--withdraw-on-stop"] if withdraw else []))
+        await kubelet.wait_for(registered(), what="the driver registered", timeout=60)
+        await eventually(lambda: len(slice_devices(base)) == 8, what="the slice")
+        assert await driver.stop() == 0
+        assert len(slice_devices(base)) == (0 if withdraw else 8)
+        assert not (base / "plugins_registry" / f"{DRIVER}-reg.sock").exists()
+
+    async def test_a_second_driver_of_the_same_name_exits_2_naming_the_socket(self, kubelet, start_driver):
+        await start_driver()
+        await kubelet.wait_for(registered(), what="the driver registered", timeout=60)
+        second = await start_driver()
+        assert await asyncio.wait_for(second.proc.wait(), 60) == 2
+
+
+def _drain(receiver, fields):
+    while True:
+        try:
+            fields.update(notify.decode(receiver.recv(4096)))
+        except BlockingIOError:
+            return True
+
+
+def _unprepare_request(uid):
+    from plugvisor.api.dra.v1 import api_pb2
+
+    return api_pb2.NodeUnprepareResourcesRequest(
+        claims=[api_pb2.Claim(namespace="default", name="gpus", uid=uid)]
+    )
+
+
+def _unprepare_response():
+    from plugvisor.api.dra.v1 import api_pb2
+
+    return api_pb2.NodeUnprepareResourcesResponse
+
+
+class TestBadInput:
+    @pytest.mark.parametrize(
+        ("extra", "message"),
+        [
+            (
+                ("--driver", "Bad_Name"),
+                "Invalid value for --driver: DRA driver name 'Bad_Name' is not a DNS subdomain",
+            ),
+            (("--cdi-dir", "relative"), "Invalid value for --cdi-dir: relative must be an absolute path"),
+            (("--options-json", '{"replicas": 0}'), "replicas: Input should be greater than or equal to 1"),
+        ],
+        ids=["driver-name", "cdi-dir", "kind-options"],
+    )
+    async def test_bad_options_exit_2_naming_the_option(self, base, lab_root, extra, message):
+        proc = await asyncio.create_subprocess_exec(
+            *driver_args(base, lab_root, "gpu", *extra), stderr=asyncio.subprocess.PIPE
+        )
+        _, stderr = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 2
+        assert message in stderr.decode()

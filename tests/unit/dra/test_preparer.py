@@ -1,0 +1,375 @@
+"""Preparing and unpreparing claims: idempotent, per-claim errors, and nothing prepared ever lost."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from plugvisor.deviceplugin.cell import SnapshotCell
+from plugvisor.deviceplugin.devices import Device, DeviceSpec, Health
+from plugvisor.deviceplugin.hooks import ContainerAllocation, Hooks
+from plugvisor.deviceplugin.snapshot import Snapshot
+from plugvisor.dra import cdi
+from plugvisor.dra.checkpoint import Checkpoint
+from plugvisor.dra.cluster import AllocatedDevice, ClaimError, ClaimRef
+from plugvisor.dra.pool import build_pool
+from plugvisor.dra.preparer import ClaimPreparer, PrepareError, base_request
+
+DRIVER = "gpu.example.com"
+NODE = "node-1"
+BUDGET = 30.0
+
+
+def gpu(index, health=Health.HEALTHY):
+    return Device(
+        f"GPU-{index}",
+        health=health,
+        specs=[DeviceSpec(f"/dev/nvidia{index}", f"/host/dev/nvidia{index}")],
+        envs={"NVIDIA_VISIBLE_DEVICES": f"GPU-{index}"},
+    )
+
+
+class Claims:
+    """The API server's claims: (namespace, name) -> (uid, allocation), or an error to raise."""
+
+    def __init__(self):
+        self.claims = {}
+        self.reads = 0
+        self.error = None
+
+    def allocate(self, claim, *devices, driver=DRIVER, pool=NODE, request="gpus", admin=False):
+        self.claims[(claim.namespace, claim.name)] = (
+            claim.uid,
+            [AllocatedDevice(request, driver, pool, device, admin) for device in devices],
+        )
+
+    async def allocated_devices(self, *, namespace, name, uid):
+        self.reads += 1
+        if self.error is not None:
+            raise self.error
+        if (namespace, name) not in self.claims:
+            raise ClaimError(f'resourceclaims "{name}" not found')
+        found, results = self.claims[(namespace, name)]
+        if found != uid:
+            raise ClaimError(f"{namespace}/{name} now has UID {found}, not {uid}")
+        return results
+
+
+class Kind:
+    """A kind's hooks, recording what they were called with."""
+
+    def __init__(self):
+        self.reset, self.scrubbed = [], []
+        self.fail = None
+
+    def pre_start_container(self, snapshot):
+        if self.fail == "reset":
+            raise RuntimeError("the reset failed")
+        self.reset.append(list(snapshot.devices))
+
+    def post_allocate(self, allocation, snapshot):
+        return ContainerAllocation(
+            specs=allocation.specs, envs={**allocation.envs, "COUNT": str(len(snapshot.devices))}
+        )
+
+    def release_watch(self):
+        return None
+
+    def released(self, snapshot):
+        if self.fail == "release":
+            raise RuntimeError("scrub failed")
+        self.scrubbed.append(list(snapshot.devices))
+
+
+@pytest.fixture
+def node(tmp_path):
+    class Node:
+        claims = Claims()
+        kind = Kind()
+        cdi_dir = tmp_path / "cdi"
+        checkpoint = Checkpoint(tmp_path / "plugins" / DRIVER / "prepared-claims.json", driver=DRIVER)
+        pools = SnapshotCell(
+            build_pool(Snapshot([gpu(0), gpu(1), gpu(2, Health.UNHEALTHY)]), None, driver=DRIVER)
+        )
+
+        def preparer(self, hooks=None):
+            """A driver process: a new one reads the checkpoint back, as a restarted driver does."""
+            return ClaimPreparer(
+                driver=DRIVER,
+                pool_name=NODE,
+                pools=self.pools,
+                hooks=hooks
+                if hooks is not None
+                else Hooks(pre_start=self.kind, post_allocate=self.kind, release=self.kind),
+                claims=self.claims,
+                checkpoint=self.checkpoint,
+                cdi_dir=self.cdi_dir,
+                prepared=self.checkpoint.load(),
+            )
+
+        def spec(self, uid):
+            return self.cdi_dir / cdi.spec_file_name(DRIVER, uid)
+
+    return Node()
+
+
+CLAIM = ClaimRef("default", "two-gpus", "uid-1")
+OTHER = ClaimRef("default", "one-gpu", "uid-2")
+
+
+class TestPrepare:
+    async def test_a_claim_gets_one_spec_with_its_edits_and_its_cdi_ids(self, node):
+        node.claims.allocate(CLAIM, "gpu-0", "gpu-1")
+        prepared = await node.preparer().prepare(CLAIM, budget=BUDGET)
+        assert [(d.device, d.device_id, d.cdi_device_ids) for d in prepared.devices] == [
+            ("gpu-0", "GPU-0", ("k8s.gpu.example.com/claim=uid-1-gpus",)),
+            ("gpu-1", "GPU-1", ()),
+        ]
+        spec = json.loads(node.spec("uid-1").read_text())
+        (device,) = spec["devices"]
+        assert device["containerEdits"]["env"] == ["COUNT=2", "NVIDIA_VISIBLE_DEVICES=GPU-0,GPU-1"]
+        assert [n["path"] for n in device["containerEdits"]["deviceNodes"]] == [
+            "/dev/nvidia0",
+            "/dev/nvidia1",
+        ]
+        assert node.kind.reset == [["GPU-0", "GPU-1"]]
+        assert node.checkpoint.load() == {"uid-1": prepared}
+
+    async def test_preparing_again_answers_the_same_and_does_nothing_again(self, node):
+        node.claims.allocate(CLAIM, "gpu-0")
+        preparer = node.preparer()
+        first = await preparer.prepare(CLAIM, budget=BUDGET)
+        again = await preparer.prepare(CLAIM, budget=BUDGET)
+        assert again == first
+        assert node.kind.reset == [["GPU-0"]]
+
+    async def test_a_restarted_driver_answers_the_same_from_its_checkpoint(self, node):
+        node.claims.allocate(CLAIM, "gpu-0")
+        first = await node.preparer().prepare(CLAIM, budget=BUDGET)
+        assert await node.preparer().prepare(CLAIM, budget=BUDGET) == first
+        assert len(node.kind.reset) == 1
+
+    async def test_a_spec_the_cdi_directory_lost_is_written_again(self, node):
+        node.claims.allocate(CLAIM, "gpu-0")
+        preparer = node.preparer()
+        await preparer.prepare(CLAIM, budget=BUDGET)
+        written = node.spec("uid-1").read_bytes()
+        node.spec("uid-1").unlink()
+        await preparer.prepare(CLAIM, budget=BUDGET)
+        assert node.spec("uid-1").read_bytes() == written
+
+    async def test_requests_get_a_cdi_device_each_and_sub_requests_count_as_their_request(self, node):
+        node.claims.claims[("default", "two-gpus")] = (
+            "uid-1",
+            [AllocatedDevice("a/big", DRIVER, NODE, "gpu-0"), AllocatedDevice("b", DRIVER, NODE, "gpu-1")],
+        )
+        prepared = await node.preparer().prepare(CLAIM, budget=BUDGET)
+        assert [(d.request_names, d.cdi_device_ids) for d in prepared.devices] == [
+            (("a",), ("k8s.gpu.example.com/claim=uid-1-a",)),
+            (("b",), ("k8s.gpu.example.com/claim=uid-1-b",)),
+        ]
+
+    async def test_another_drivers_devices_in_the_claim_are_left_to_it(self, node):
+        node.claims.claims[("default", "two-gpus")] = (
+            "uid-1",
+            [
+                AllocatedDevice("g", DRIVER, NODE, "gpu-0"),
+                AllocatedDevice("n", "nic.example.com", NODE, "vf-0"),
+            ],
+        )
+        prepared = await node.preparer().prepare(CLAIM, budget=BUDGET)
+        assert prepared.device_names == ("gpu-0",)
+
+    def test_a_sub_request_belongs_to_its_request(self):
+        assert (base_request("gpus/big"), base_request("gpus")) == ("gpus", "gpus")
+
+
+class TestPrepareRefusals:
+    """Each refusal is the claim's error, naming the claim; nothing is written or recorded."""
+
+    async def refused(self, node, claim=CLAIM, preparer=None):
+        with pytest.raises(PrepareError) as refusal:
+            await (preparer or node.preparer()).prepare(claim, budget=BUDGET)
+        message = str(refusal.value)
+        assert message.startswith(f"claim {claim.namespace}/{claim.name} (uid {claim.uid}): ")
+        return message
+
+    async def test_devices_this_node_does_not_have(self, node):
+        node.claims.allocate(CLAIM, "gpu-0", "gpu-7")
+        assert '["gpu-7"] are not devices of driver gpu.example.com on this node' in await self.refused(node)
+        assert not node.cdi_dir.exists() and node.checkpoint.load() == {}
+
+    async def test_devices_of_another_nodes_pool(self, node):
+        node.claims.allocate(CLAIM, "gpu-0", pool="node-2")
+        assert "not in this node's pool 'node-1'" in await self.refused(node)
+
+    async def test_an_unhealthy_device(self, node):
+        node.claims.allocate(CLAIM, "gpu-2")
+        assert '["gpu-2"] are unhealthy' in await self.refused(node)
+
+    async def test_a_device_named_twice(self, node):
+        node.claims.allocate(CLAIM, "gpu-0", "gpu-0")
+        assert "names a device twice" in await self.refused(node)
+
+    async def test_no_device_of_this_driver(self, node):
+        node.claims.allocate(CLAIM, "vf-0", driver="nic.example.com")
+        assert "has no device of driver gpu.example.com" in await self.refused(node)
+
+    async def test_a_claim_already_prepared_with_other_devices(self, node):
+        node.claims.allocate(CLAIM, "gpu-0")
+        preparer = node.preparer()
+        await preparer.prepare(CLAIM, budget=BUDGET)
+        node.claims.allocate(CLAIM, "gpu-1")
+        message = await self.refused(node, preparer=preparer)
+        assert 'already prepared with devices ["gpu-0"], but its allocation now names ["gpu-1"]' in message
+        assert preparer.prepared["uid-1"].device_names == ("gpu-0",)
+
+    async def test_a_device_already_prepared_for_another_claim(self, node):
+        node.claims.allocate(CLAIM, "gpu-0")
+        node.claims.allocate(OTHER, "gpu-0")
+        preparer = node.preparer()
+        await preparer.prepare(CLAIM, budget=BUDGET)
+        assert "device 'gpu-0' is already prepared for claim default/two-gpus" in await self.refused(
+            node, OTHER, preparer
+        )
+
+    async def test_admin_access_shares_a_device_with_its_claim(self, node):
+        node.claims.allocate(CLAIM, "gpu-0")
+        node.claims.allocate(OTHER, "gpu-0", admin=True)
+        preparer = node.preparer()
+        await preparer.prepare(CLAIM, budget=BUDGET)
+        assert (await preparer.prepare(OTHER, budget=BUDGET)).devices[0].admin_access
+
+    async def test_a_claim_the_api_server_does_not_have(self, node):
+        assert 'resourceclaims "two-gpus" not found' in await self.refused(node)
+
+    async def test_a_newer_claim_of_that_name(self, node):
+        node.claims.allocate(ClaimRef("default", "two-gpus", "uid-9"), "gpu-0")
+        assert "now has UID uid-9, not uid-1" in await self.refused(node)
+
+    async def test_an_api_server_that_fails(self, node):
+        node.claims.error = ConnectionRefusedError("connection refused")
+        assert "cannot read its allocation: connection refused" in await self.refused(node)
+
+    async def test_a_kubelet_request_without_a_uid(self, node):
+        with pytest.raises(PrepareError, match="the kubelet's request has no uid"):
+            await node.preparer().prepare(ClaimRef("default", "x", ""), budget=BUDGET)
+
+    async def test_a_failing_reset_fails_the_claim_and_records_nothing(self, node):
+        node.claims.allocate(CLAIM, "gpu-0")
+        node.kind.fail = "reset"
+        assert "resetting the devices failed: the reset failed" in await self.refused(node)
+        assert node.checkpoint.load() == {}
+
+    async def test_a_cdi_directory_that_cannot_be_written(self, node):
+        node.claims.allocate(CLAIM, "gpu-0")
+        node.cdi_dir.parent.mkdir(parents=True, exist_ok=True)
+        node.cdi_dir.write_text("a file, not a directory")
+        message = await self.refused(node)
+        assert f"cannot write its CDI spec {node.spec('uid-1')}" in message
+        assert node.checkpoint.load() == {}
+
+    async def test_a_checkpoint_that_cannot_be_written_takes_the_spec_back(self, node):
+        node.claims.allocate(CLAIM, "gpu-0")
+        preparer = node.preparer()
+        node.checkpoint.path.parent.parent.mkdir(parents=True)
+        node.checkpoint.path.parent.write_text("a file where the driver's directory goes")
+        assert f"cannot record it in {node.checkpoint.path}" in await self.refused(node, preparer=preparer)
+        assert not node.spec("uid-1").exists()
+
+
+class TestApiServerDown:
+    async def test_a_prepared_claim_is_answered_from_the_checkpoint(self, node):
+        node.claims.allocate(CLAIM, "gpu-0")
+        first = await node.preparer().prepare(CLAIM, budget=BUDGET)
+        node.claims.error = TimeoutError()
+        assert await node.preparer().prepare(CLAIM, budget=BUDGET) == first
+
+
+class TestUnprepare:
+    async def test_the_devices_are_released_the_spec_removed_and_the_claim_forgotten(self, node):
+        node.claims.allocate(CLAIM, "gpu-0", "gpu-1")
+        preparer = node.preparer()
+        await preparer.prepare(CLAIM, budget=BUDGET)
+        await preparer.unprepare(CLAIM, budget=BUDGET)
+        assert node.kind.scrubbed == [["GPU-0", "GPU-1"]]
+        assert not node.spec("uid-1").exists()
+        assert node.checkpoint.load() == {} and preparer.prepared == {}
+
+    async def test_a_restarted_driver_unprepares_what_it_prepared_before(self, node):
+        node.claims.allocate(CLAIM, "gpu-0")
+        await node.preparer().prepare(CLAIM, budget=BUDGET)
+        await node.preparer().unprepare(CLAIM, budget=BUDGET)
+        assert node.kind.scrubbed == [["GPU-0"]]
+        assert not node.spec("uid-1").exists() and node.checkpoint.load() == {}
+
+    async def test_unpreparing_twice_is_unpreparing_once(self, node):
+        node.claims.allocate(CLAIM, "gpu-0")
+        preparer = node.preparer()
+        await preparer.prepare(CLAIM, budget=BUDGET)
+        await preparer.unprepare(CLAIM, budget=BUDGET)
+        await preparer.unprepare(CLAIM, budget=BUDGET)
+        assert len(node.kind.scrubbed) == 1
+
+    async def test_a_failing_release_keeps_the_claim_for_the_kubelets_retry(self, node):
+        node.claims.allocate(CLAIM, "gpu-0")
+        preparer = node.preparer()
+        await preparer.prepare(CLAIM, budget=BUDGET)
+        node.kind.fail = "release"
+        with pytest.raises(PrepareError, match="the release hook failed: scrub failed"):
+            await preparer.unprepare(CLAIM, budget=BUDGET)
+        assert node.spec("uid-1").exists() and "uid-1" in node.checkpoint.load()
+        node.kind.fail = None
+        await preparer.unprepare(CLAIM, budget=BUDGET)
+        assert node.checkpoint.load() == {}
+
+    async def test_a_kill_between_the_spec_and_the_checkpoint_loses_nothing(self, node):
+        """The state a SIGKILL there leaves: the spec written, the checkpoint without the claim."""
+        node.claims.allocate(CLAIM, "gpu-0")
+        await node.preparer().prepare(CLAIM, budget=BUDGET)
+        node.checkpoint.save([])  # as if the process died before recording the claim
+        assert node.spec("uid-1").exists()
+        restarted = node.preparer()
+        await restarted.unprepare(CLAIM, budget=BUDGET)  # the pod went away meanwhile
+        assert not node.spec("uid-1").exists()
+        again = node.preparer()
+        await again.prepare(CLAIM, budget=BUDGET)  # or the kubelet retried the prepare
+        assert "uid-1" in node.checkpoint.load() and node.spec("uid-1").exists()
+
+    async def test_a_released_device_that_is_gone_is_left_out_of_the_release(self, node):
+        node.claims.allocate(CLAIM, "gpu-0", "gpu-1")
+        preparer = node.preparer()
+        await preparer.prepare(CLAIM, budget=BUDGET)
+        node.pools.publish(build_pool(Snapshot([gpu(1)]), None, driver=DRIVER))
+        await preparer.unprepare(CLAIM, budget=BUDGET)
+        assert node.kind.scrubbed == [["GPU-1"]]
+
+    async def test_a_spec_that_cannot_be_removed_keeps_the_claim(self, node):
+        node.claims.allocate(CLAIM, "gpu-0")
+        preparer = node.preparer()
+        await preparer.prepare(CLAIM, budget=BUDGET)
+        spec = node.spec("uid-1")
+        spec.unlink()
+        spec.mkdir()
+        (spec / "x").touch()  # unlink() of a non-empty directory fails
+        with pytest.raises(PrepareError, match="cannot remove its CDI spec"):
+            await preparer.unprepare(CLAIM, budget=BUDGET)
+        assert "uid-1" in preparer.prepared
+
+
+class TestHooksAreOptional:
+    async def test_a_kind_without_hooks_is_prepared_with_the_default_allocation(self, node):
+        node.claims.allocate(CLAIM, "gpu-1")
+        preparer = node.preparer(hooks=Hooks())
+        await preparer.prepare(CLAIM, budget=BUDGET)
+        spec = json.loads(node.spec("uid-1").read_text())
+        assert spec["devices"][0]["containerEdits"]["env"] == ["NVIDIA_VISIBLE_DEVICES=GPU-1"]
+        await preparer.unprepare(CLAIM, budget=BUDGET)
+        assert node.checkpoint.load() == {}
+
+    async def test_a_device_without_edits_needs_no_spec(self, node):
+        node.pools.publish(build_pool(Snapshot([Device("bare")]), None, driver=DRIVER))
+        node.claims.allocate(CLAIM, "bare")
+        prepared = await node.preparer(hooks=Hooks()).prepare(CLAIM, budget=BUDGET)
+        assert prepared.cdi_spec is None and prepared.devices[0].cdi_device_ids == ()
+        assert not Path(node.cdi_dir).exists()
