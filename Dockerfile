@@ -4,8 +4,8 @@
 #   docker build -t plugvisor:0.1.0-emulators --target emulators --build-arg VERSION=0.1.0 .
 #
 # The release image (the last stage, built by default) is what a node runs: the agent, its plugins and
-# the hardware lab (`plugvisor lab`, which the lab overlay's DaemonSet runs), that is the wheel with its
-# runtime dependencies only. The `emulators` target adds the `emulators` extra on top of it, for the
+# DRA drivers (the `dra` extra: the *-dra overlays), and the hardware lab (`plugvisor lab`, which the lab
+# overlay's DaemonSet runs). The `emulators` target adds the `emulators` extra on top of it, for the
 # emulated kubelet and the demo in a container (`plugvisor kubelet`, `plugvisor demo`); no manifest uses
 # it. bench/bench_image.py measures both.
 ARG PYTHON_IMAGE=python:3.11-slim
@@ -21,7 +21,8 @@ COPY pyproject.toml README.md LICENSE ./
 COPY src ./src
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 COPY constraints.txt ./
-RUN pip install --no-cache-dir --no-compile --root /staging --constraint constraints.txt /wheels/plugvisor-*.whl \
+RUN pip install --no-cache-dir --no-compile --root /staging --constraint constraints.txt \
+        "$(echo /wheels/plugvisor-*.whl)[dra]" \
     && find /staging -name '*.so' -exec strip --strip-debug {} +
 
 FROM ${PYTHON_IMAGE} AS release

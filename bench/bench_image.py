@@ -4,10 +4,11 @@ Run: python bench/bench_image.py [--build] [--images-tool PATH] [--cache DIR]
 
 Always: what pip installs, measured on disk. The wheel is built from this checkout and installed
 twice with constraints.txt into empty directories (``pip install --target``, bytecode compiled as the
-Dockerfile compiles it): alone (the release image's set) and with its ``emulators`` extra. Printed per
-distribution, from each one's RECORD, with the shared libraries' size without their debug sections
-beside it (what the Dockerfile's ``strip --strip-debug`` leaves; needs ``strip`` on PATH). This is a
-proxy for plugvisor's share of the image, not the image: it leaves out the base and the tar headers.
+Dockerfile compiles it): with its ``dra`` extra (the release image's set), and with ``dra`` and
+``emulators``. Printed per distribution, from each one's RECORD, with the shared libraries' size without
+their debug sections beside it (what the Dockerfile's ``strip --strip-debug`` leaves; needs ``strip`` on
+PATH). This is a proxy for plugvisor's share of the image, not the image: it leaves out the base and the tar
+headers.
 
 With ``--build`` (root, buildah): the images themselves, built from this checkout's Dockerfile by
 ``tools/kubernetes/images.py`` (a debootstrap stand-in for python:3.11-slim, since no registry is
@@ -154,8 +155,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="pv-image-") as scratch:
         root = Path(scratch)
         wheel = build_wheel(root)
-        install(str(wheel), root / "release")
-        install(f"{wheel}[emulators]", root / "emulators")
+        install(f"{wheel}[dra]", root / "release")
+        install(f"{wheel}[dra,emulators]", root / "emulators")
         release = sizes_by_distribution(root / "release", strip)
         emulators = sizes_by_distribution(root / "emulators", strip)
     print_sets(release, emulators, strip)

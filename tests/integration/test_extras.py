@@ -1,5 +1,5 @@
-"""A node's install (no extras, as in the release image) runs everything a node runs, and says which extra
-the rest needs."""
+"""A node's install (the release image's: the dra extra, not the emulators one) runs everything a node runs,
+and says which extra the rest needs."""
 
 from __future__ import annotations
 
@@ -70,13 +70,13 @@ def test_the_demo_without_its_terminal_view_names_the_extra(tmp_path):
     ]
 
 
-def test_importing_the_emulated_kubelet_without_the_extra_raises_an_import_error_naming_it(tmp_path):
+@pytest.mark.parametrize("module", ["plugvisor.emulators.kubelet", "plugvisor.testing"])
+def test_importing_the_emulated_kubelet_without_the_extra_raises_an_import_error_naming_it(tmp_path, module):
     """A library user gets an ImportError (so optional-import probes keep working) with the same line."""
     code = (
-        # The kind-test helpers need no extra (running_plugin's kubelet does, and the caller makes it).
-        "import json, plugvisor.testing\n"
+        "import json\n"
         "try:\n"
-        "    import plugvisor.emulators.kubelet\n"
+        f"    import {module}\n"
         "except ImportError as error:\n"
         "    print(json.dumps([type(error).__name__, error.name, str(error)]))\n"
     )

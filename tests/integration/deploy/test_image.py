@@ -60,11 +60,14 @@ def _pins() -> dict[str, str]:
     return pins
 
 
-def test_the_release_image_is_the_default_target_and_installs_the_wheel_alone_with_the_constraints() -> None:
-    """The wheel without extras, pinned by constraints.txt; `plugvisor --help` at build time; entry point."""
+def test_the_release_image_is_the_default_target_and_installs_the_wheel_for_dra_with_the_constraints() -> (
+    None
+):
+    """The wheel with its `dra` extra (DRA overlays run it), not the emulators', pinned by constraints.txt;
+    `plugvisor --help` at build time; entry point."""
     assert _stages()[-1] == ("release", []), "the last stage (the default target) must be the release image"
-    build = " ".join(arg for op, arg in _stage("build") if op == "RUN")
-    assert "--constraint constraints.txt /wheels/plugvisor-*.whl" in build
+    build = " ".join(" ".join(arg.split()) for op, arg in _stage("build") if op == "RUN")
+    assert '--constraint constraints.txt "$(echo /wheels/plugvisor-*.whl)[dra]"' in build
     assert "--root /staging" in build
     release = _stage("release")
     assert ("COPY", "--from=build /staging/ /") in release
@@ -94,12 +97,10 @@ def test_oci_labels_match_the_project() -> None:
 
 
 def test_constraints_pin_every_runtime_dependency_within_pyproject() -> None:
-    """Each dependency (and the emulators extra's) is pinned to a version pyproject allows; so are theirs."""
+    """Each dependency, the dra and emulators extras' too, is pinned within pyproject's range; theirs too."""
     pins = _pins()
-    for text in [
-        *PYPROJECT["project"]["dependencies"],
-        *PYPROJECT["project"]["optional-dependencies"]["emulators"],
-    ]:
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    for text in [*PYPROJECT["project"]["dependencies"], *extras["dra"], *extras["emulators"]]:
         requirement = Requirement(text)
         name = canonicalize_name(requirement.name)
         assert name in pins, f"constraints.txt does not pin {requirement.name}"
