@@ -49,11 +49,10 @@ CMD ["--help"]
 
 FROM release AS emulators
 LABEL org.opencontainers.image.description="Kubernetes device plugins in Python: node agent, plugins, hardware lab, emulated kubelet and demo"
-COPY constraints.txt /tmp/constraints.txt
 # The same wheel again, with its `emulators` extra: pip keeps what the release stage has.
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
+    --mount=type=bind,from=build,source=/src/constraints.txt,target=/tmp/constraints.txt \
     pip install --no-cache-dir --constraint /tmp/constraints.txt "$(echo /wheels/plugvisor-*.whl)[emulators]" \
-    && rm /tmp/constraints.txt \
     && plugvisor kubelet --help > /dev/null
 
 # The default target: the release image.
