@@ -1,30 +1,43 @@
 # syntax=docker/dockerfile:1
-# The plugvisor release image: one entry point, the `plugvisor` command (agent, plugins, lab, kubelet).
-#   docker build -t plugvisor:0.1.0 --build-arg VERSION=0.1.0 .
+# plugvisor's images, from one Dockerfile:
+#   docker build -t plugvisor:0.1.0 --build-arg VERSION=0.1.0 .                          # the release image
+#   docker build -t plugvisor:0.1.0-emulators --target emulators --build-arg VERSION=0.1.0 .
 #
-# Stage 1 builds the wheel from the source tree; stage 2 installs only that wheel, with every dependency
-# pinned by constraints.txt (regenerate it as its header says), onto a slim Python base.
+# The release image (the last stage, built by default) is what a node runs: the agent, its plugins and
+# DRA drivers (the `dra` extra: the *-dra overlays), and the hardware lab (`plugvisor lab`, which the lab
+# overlay's DaemonSet runs). The `emulators` target adds the `emulators` extra on top of it, for the
+# emulated kubelet and the demo in a container (`plugvisor kubelet`, `plugvisor demo`); no manifest uses
+# it. bench/bench_image.py measures both.
 ARG PYTHON_IMAGE=python:3.11-slim
 
+# Stage `build`: the wheel, and everything the release image installs, laid out under /staging as it
+# will be under / (pip's --root), every dependency pinned by constraints.txt (regenerate it as its header
+# says). Shared libraries lose their debug sections here (uvloop's 13.6 MB are 1.9 MB without; PyYAML's
+# 2.7 MB 0.4 MB): nothing loads them at run time, and the tools to strip them stay in this stage.
 FROM ${PYTHON_IMAGE} AS build
+RUN apt-get update && apt-get install -y --no-install-recommends binutils && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY pyproject.toml README.md LICENSE ./
 COPY src ./src
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+COPY constraints.txt ./
+RUN pip install --no-cache-dir --no-compile --root /staging --constraint constraints.txt \
+        "$(echo /wheels/plugvisor-*.whl)[dra]" \
+    && find /staging -name '*.so' -exec strip --strip-debug {} +
 
-FROM ${PYTHON_IMAGE}
+FROM ${PYTHON_IMAGE} AS release
 ARG VERSION=0.1.0
 LABEL org.opencontainers.image.title="plugvisor" \
-      org.opencontainers.image.description="Kubernetes device plugins in Python: node agent, plugins, emulated kubelet and hardware lab" \
+      org.opencontainers.image.description="Kubernetes device plugins in Python: node agent, plugins and hardware lab" \
       org.opencontainers.image.source="https://github.com/plugvisor/plugvisor" \
       org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.licenses="Apache-2.0"
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1
-COPY constraints.txt /tmp/constraints.txt
-RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
-    pip install --no-cache-dir --constraint /tmp/constraints.txt /wheels/plugvisor-*.whl \
-    && rm /tmp/constraints.txt \
+COPY --from=build /staging/ /
+# The bytecode, compiled once here, at the paths it runs from: with PYTHONDONTWRITEBYTECODE every process
+# would otherwise compile each module it imports at every start (about a second more per plugin here).
+RUN python -m compileall -q -j 0 "$(python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" \
     && plugvisor --help > /dev/null
 # Root at run time, with every capability dropped by the manifests (deploy/kubernetes): the kubelet's
 # device-plugins directory belongs to root (0750) and the plugins create their sockets in it. Only the
@@ -33,3 +46,14 @@ USER 0:0
 WORKDIR /
 ENTRYPOINT ["plugvisor"]
 CMD ["--help"]
+
+FROM release AS emulators
+LABEL org.opencontainers.image.description="Kubernetes device plugins in Python: node agent, plugins, hardware lab, emulated kubelet and demo"
+# The same wheel again, with its `emulators` extra: pip keeps what the release stage has.
+RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
+    --mount=type=bind,from=build,source=/src/constraints.txt,target=/tmp/constraints.txt \
+    pip install --no-cache-dir --constraint /tmp/constraints.txt "$(echo /wheels/plugvisor-*.whl)[emulators]" \
+    && plugvisor kubelet --help > /dev/null
+
+# The default target: the release image.
+FROM release

@@ -24,6 +24,7 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # before grpc is imported: no 
 
 import argparse
 import asyncio
+import hashlib
 import shutil
 import signal
 import statistics
@@ -121,14 +122,53 @@ def _pin(cpu: int) -> None:
         os.sched_setaffinity(0, {cpus[cpu % len(cpus)]})
 
 
-def _start(kind: str, socket_path: Path) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen([sys.executable, __file__, "--serve", kind, str(socket_path)])
-    deadline = time.monotonic() + 10
-    while not socket_path.exists():
+GO_PLUGIN = Path(__file__).parent / "go"
+"""A minimal device plugin in Go (grpc-go, the kubelet's generated API): the reference for Allocate."""
+
+
+def go_plugin() -> tuple[Path | None, str]:
+    """The Go plugin, built once per source change into the user's cache (never the checkout), or why not."""
+    go = shutil.which("go")
+    if go is None:
+        return None, "go is not on PATH"
+    sources = sorted(p for p in GO_PLUGIN.iterdir() if p.is_file())
+    digest = hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in sources)).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "plugvisor" / "bench"
+    binary = cache / f"goplugin-{digest}"
+    if not binary.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        partial = binary.with_suffix(".partial")
+        built = subprocess.run(
+            [go, "build", "-o", str(partial), "."], cwd=GO_PLUGIN, capture_output=True, text=True, check=False
+        )
+        if built.returncode != 0:
+            return None, f"go build failed: {built.stderr.strip()[-400:]}"
+        partial.replace(binary)
+    return binary, ""
+
+
+PLUGIN_KINDS = ("plugin", "plugin-agent")
+"""The real ``plugvisor plugin generic`` process: standalone (no metrics kept), and with its metrics in the
+multiprocess files the agent aggregates (``PROMETHEUS_MULTIPROC_DIR``), as under ``plugvisor run``."""
+
+
+def _start(kind: str, socket_path: Path) -> tuple[subprocess.Popen[bytes], Path]:
+    """Start a server of ``kind`` and wait until its socket exists: (process, socket)."""
+    env = dict(os.environ)
+    if kind == "plugin-agent":
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(socket_path.with_suffix(".metrics"))
+        Path(env["PROMETHEUS_MULTIPROC_DIR"]).mkdir()
+    if kind in PLUGIN_KINDS:  # the plugin names its own socket in the kubelet directory it is given
+        socket_path.mkdir()
+    proc = subprocess.Popen([sys.executable, __file__, "--serve", kind, str(socket_path)], env=env)
+    deadline = time.monotonic() + 30
+    while True:
+        found = list(socket_path.glob("*.sock")) if kind in PLUGIN_KINDS else [socket_path]
+        if found and found[0].exists():
+            return proc, found[0]
         if time.monotonic() > deadline or proc.poll() is not None:
             raise SystemExit(f"{kind} server did not start")
         time.sleep(0.01)
-    return proc
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -142,17 +182,34 @@ def _cpu_seconds(pid: int) -> float:
     return total / 1e9
 
 
-def _requests(distinct: bool) -> list[api_pb2.AllocateRequest]:
-    """One request for device gpu3 (repeated: every call after the first a kept answer), or one per device."""
-    ids = [f"gpu{i}" for i in range(DISTINCT)] if distinct else ["gpu3"]
+def _requests(distinct: bool, devices: list[str] | None = None) -> list[api_pb2.AllocateRequest]:
+    """One request for one device (repeated: every call after the first a kept answer), or one per device.
+
+    ``devices``: the server's device IDs in its order (default: the gpuN of the bench's servers).
+    """
+    ids = devices or [f"gpu{i}" for i in range(DISTINCT)]
     return [
         api_pb2.AllocateRequest(container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=[i])])
-        for i in ids
+        for i in (ids if distinct else ids[3:4])
     ]
 
 
+def _listed_ids(stub: api_pb2_grpc.DevicePluginStub) -> list[str]:
+    """The device IDs a server lists first, as the kubelet learns them."""
+    stream = stub.ListAndWatch(api_pb2.Empty())
+    try:
+        return [device.ID for device in next(stream).devices]
+    finally:
+        stream.cancel()
+
+
 def _measure(
-    socket_path: Path, calls: int, server_pid: int | None = None, *, distinct: bool = False
+    socket_path: Path,
+    calls: int,
+    server_pid: int | None = None,
+    *,
+    distinct: bool = False,
+    listed: bool = False,
 ) -> tuple[list[float], float]:
     """Round trips of ``calls`` Allocate calls, and the server's CPU seconds per call (0 without a pid).
 
@@ -160,12 +217,13 @@ def _measure(
     machine, unlike the round trip, so it shows what a change to the server's
     per-call work buys even when the latencies are noisy. ``distinct``: each call
     asks for the next of :data:`DISTINCT` devices, so none is answered from the
-    servicer's kept answers.
+    servicer's kept answers. ``listed``: ask for the devices the server lists (not the gpuN of the
+    bench's own servers).
     """
-    requests = _requests(distinct)
     with grpc.insecure_channel(f"unix:{socket_path}") as channel:
         grpc.channel_ready_future(channel).result(timeout=10)
         stub = api_pb2_grpc.DevicePluginStub(channel)
+        requests = _requests(distinct, _listed_ids(stub) if listed else None)
         for request in requests[:100]:  # warm-up: connection, caches, allocator
             stub.Allocate(request)
         samples = []
@@ -189,12 +247,27 @@ class Measured:
     def __init__(self) -> None:
         self.samples: list[float] = []
         self.round_p50: list[float] = []
+        self.round_p99: list[float] = []
         self.round_cpu: list[float] = []
 
     def add(self, samples: list[float], cpu_per_call: float) -> None:
         self.samples.extend(samples)
         self.round_p50.append(statistics.median(samples))
+        self.round_p99.append(_pct(samples, 99))
         self.round_cpu.append(cpu_per_call)
+
+
+def print_pairs(measured: dict[str, Measured], reference: str, names: list[str], width: int = 26) -> None:
+    """Each round's p50 and p99 as a ratio to the reference's in the same round: median and range."""
+    base = measured[reference]
+    print(f"  {'':{width}} {'p50 / ' + reference:>24}   {'p99 / ' + reference:>24}")
+    for name in names:
+        m = measured[name]
+        cells = []
+        for mine, theirs in ((m.round_p50, base.round_p50), (m.round_p99, base.round_p99)):
+            ratios = sorted(a / b for a, b in zip(mine, theirs, strict=True))
+            cells.append(f"{statistics.median(ratios):5.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})")
+        print(f"  {name:{width}} {cells[0]:>24}   {cells[1]:>24}")
 
 
 def print_table(measured: dict[str, Measured], floor: str, width: int = 26) -> None:
@@ -219,26 +292,33 @@ def print_table(measured: dict[str, Measured], floor: str, width: int = 26) -> N
         )
 
 
-def bench_allocate(calls: int, rounds: int = 12) -> None:
+def bench_allocate(calls: int, rounds: int) -> None:
+    go, why_not = go_plugin()
     tmp = Path(tempfile.mkdtemp(prefix="/tmp/pvb-"))
     names = {
         "bare": "bare gRPC unary",
         "plugvisor": "plugvisor Allocate",
         "plugvisor-new": "  every call a new request",
         "generated": "  generated handlers",
+        "plugin": "plugvisor plugin generic",
+        "plugin-agent": "  metrics as under the agent",
     }
+    if go is not None:
+        names[f"go={go}"] = "Go plugin"
     measured = {name: Measured() for name in names.values()}
     try:
         # Interleave rounds so drift on a noisy machine hits both sides alike.
         kinds = tuple(names)
         for round_ in range(rounds):
             order = kinds if round_ % 2 == 0 else kinds[::-1]
-            for kind in order:
-                sock = tmp / f"{kind}{round_}.sock"
-                proc = _start("plugvisor" if kind == "plugvisor-new" else kind, sock)
+            for i, kind in enumerate(order):
+                proc, sock = _start(
+                    "plugvisor" if kind == "plugvisor-new" else kind, tmp / f"{round_}-{i}.sock"
+                )
                 try:
+                    distinct, listed = kind == "plugvisor-new", kind in PLUGIN_KINDS
                     measured[names[kind]].add(
-                        *_measure(sock, calls // rounds, proc.pid, distinct=kind == "plugvisor-new")
+                        *_measure(sock, calls // rounds, proc.pid, distinct=distinct, listed=listed)
                     )
                 finally:
                     proc.send_signal(signal.SIGTERM)
@@ -251,12 +331,20 @@ def bench_allocate(calls: int, rounds: int = 12) -> None:
     print(f"  (client on one core, each server on the other; {rounds} alternating rounds of fresh processes;")
     print(f"  load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
     print("  floor: bare gRPC unary = grpc.aio on asyncio's loop, a handler returning a ready-made answer")
-    print("  target: plugvisor Allocate p50 and p99 <= 1.00x the floor")
-    print_table(measured, "bare gRPC unary", width=22)
+    print("  targets: plugvisor Allocate p50 <= 1.00x the floor; p99 <= 1.5x the Go plugin's (paired below)")
+    print_table(measured, "bare gRPC unary", width=28)
     print("  (plugvisor Allocate: one request repeated, answered from the answers kept per device-set")
     print(f"  version; every call a new request: cycling through {DISTINCT} one-device requests, each")
     print("  checked and its answer built;")
-    print("  generated handlers: grpc's own registration, which answers a malformed request UNKNOWN)")
+    print("  generated handlers: grpc's own registration, which answers a malformed request UNKNOWN;")
+    print("  Go plugin: bench/go, grpc-go with the kubelet's generated API, each answer built afresh)")
+    if go is None:
+        print(f"  (no Go plugin to pair with: {why_not})")
+        return
+    print(f"Paired with the Go plugin, round by round ({rounds} pairs of fresh processes,")
+    print(f"  {calls // rounds} calls each; median and range of the per-round ratios; target p99 <= 1.50x):")
+    paired = [name for name in measured if name != "Go plugin"]
+    print_pairs(measured, "Go plugin", paired, width=28)
 
 
 def _in_process(handler, calls: int, repeats: int = 40, *, distinct: bool = False) -> float:
@@ -379,7 +467,8 @@ def bench_10k() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--calls", type=int, default=12000, help="calls per server, over all rounds")
+    parser.add_argument("--rounds", type=int, default=12, help="rounds of fresh processes (pairs)")
     parser.add_argument("--serve", nargs=2, metavar=("KIND", "SOCKET"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     from plugvisor.common.logs import configure_logging
@@ -389,6 +478,14 @@ def main() -> None:
         _pin(1)
         kind, sock = args.serve
         signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+        # Pinned like the others, then the Go binary or the real plugin in this process's place.
+        if kind.startswith("go="):
+            binary = kind.removeprefix("go=")
+            os.execv(binary, [binary, sock, str(DISTINCT)])
+        if kind in PLUGIN_KINDS:
+            plugin = ["plugin", "generic", "--resource", "bench.example/null", "--path", "/dev/null"]
+            plugin += ["--count", str(DISTINCT), "--kubelet-dir", sock, "--log-level", "warning"]
+            os.execv(sys.executable, [sys.executable, "-m", "plugvisor", *plugin])
         if kind == "bare":
             asyncio.run(_serve_bare(sock))
         else:  # on the event loop a plugin process runs on (runtime.run_plugin; bench/README.md says why)
@@ -398,7 +495,7 @@ def main() -> None:
                 runner.run(_serve_plugvisor(sock, generated=kind == "generated"))
         return
     _pin(0)
-    bench_allocate(args.calls)
+    bench_allocate(args.calls, args.rounds)
     bench_servicer_work()
     bench_10k()
 

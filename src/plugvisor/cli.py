@@ -27,6 +27,8 @@ from typing import Any, Final, NamedTuple
 
 import click
 
+from plugvisor.common import extras
+from plugvisor.common.exitcodes import EXIT_USAGE
 from plugvisor.common.grpcenv import quiet_grpc_core
 
 # Every command that loads grpc is imported lazily, after this.
@@ -67,7 +69,13 @@ class LazyGroup(click.Group):
         if lazy is None:
             return super().get_command(ctx, cmd_name)
         module_name, attr = lazy.target.split(":")
-        command = getattr(importlib.import_module(module_name), attr)
+        try:
+            module = importlib.import_module(module_name)
+        except extras.MissingExtraError as error:
+            # A node's install leaves the emulators out: one line saying which extra to install.
+            click.echo(f"plugvisor {cmd_name}: {error}", err=True)
+            ctx.exit(EXIT_USAGE)
+        command = getattr(module, attr)
         if not isinstance(command, click.Command):
             raise TypeError(f"{lazy.target} is not a click command")
         return command

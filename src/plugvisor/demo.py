@@ -31,17 +31,21 @@ from typing import IO, Any, Final
 
 import click
 import yaml
-from rich.console import Console, Group
-from rich.live import Live
-from rich.table import Table
-from rich.text import Text
 
-from plugvisor.common import monitoring
+from plugvisor.common import extras, monitoring
 from plugvisor.common.logs import configure_logging
 from plugvisor.emulators import lab as lab_
 from plugvisor.emulators.kubelet import EmulatedKubelet
 from plugvisor.emulators.lab.profiles import GpuGroup, builtin
 from plugvisor.supervisor import status as status_
+
+try:
+    from rich.console import Console, Group
+    from rich.live import Live
+    from rich.table import Table
+    from rich.text import Text
+except ModuleNotFoundError as missing:  # a node's install: see plugvisor.common.extras
+    raise extras.MissingExtraError("the demo", extras.EMULATORS, missing) from None
 
 GPU: Final = "plugvisor.io/gpu"
 NIC: Final = "plugvisor.io/nic"

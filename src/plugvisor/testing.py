@@ -17,6 +17,9 @@ A kind is tested at two levels (docs/writing-a-kind.md):
   test plays the scheduler) and returns the container edits its CDI devices
   resolve to, read back from the CDI directory as a container runtime would.
 
+The last two run against the emulated kubelet, so this module comes with the ``emulators`` extra
+(``pip install 'plugvisor[emulators]'``); without it, importing it says so (an ``ImportError``).
+
 :func:`kind_loads_without_grpc` checks the one rule the agent imposes on a
 kind's module: loading it (the agent does, to validate its configuration) must
 not import gRPC.

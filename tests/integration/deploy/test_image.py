@@ -35,6 +35,21 @@ def _instructions() -> list[tuple[str, str]]:
     return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in lines]
 
 
+def _stages() -> list[tuple[str, list[tuple[str, str]]]]:
+    """(FROM argument, the stage's other instructions), in order."""
+    stages: list[tuple[str, list[tuple[str, str]]]] = []
+    for op, arg in _instructions():
+        if op == "FROM":
+            stages.append((arg, []))
+        elif stages:
+            stages[-1][1].append((op, arg))
+    return stages
+
+
+def _stage(name: str) -> list[tuple[str, str]]:
+    return next(steps for origin, steps in _stages() if origin.endswith(f" AS {name}"))
+
+
 def _pins() -> dict[str, str]:
     pins = {}
     for line in (REPO / "constraints.txt").read_text().splitlines():
@@ -45,16 +60,29 @@ def _pins() -> dict[str, str]:
     return pins
 
 
-def test_the_image_installs_the_wheel_with_the_constraints_and_checks_help() -> None:
-    """Entry point `plugvisor`; the wheel installed with constraints.txt; `plugvisor --help` at build time."""
-    steps = _instructions()
-    assert ("ENTRYPOINT", '["plugvisor"]') in steps
-    installs = [arg for op, arg in steps if op == "RUN" and "pip install" in arg]
-    assert len(installs) == 1
-    assert "--constraint /tmp/constraints.txt" in installs[0]
-    assert "/wheels/plugvisor-*.whl" in installs[0]
-    assert "plugvisor --help" in installs[0]
-    assert ("COPY", "constraints.txt /tmp/constraints.txt") in steps
+def test_the_release_image_is_the_default_target_and_installs_the_wheel_for_dra_with_the_constraints() -> (
+    None
+):
+    """The wheel with its `dra` extra (DRA overlays run it), not the emulators', pinned by constraints.txt;
+    `plugvisor --help` at build time; entry point."""
+    assert _stages()[-1] == ("release", []), "the last stage (the default target) must be the release image"
+    build = " ".join(" ".join(arg.split()) for op, arg in _stage("build") if op == "RUN")
+    assert '--constraint constraints.txt "$(echo /wheels/plugvisor-*.whl)[dra]"' in build
+    assert "--root /staging" in build
+    release = _stage("release")
+    assert ("COPY", "--from=build /staging/ /") in release
+    assert ("ENTRYPOINT", '["plugvisor"]') in release
+    assert any(op == "RUN" and "plugvisor --help" in arg for op, arg in release)
+    assert not any("[emulators]" in arg for _, arg in release)
+
+
+def test_the_emulators_target_adds_the_extra_to_the_release_image() -> None:
+    origin = next(origin for origin, _ in _stages() if origin.endswith(" AS emulators"))
+    assert origin == "release AS emulators"
+    (install,) = [arg for op, arg in _stage("emulators") if op == "RUN"]
+    assert '"$(echo /wheels/plugvisor-*.whl)[emulators]"' in install
+    assert "--constraint /tmp/constraints.txt" in install
+    assert "plugvisor kubelet --help" in install
 
 
 def test_oci_labels_match_the_project() -> None:
@@ -69,9 +97,10 @@ def test_oci_labels_match_the_project() -> None:
 
 
 def test_constraints_pin_every_runtime_dependency_within_pyproject() -> None:
-    """Each dependency in pyproject.toml is pinned to a version its specifier allows; so are theirs."""
+    """Each dependency, the dra and emulators extras' too, is pinned within pyproject's range; theirs too."""
     pins = _pins()
-    for text in PYPROJECT["project"]["dependencies"]:
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    for text in [*PYPROJECT["project"]["dependencies"], *extras["dra"], *extras["emulators"]]:
         requirement = Requirement(text)
         name = canonicalize_name(requirement.name)
         assert name in pins, f"constraints.txt does not pin {requirement.name}"
@@ -113,8 +142,9 @@ def test_the_build_context_keeps_what_the_dockerfile_copies() -> None:
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The wheel the Dockerfile's build stage makes, from exactly the files it copies."""
     context = tmp_path_factory.mktemp("context")
-    build_copies = [arg for op, arg in _instructions() if op == "COPY"][:2]
-    for arg in build_copies:
+    build = _stage("build")
+    wheel_step = next(i for i, (op, arg) in enumerate(build) if op == "RUN" and "pip wheel" in arg)
+    for arg in [arg for op, arg in build[:wheel_step] if op == "COPY"]:
         *sources, _ = arg.split()
         for source in sources:
             origin = REPO / source

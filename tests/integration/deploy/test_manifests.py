@@ -24,6 +24,7 @@ from plugvisor.plugins import kinds
 from plugvisor.supervisor.config import NodeConfig, parse_config
 from plugvisor.testing import dra_devices
 
+from ..node_install import plugvisor_without_the_extra
 from .conftest import KUBERNETES_VERSION, OVERLAYS, REPO, kind_config, objects, render
 
 KUBELET_DEVICE_PLUGINS = "/var/lib/kubelet/device-plugins"
@@ -510,3 +511,37 @@ def test_lab_agents_differ_from_the_kind_overlays_only_in_where_the_host_is() ->
         assert {k: v for k, v in lab_raw.items() if k != "specRoot"} == {
             k: v for k, v in real_raw.items() if k != "specRoot"
         }
+
+
+# -- the image every pod runs ------------------------------------------------------------------------
+
+
+def _plugvisor_commands(container: dict[str, Any]) -> set[tuple[str, ...]]:
+    """The plugvisor subcommands a container runs: from its shell command, or its args (the entry point)."""
+    if "command" not in container:
+        words = [container.get("args", [])]
+    else:
+        text = " ".join([*container["command"], *container.get("args", [])])
+        words = [match.split()[1:] for match in re.findall(r"\bplugvisor(?: [\w-]+)+", text)]
+    return {tuple(w for w in argv[:2] if not w.startswith(("-", "/"))) for argv in words}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_command_a_pod_runs_is_in_the_release_image_which_has_no_extra(
+    overlay: str, tmp_path: Path
+) -> None:
+    """Every pod runs the release image (the Dockerfile's default target, no extra): the agents and the lab
+    overlay's `plugvisor lab` alike, so the e2e suite tests the image a node gets."""
+    commands: set[tuple[str, ...]] = set()
+    images = set()
+    for ds in objects(overlay, "DaemonSet"):
+        pod = ds["spec"]["template"]["spec"]
+        for container in [*pod.get("initContainers", []), *pod["containers"]]:
+            images.add(container["image"])
+            commands |= _plugvisor_commands(container)
+    assert len(images) == 1, f"overlays/{overlay} runs several images: {images}"
+    assert commands
+    for command in sorted(commands):
+        result = plugvisor_without_the_extra(tmp_path, *command, "--help")
+        ran = " ".join(command)
+        assert result.returncode == 0, f"overlays/{overlay} runs plugvisor {ran}: {result.stderr}"

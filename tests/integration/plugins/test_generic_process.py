@@ -1,6 +1,7 @@
 """`plugvisor plugin generic` as a real child process, against the emulated kubelet."""
 
 import asyncio
+import json
 import signal
 import sys
 
@@ -149,3 +150,38 @@ async def test_serves_its_metrics_on_loopback_when_asked(node):
             await asyncio.wait_for(proc.communicate(), 10)
     assert 'plugvisor_plugin_registrations_total{resource="plugvisor.io/generic"} 1.0' in body
     assert 'plugvisor_plugin_list_and_watch_streams{resource="plugvisor.io/generic"} 1.0' in body
+
+
+REPORT_COLLECTOR_AT_EXIT = """
+import atexit, gc, json, sys
+atexit.register(
+    lambda: open(sys.argv[1], "w").write(json.dumps([gc.get_freeze_count(), len(gc.get_objects())]))
+)
+from plugvisor.cli import main
+main(sys.argv[2:], prog_name="plugvisor")
+"""
+
+
+async def test_a_serving_plugin_keeps_its_start_up_objects_out_of_the_collectors_walks(node):
+    """A full collection would otherwise walk everything start-up made, with every call in flight waiting."""
+    (node / "root/dev/ttyUSB0").touch()
+    report = node / "collector.json"
+    argv = plugin_argv(node, "--resource", RESOURCE, "--path", "/dev/ttyUSB*")
+    async with EmulatedKubelet(node / "dp") as kubelet:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            REPORT_COLLECTOR_AT_EXIT,
+            str(report),
+            *argv[3:],
+            stderr=asyncio.subprocess.PIPE,
+        )
+        try:
+            await kubelet.wait_for(lambda k: allocatable(RESOURCE)(k) == 1, timeout=30)
+            await kubelet.allocate(RESOURCE, 1)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            _, stderr = await asyncio.wait_for(proc.communicate(), 20)
+    assert proc.returncode == 0, stderr.decode()
+    frozen, walked = json.loads(report.read_text())
+    assert frozen > 10 * walked, (frozen, walked)

@@ -34,13 +34,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-import kubernetes_validate
 import pydantic
 import yaml
 
+from plugvisor.common import extras
 from plugvisor.common.validation import huge_integer_problem
 from plugvisor.common.yamlfile import BoundedLoader
 from plugvisor.emulators.kubelet import allocation, names, versions
+
+try:
+    import kubernetes_validate
+except ModuleNotFoundError as missing:  # a node's install: see plugvisor.common.extras
+    raise extras.MissingExtraError("the emulated kubelet", extras.EMULATORS, missing) from None
 
 _QUANTITY: Final = re.compile(
     r"([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))(Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E|[eE][+-]?[0-9]+)?"
