@@ -20,12 +20,14 @@ its death (an OOM kill, a SIGKILL) takes no plugin with it: the supervisor
 starts a new one quietly on the next spawn.
 
 Protocol, one JSON object per line. Supervisor -> helper on stdin:
-``{"op": "spawn", "id": N, "args": [...], "env": {...}}``. Helper -> supervisor
-on stdout: ``{"op": "ready", "pid": P, "threads": 1}`` once, then
-``{"op": "spawned", "id": N, "pid": P}`` (or ``"error"``) per request, written
-by the intermediate in one write of less than ``PIPE_BUF`` bytes before it
-exits, so that the answer is in the pipe before the plugin can run at all.
-End of stdin ends the helper. It dies with the supervisor (SIGKILL).
+``{"op": "spawn", "id": N, "args": [...], "env": {...}}``, of any length (the
+supervisor writes as fast as this process reads, and a line is handled once its
+newline has arrived). Helper -> supervisor on stdout: ``{"op": "ready", "pid": P,
+"threads": 1}`` once, then ``{"op": "spawned", "id": N, "pid": P}`` (or
+``"error"``) per request, written by its intermediate in one write of
+less than ``PIPE_BUF`` bytes before it exits, so that the answer is in the pipe
+before the plugin can run at all and answers of concurrent intermediates never
+interleave. End of stdin ends the helper. It dies with the supervisor (SIGKILL).
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ class _Server:
         self.control_in = control_in
         self.control_out = control_out
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self.buffer = b""
+        self.buffer = bytearray()
         self.pid = os.getpid()
 
     def send(self, **message: Any) -> None:
@@ -114,8 +116,14 @@ class _Server:
                 data = os.read(self.control_in, 65536)
                 if not data:
                     return
+                # A request can be longer than one read (its options travel in it): only
+                # what ends in a newline is complete, the rest waits for the next read.
                 self.buffer += data
-                *lines, self.buffer = self.buffer.split(b"\n")
+                end = self.buffer.rfind(b"\n")
+                if end < 0:
+                    continue
+                lines = bytes(self.buffer[:end]).split(b"\n")
+                del self.buffer[: end + 1]
                 for line in lines:
                     if line.strip():
                         self.handle(json.loads(line))

@@ -33,6 +33,7 @@ separate process.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import os
@@ -240,11 +241,11 @@ def _ended(proc: subprocess.Popen[bytes]) -> bool:
 
 
 class _LineChannel:
-    """Newline-delimited JSON over a non-blocking pipe."""
+    """Newline-delimited JSON read from a non-blocking pipe, lines of any length."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
-        self._buffer = b""
+        self._buffer = bytearray()
         self.closed = False
         os.set_blocking(fd, False)
 
@@ -261,7 +262,11 @@ class _LineChannel:
                 self.closed = True
                 break
             self._buffer += data
-        *lines, self._buffer = self._buffer.split(b"\n")
+        end = self._buffer.rfind(b"\n")
+        if end < 0:
+            return messages
+        lines = bytes(self._buffer[:end]).split(b"\n")
+        del self._buffer[: end + 1]
         for line in lines:
             if line.strip():
                 with contextlib.suppress(ValueError):
@@ -269,15 +274,75 @@ class _LineChannel:
         return messages
 
 
-class _Helper:
-    """One fork-server process, its pipes, and its readiness."""
+class _Outbox:
+    """Bytes waiting for a non-blocking pipe, written as fast as the reader takes them.
 
-    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+    A pipe holds 64 KiB; one request can be as large (a resource's options travel
+    on its command line) and hundreds are sent at once when the agent starts or
+    reloads. What does not fit waits here, and the event loop writes it when the
+    pipe has room again: no request is ever dropped for a full pipe, nor the
+    loop blocked by one.
+    """
+
+    def __init__(self, fd: int, on_error: Callable[[OSError], None]) -> None:
+        """``on_error``: the reader went away while bytes were waiting (the pipe is closed)."""
+        self.fd = fd
+        self._on_error = on_error
+        self._chunks: collections.deque[memoryview] = collections.deque()
+        self._watching = False
+        os.set_blocking(fd, False)
+
+    def __bool__(self) -> bool:
+        return bool(self._chunks)
+
+    def put(self, data: bytes) -> None:
+        """Queue ``data`` and write what the pipe takes now (raises OSError if the reader is gone)."""
+        self._chunks.append(memoryview(data))
+        self.flush()
+
+    def flush(self) -> None:
+        """Write until the pipe is full or nothing is left; watch for room while something is left."""
+        while self._chunks:
+            try:
+                written = os.write(self.fd, self._chunks[0])
+            except BlockingIOError:
+                break
+            if written == len(self._chunks[0]):
+                self._chunks.popleft()
+            else:
+                self._chunks[0] = self._chunks[0][written:]
+        loop = asyncio.get_running_loop()
+        if self._chunks and not self._watching:
+            loop.add_writer(self.fd, self._flush_or_fail)
+            self._watching = True
+        elif not self._chunks and self._watching:
+            loop.remove_writer(self.fd)
+            self._watching = False
+
+    def _flush_or_fail(self) -> None:
+        try:
+            self.flush()
+        except OSError as exc:
+            self.stop()
+            self._on_error(exc)
+
+    def stop(self) -> None:
+        """Drop what is left and stop watching the pipe."""
+        self._chunks.clear()
+        if self._watching:
+            with contextlib.suppress(RuntimeError, ValueError, OSError):
+                asyncio.get_running_loop().remove_writer(self.fd)
+            self._watching = False
+
+
+class _Helper:
+    """One fork-server process, its pipes, its readiness and its progress."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], on_input_error: Callable[[OSError], None]) -> None:
         assert proc.stdin is not None
         assert proc.stdout is not None
         self.proc = proc
-        self.stdin = proc.stdin.fileno()
-        os.set_blocking(self.stdin, False)
+        self.outbox = _Outbox(proc.stdin.fileno(), on_input_error)
         self.channel = _LineChannel(proc.stdout.fileno())
         loop = asyncio.get_running_loop()
         self.ready: asyncio.Future[dict[str, Any]] = loop.create_future()
@@ -286,8 +351,17 @@ class _Helper:
         self.lost = False
         self.early = False
         """Started before the agent validated its file (:mod:`.prestart`), and adopted."""
+        self.waiting = 0
+        """Requests sent to it and not answered yet."""
+        self.progress_at = time.monotonic()
+        """When it last answered, or last had nothing to do: the watchdog measures from there."""
+        self.watchdog: asyncio.TimerHandle | None = None
 
     def close_pipes(self) -> None:
+        self.outbox.stop()
+        if self.watchdog is not None:
+            self.watchdog.cancel()
+            self.watchdog = None
         for stream in (self.proc.stdin, self.proc.stdout):
             if stream is not None:
                 with contextlib.suppress(OSError):
@@ -301,8 +375,8 @@ class _Pending:
     spec: ChildSpec
     done: SpawnDone
     helper: _Helper
-    timer: asyncio.TimerHandle
-    retried: bool
+    losses: tuple[str, ...]
+    """Why the fork servers it was sent to before were lost (it is sent once more after the first)."""
 
 
 class ForkServerSpawner:
@@ -312,9 +386,15 @@ class ForkServerSpawner:
     an intermediate that exits at once, so each child is re-parented to the
     supervisor, which reaps it. If the helper dies, nothing happens to any child:
     the next spawn starts a new helper and waits for its readiness without
-    blocking the loop. A spawn still unanswered when its helper's pipe closes
-    (every intermediate has exited by then, so no answer can still come) is sent
-    once more to a new helper; failures reach ``done``, never the caller.
+    blocking the loop.
+
+    Requests are written through an :class:`_Outbox` (flow control: as fast as the
+    helper reads, whatever their number and size) and the helper answers each in
+    turn. It is taken for lost only when it is: its output closed (it exited), its
+    input refused (it exited), its start failed, or it answered nothing for
+    ``spawn_timeout`` seconds while requests waited (hung). A slow helper working
+    through a long queue is not hung. A request whose helper was lost is sent once
+    more to a new one; failures reach ``done``, never the caller.
     """
 
     def __init__(
@@ -339,10 +419,9 @@ class ForkServerSpawner:
         self._reaper = Reaper()
         self._wake: Wake | None = None
         self._next_id = 0
-        self._tasks: set[asyncio.Task[None]] = set()
         self._closing = False
         self._opened = False
-        self._queued: list[tuple[ChildSpec, SpawnDone, bool]] = []
+        self._queued: list[tuple[ChildSpec, SpawnDone, tuple[str, ...]]] = []
         self._young_deaths = 0
         self._replacement: asyncio.TimerHandle | None = None
         self.helpers_started = 0
@@ -376,7 +455,7 @@ class ForkServerSpawner:
 
     def _watch_helper(self, proc: subprocess.Popen[bytes]) -> _Helper:
         self._reaper.track(proc)
-        helper = _Helper(proc)
+        helper = _Helper(proc, lambda exc: self._helper_lost(helper, _input_refused(exc)))
         self._helper = helper
         self.helpers_started += 1
         loop = asyncio.get_running_loop()
@@ -388,20 +467,21 @@ class ForkServerSpawner:
         started = time.monotonic()
         try:
             ready = await asyncio.wait_for(asyncio.shield(helper.ready), self._start_timeout)
-        except (TimeoutError, SpawnError) as exc:
-            self._helper_lost(helper, quiet=True)
+        except TimeoutError:
+            reason = f"it did not start within {self._start_timeout:g} s"
+        except SpawnError as exc:
+            reason = str(exc)
+        else:
+            reason = "" if not ready.get("error") else f"it did not start: {ready['error']}"
+        if reason:
+            self._helper_lost(helper, reason, quiet=True)
             if self._opened and not self._closing and self._helper is None and self._replacement is None:
                 self._schedule_replacement(helper)
-            reason = "it did not answer in time" if isinstance(exc, TimeoutError) else str(exc)
-            raise SpawnError(helper_fault=True, message=f"the fork server did not start: {reason}") from None
-        if ready.get("error"):
-            self._helper_lost(helper, quiet=True)
-            if self._opened and not self._closing and self._helper is None and self._replacement is None:
-                self._schedule_replacement(helper)
-            raise SpawnError(helper_fault=True, message=f"the fork server did not start: {ready['error']}")
+            raise SpawnError(helper_fault=True, message=f"the fork server is unavailable: {reason}")
         self.server_pid = helper.proc.pid
-        helper.ready_at = time.monotonic()
+        helper.ready_at = helper.progress_at = time.monotonic()
         self.preload_seconds = round(helper.ready_at - started, 3)
+        self._arm_watchdog(helper)
         _log.info(
             "forkserver_ready",
             pid=helper.proc.pid,
@@ -416,9 +496,10 @@ class ForkServerSpawner:
             if op == "ready" and not helper.ready.done():
                 helper.ready.set_result(message)
             elif op == "spawned":
+                helper.progress_at = time.monotonic()
                 self._answered(message)
         if helper.channel.closed:
-            self._helper_lost(helper)
+            self._helper_lost(helper, "it exited")
 
     def _answered(self, message: dict[str, Any]) -> None:
         ident = message.get("id")
@@ -426,12 +507,12 @@ class ForkServerSpawner:
         if pending is None:
             pid = message.get("pid")
             if isinstance(pid, int) and pid > 1:
-                # An answer to a spawn that already timed out: nobody tracks that process,
-                # so it must not run (it would register the resource behind our back).
+                # An answer nobody waits for any more: nobody tracks that process, so it
+                # must not run (it would register the resource behind our back).
                 _log.warning("forkserver_late_answer", id=ident, pid=pid, action="killed")
                 _signal_group(pid, signal.SIGKILL)
             return
-        pending.timer.cancel()
+        pending.helper.waiting -= 1
         pid = message.get("pid")
         if message.get("error") or not isinstance(pid, int):
             pending.done(SpawnError(str(message.get("error") or "the fork server gave no PID")))
@@ -445,8 +526,27 @@ class ForkServerSpawner:
             self._exits.append(early)
             self._poke()
 
-    def _helper_lost(self, helper: _Helper, *, quiet: bool = False) -> None:
-        """The helper's pipe closed (or it failed to start): forget it; spawns in flight go to a new one."""
+    def _arm_watchdog(self, helper: _Helper) -> None:
+        """Check the helper's progress ``spawn_timeout`` after it last made some, while requests wait."""
+        if helper.watchdog is not None or helper.ready_at is None or helper.lost or not helper.waiting:
+            return
+        due = max(0.0, helper.progress_at + self._spawn_timeout - time.monotonic())
+        helper.watchdog = asyncio.get_running_loop().call_later(due, self._check_progress, helper)
+
+    def _check_progress(self, helper: _Helper) -> None:
+        helper.watchdog = None
+        if helper.lost or not helper.waiting or self._closing:
+            return
+        if time.monotonic() - helper.progress_at < self._spawn_timeout:
+            self._arm_watchdog(helper)
+            return
+        # It has requests and has answered none of them for that long: stopped or stuck.
+        # It would never answer the later ones either. Replace it.
+        _log.warning("forkserver_hung", pid=helper.proc.pid, waiting=helper.waiting, action="replaced")
+        self._helper_lost(helper, f"it answered nothing for {self._spawn_timeout:g} s")
+
+    def _helper_lost(self, helper: _Helper, reason: str, *, quiet: bool = False) -> None:
+        """The helper exited, hung or failed to start: forget it; its requests go to a new one, once."""
         if helper.lost:
             # Once only: the second call would act on fd numbers that a newer helper may own by now.
             return
@@ -461,25 +561,24 @@ class ForkServerSpawner:
             _signal_group(helper.proc.pid, signal.SIGKILL)
         helper.close_pipes()
         if not helper.ready.done():
-            helper.ready.set_exception(SpawnError(helper_fault=True, message="the fork server exited"))
+            helper.ready.set_exception(SpawnError(helper_fault=True, message=reason))
             helper.ready.exception()  # retrieved: whoever awaits it gets it through the shield
         if not quiet:
             _log.warning(
                 "forkserver_lost",
                 pid=helper.proc.pid,
+                reason=reason,
                 children=len(self._children),
-                note="children keep running; a new fork server starts with the next spawn",
+                note="children keep running; a new fork server starts",
             )
         retry = [(i, p) for i, p in self._pending.items() if p.helper is helper]
         for ident, pending in retry:
             del self._pending[ident]
-            pending.timer.cancel()
-            if pending.retried:
-                pending.done(
-                    SpawnError(helper_fault=True, message="the fork server exited before answering, twice")
-                )
+            if pending.losses:
+                lost = f"{pending.losses[0]}, then {reason}"
+                pending.done(SpawnError(helper_fault=True, message=f"the fork server was lost twice: {lost}"))
             else:
-                self._request(pending.spec, pending.done, retried=True)
+                self._request(pending.spec, pending.done, losses=(reason,))
         if not quiet and not self._closing and self._helper is None:
             self._schedule_replacement(helper)
 
@@ -503,8 +602,8 @@ class ForkServerSpawner:
         self._replacement = None
         queued, self._queued = self._queued, []
         if self._closing or self._helper is not None:
-            for spec, done, retried in queued:
-                self._request(spec, done, retried=retried)
+            for spec, done, losses in queued:
+                self._request(spec, done, losses=losses)
             return
         try:
             helper = self._start_helper()
@@ -516,19 +615,19 @@ class ForkServerSpawner:
         assert helper.started is not None
         # Failures are logged (and the helper dropped) by _await_ready; nothing awaits this one.
         helper.started.add_done_callback(lambda task: task.cancelled() or task.exception())
-        for spec, done, retried in queued:
-            self._request(spec, done, retried=retried)
+        for spec, done, losses in queued:
+            self._request(spec, done, losses=losses)
 
     def spawn(self, spec: ChildSpec, done: SpawnDone) -> None:
         """Ask the helper (started now if there is none) to fork a child running ``plugvisor <args>``."""
-        self._request(spec, done, retried=False)
+        self._request(spec, done, losses=())
 
-    def _request(self, spec: ChildSpec, done: SpawnDone, *, retried: bool) -> None:
+    def _request(self, spec: ChildSpec, done: SpawnDone, *, losses: tuple[str, ...]) -> None:
         helper = self._helper
         if helper is None and self._replacement is not None:
             # A replacement is due after a delay (helpers keep dying young): wait for it
             # rather than start helpers as fast as children ask.
-            self._queued.append((spec, done, retried))
+            self._queued.append((spec, done, losses))
             return
         if helper is None:
             try:
@@ -536,58 +635,22 @@ class ForkServerSpawner:
             except SpawnError as exc:
                 done(exc)
                 return
+            assert helper.started is not None
+            helper.started.add_done_callback(lambda task: task.cancelled() or task.exception())
         self._next_id += 1
         ident = self._next_id
-        loop = asyncio.get_running_loop()
-        timer = loop.call_later(self._spawn_timeout, self._timed_out, ident)
-        self._pending[ident] = _Pending(spec, done, helper, timer, retried)
-        if helper.ready.done() and self.server_pid == helper.proc.pid:
-            self._send(helper, ident, spec)
-            return
-        task = loop.create_task(self._send_when_ready(helper, ident, spec))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _send_when_ready(self, helper: _Helper, ident: int, spec: ChildSpec) -> None:
-        assert helper.started is not None
-        try:
-            await asyncio.shield(helper.started)
-        except SpawnError as exc:
-            pending = self._pending.pop(ident, None)
-            if pending is not None:
-                pending.timer.cancel()
-                pending.done(exc)
-            return
-        if ident in self._pending:
-            self._send(helper, ident, spec)
-
-    def _send(self, helper: _Helper, ident: int, spec: ChildSpec) -> None:
+        self._pending[ident] = _Pending(spec, done, helper, losses)
+        if not helper.waiting:
+            helper.progress_at = time.monotonic()  # it had nothing to do until now
+        helper.waiting += 1
         request = {"op": "spawn", "id": ident, "args": list(spec.args), "env": self._env}
-        data = json.dumps(request).encode() + b"\n"
         try:
-            # A request is a few KiB and the helper reads as fast as it forks; a full pipe
-            # means a hung helper, which the spawn timeout reports.
-            if os.write(helper.stdin, data) != len(data):
-                raise BlockingIOError("short write to the fork server")
+            # Written even before the helper is ready: it reads once its preload is done.
+            helper.outbox.put(json.dumps(request, separators=(",", ":")).encode() + b"\n")
         except OSError as exc:
-            _log.warning("forkserver_unwritable", error=str(exc))
-            self._helper_lost(helper)
-
-    def _timed_out(self, ident: int) -> None:
-        pending = self._pending.pop(ident, None)
-        if pending is not None:
-            pending.done(
-                SpawnError(
-                    helper_fault=True,
-                    message=f"the fork server did not answer within {self._spawn_timeout:g} s",
-                )
-            )
-            helper = pending.helper
-            if helper is self._helper and self.server_pid == helper.proc.pid and not self._closing:
-                # A helper that does not answer is hung (stopped, stuck): it would time out
-                # every later spawn too. Replace it.
-                _log.warning("forkserver_hung", pid=helper.proc.pid, action="replaced")
-                self._helper_lost(helper)
+            self._helper_lost(helper, _input_refused(exc))
+            return
+        self._arm_watchdog(helper)
 
     def _on_sigchld(self) -> None:
         self._collect()
@@ -624,12 +687,9 @@ class ForkServerSpawner:
             prestart.end(early)
         if self._replacement is not None:
             self._replacement.cancel()
-        for task in list(self._tasks):
-            task.cancel()
         with contextlib.suppress(RuntimeError, ValueError):
             asyncio.get_running_loop().remove_signal_handler(signal.SIGCHLD)
         for pending in self._pending.values():
-            pending.timer.cancel()
             pending.done(SpawnError("the agent is stopping"))
         self._pending.clear()
         for _, done, _ in self._queued:
@@ -642,9 +702,7 @@ class ForkServerSpawner:
             helper.started.cancel()
         with contextlib.suppress(RuntimeError, ValueError, OSError):
             asyncio.get_running_loop().remove_reader(helper.channel.fd)
-        if helper.proc.stdin is not None:
-            with contextlib.suppress(OSError):
-                helper.proc.stdin.close()
+        helper.close_pipes()
         deadline = time.monotonic() + 2.0
         while not _ended(helper.proc):
             self._reaper.collect()
@@ -655,7 +713,10 @@ class ForkServerSpawner:
                     helper.proc.kill()
                 deadline = time.monotonic() + 2.0
             await asyncio.sleep(0.01)
-        helper.close_pipes()
+
+
+def _input_refused(exc: OSError) -> str:
+    return f"its input was closed ({exc.strerror or exc}): it exited"
 
 
 @dataclass
