@@ -25,7 +25,7 @@ import click
 import pydantic
 import structlog
 
-from plugvisor.common import constants, monitoring
+from plugvisor.common import constants, monitoring, proctitle
 from plugvisor.common.exitcodes import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
 from plugvisor.common.grpcenv import quiet_grpc_core
 from plugvisor.common.hostpaths import HostPaths, host_root_problem, kubelet_dir_problem
@@ -290,6 +290,7 @@ def plugin_command(
     del mode  # "dra" never gets here (_ModeDispatch)
     _drop_unread_metrics(metrics_listen)
     configure_logging(level=log_level, fmt="json" if log_format == "json" else "kv")
+    _set_title(kind, resource or f"plugvisor.io/{kind}")
     try:
         plugin_kind = get_kind(kind)
     except UnknownKindError as exc:
@@ -339,6 +340,16 @@ def plugin_command(
                 REGISTRY.register(DeviceCollector(runtime.monitor.view))
 
     sys.exit(run_plugin(config, source, on_ready=on_ready))
+
+
+def _set_title(kind: str, resource: str) -> None:
+    """Show in ``ps`` which resource this process serves, and its last part in ``top``.
+
+    A child of the agent would otherwise show the agent's command line (it is
+    forked from it), an exec'd one its whole options as JSON.
+    """
+    proctitle.set_name("pv:" + resource.rsplit("/", 1)[-1])
+    proctitle.set_title(f"plugvisor plugin {kind} {resource}")
 
 
 def _drop_unread_metrics(metrics_listen: str | None) -> None:

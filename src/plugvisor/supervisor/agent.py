@@ -27,8 +27,9 @@ import structlog
 from plugvisor.common import monitoring
 from plugvisor.common.exitcodes import EXIT_CONFIGURATION
 from plugvisor.common.inotify import InotifyLimitError
+from plugvisor.common.notify import STATUS_SOCKET_ENV
 from plugvisor.common.validation import shorten
-from plugvisor.supervisor import prestart, signals
+from plugvisor.supervisor import signals
 from plugvisor.supervisor import status as status_
 from plugvisor.supervisor.clock import SystemClock
 from plugvisor.supervisor.config import (
@@ -40,15 +41,32 @@ from plugvisor.supervisor.kubelet_watch import KubeletWatch
 from plugvisor.supervisor.reports import ReportListener
 from plugvisor.supervisor.spawner import ExecSpawner, ForkServerSpawner, Spawner, SpawnError
 from plugvisor.supervisor.supervisor import Supervisor, remove_stale_sockets
-from plugvisor.supervisor.systemd import Notifier
+from plugvisor.supervisor.systemd import SYSTEMD_ENV, Notifier
 
 if TYPE_CHECKING:
     from plugvisor.supervisor.metrics import Metrics
 
 HOUSEKEEPING_INTERVAL: Final = 1.0
 """The loop wakes at least this often even when nothing happens."""
+MULTIPROC_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
+"""prometheus-client picks its multiprocess value class when it is imported, by this variable's presence."""
 
 _log = structlog.get_logger("plugvisor.supervisor")
+
+
+def child_env(base: Mapping[str, str], *, runtime_dir: Path, multiprocess_metrics: bool) -> dict[str, str]:
+    """The environment of the fork server and, before what the agent adds, of every child.
+
+    Without systemd's variables (only the agent speaks to systemd), with the
+    agent's status socket, and with the metrics directory only when the agent
+    serves ``/metrics`` (prometheus-client decides at import time whether it writes
+    multiprocess files).
+    """
+    env = {key: value for key, value in base.items() if key not in SYSTEMD_ENV and key != MULTIPROC_ENV}
+    env[STATUS_SOCKET_ENV] = str(runtime_dir / status_.REPORT_SOCKET)
+    if multiprocess_metrics:
+        env[MULTIPROC_ENV] = str(runtime_dir / status_.METRICS_DIR)
+    return env
 
 
 class RuntimeDirLock:
@@ -125,7 +143,7 @@ class Agent:
         """After each tick: /metrics gives way to children being started (``metrics.ScrapeGate``)."""
 
     def _child_env(self) -> dict[str, str]:
-        env = prestart.child_env(
+        env = child_env(
             self._env, runtime_dir=self.runtime_dir, multiprocess_metrics=self.config.metrics is not None
         )
         watch = self.config.monitoring
@@ -138,19 +156,10 @@ class Agent:
         return env
 
     def _make_spawner(self, env: Mapping[str, str]) -> Spawner:
-        early = prestart.take()
         if self.config.supervisor.spawner == "exec":
-            prestart.discard(early)
             return ExecSpawner(env)
         kinds = sorted({resource.kind for resource in self.config.resources})
-        metrics = self.config.metrics is not None
-        if early is not None and not early.suits(
-            kinds, multiprocess_metrics=metrics, runtime_dir=self.runtime_dir
-        ):
-            _log.info("forkserver_prestart_discarded", started_for=early.preload_kinds, kinds=kinds)
-            prestart.discard(early)
-            early = None
-        return ForkServerSpawner(env, preload_kinds=kinds, prestarted=None if early is None else early.proc)
+        return ForkServerSpawner(env, preload_kinds=kinds)
 
     def wake(self) -> None:
         """Have the loop look at its inputs now."""
@@ -455,9 +464,6 @@ def run_agent(config_path: Path, *, log_format: str = "kv", log_level: str = "in
 
     Raises :class:`ConfigError` (exit status 2 in the CLI) before starting anything.
     """
-    try:
-        config = load_node_config(config_path)
-        agent = Agent(config, config_path=config_path, log_format=log_format, log_level=log_level)
-        return asyncio.run(agent.run())
-    finally:
-        prestart.discard()  # a fork server started early that the agent did not take
+    config = load_node_config(config_path)
+    agent = Agent(config, config_path=config_path, log_format=log_format, log_level=log_level)
+    return asyncio.run(agent.run())

@@ -46,7 +46,7 @@ from typing import Any, Final, Protocol
 
 import structlog
 
-from plugvisor.supervisor import prctl, prestart
+from plugvisor.supervisor import forkserver, prctl
 from plugvisor.supervisor.config import ChildSpec
 from plugvisor.supervisor.prctl import CHILD_DEATH_SIGNAL
 
@@ -71,6 +71,13 @@ class Exit:
 
     pid: int
     returncode: int
+
+
+class _Process(Protocol):
+    """A child process the reaper records the exit of: ``subprocess.Popen`` or a forked fork server."""
+
+    pid: int
+    returncode: int | None
 
 
 Wake = Callable[[], None]
@@ -122,20 +129,21 @@ def _signal_group(pid: int, sig: int) -> None:
 class Reaper:
     """Every ``waitpid`` of the supervisor: exits of our children, kept until claimed.
 
-    Processes started with ``subprocess.Popen`` are registered with :meth:`track`
-    and get their ``returncode`` set here, so ``Popen`` itself never waits on a
-    PID that may, by then, belong to another child. An exit whose PID nobody has
-    claimed yet (a plugin that died before its spawn answer was read, or an
-    orphan we adopted) is kept for :data:`UNCLAIMED_TTL` seconds.
+    Processes started with ``subprocess.Popen`` (or forked: the fork server) are
+    registered with :meth:`track` and get their ``returncode`` set here, so
+    ``Popen`` itself never waits on a PID that may, by then, belong to another
+    child. An exit whose PID nobody has claimed yet (a plugin that died before
+    its spawn answer was read, or an orphan we adopted) is kept for
+    :data:`UNCLAIMED_TTL` seconds.
     """
 
     UNCLAIMED_TTL: Final = 60.0
 
     def __init__(self) -> None:
-        self._popens: dict[int, tuple[subprocess.Popen[bytes], bool]] = {}
+        self._popens: dict[int, tuple[_Process, bool]] = {}
         self._unclaimed: dict[int, tuple[int, float]] = {}
 
-    def track(self, proc: subprocess.Popen[bytes], *, report: bool = False) -> None:
+    def track(self, proc: _Process, *, report: bool = False) -> None:
         """Let the reaper set ``proc.returncode`` when it exits (and report the exit if ``report``).
 
         Keeping the ``Popen`` referenced until then also keeps it out of
@@ -233,11 +241,6 @@ class ExecSpawner:
         """Stop reaping on SIGCHLD."""
         with contextlib.suppress(RuntimeError, ValueError):
             asyncio.get_running_loop().remove_signal_handler(signal.SIGCHLD)
-
-
-def _ended(proc: subprocess.Popen[bytes]) -> bool:
-    """Whether the reaper has recorded ``proc``'s exit (it sets ``returncode``)."""
-    return proc.returncode is not None
 
 
 class _LineChannel:
@@ -338,19 +341,15 @@ class _Outbox:
 class _Helper:
     """One fork-server process, its pipes, its readiness and its progress."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], on_input_error: Callable[[OSError], None]) -> None:
-        assert proc.stdin is not None
-        assert proc.stdout is not None
+    def __init__(self, proc: forkserver.Forked, on_input_error: Callable[[OSError], None]) -> None:
         self.proc = proc
-        self.outbox = _Outbox(proc.stdin.fileno(), on_input_error)
-        self.channel = _LineChannel(proc.stdout.fileno())
+        self.outbox = _Outbox(proc.requests, on_input_error)
+        self.channel = _LineChannel(proc.answers)
         loop = asyncio.get_running_loop()
         self.ready: asyncio.Future[dict[str, Any]] = loop.create_future()
         self.started: asyncio.Task[None] | None = None
         self.ready_at: float | None = None
         self.lost = False
-        self.early = False
-        """Started before the agent validated its file (:mod:`.prestart`), and adopted."""
         self.waiting = 0
         """Requests sent to it and not answered yet."""
         self.progress_at = time.monotonic()
@@ -362,10 +361,9 @@ class _Helper:
         if self.watchdog is not None:
             self.watchdog.cancel()
             self.watchdog = None
-        for stream in (self.proc.stdin, self.proc.stdout):
-            if stream is not None:
-                with contextlib.suppress(OSError):
-                    stream.close()
+        for fd in (self.proc.requests, self.proc.answers):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 @dataclass(slots=True)
@@ -404,11 +402,9 @@ class ForkServerSpawner:
         preload_kinds: Sequence[str] = (),
         start_timeout: float = 60.0,
         spawn_timeout: float = 10.0,
-        prestarted: subprocess.Popen[bytes] | None = None,
     ):
-        """``prestarted``: a fork server already started for these kinds (:mod:`.prestart`) to adopt."""
+        """``env``: every child's environment; ``preload_kinds``: the kinds the fork server loads first."""
         self._env = dict(env)
-        self._prestarted = prestarted
         self._preload = list(preload_kinds)
         self._start_timeout = start_timeout
         self._spawn_timeout = spawn_timeout
@@ -436,24 +432,16 @@ class ForkServerSpawner:
         except OSError as exc:
             raise SpawnError(f"cannot adopt the fork server's children: {exc}") from exc
         asyncio.get_running_loop().add_signal_handler(signal.SIGCHLD, self._on_sigchld)
-        if self._prestarted is not None:
-            helper = self._watch_helper(self._prestarted)
-            helper.early = True
-            self._prestarted = None
-        else:
-            helper = self._start_helper()
+        helper = self._start_helper()
         assert helper.started is not None
         await helper.started
         self._opened = True
 
     def _start_helper(self) -> _Helper:
         try:
-            proc = prestart.launch(self._env, self._preload)
+            proc = forkserver.fork(self._env, self._preload)
         except OSError as exc:
             raise SpawnError(f"cannot start the fork server: {exc}") from exc
-        return self._watch_helper(proc)
-
-    def _watch_helper(self, proc: subprocess.Popen[bytes]) -> _Helper:
         self._reaper.track(proc)
         helper = _Helper(proc, lambda exc: self._helper_lost(helper, _input_refused(exc)))
         self._helper = helper
@@ -487,7 +475,6 @@ class ForkServerSpawner:
             pid=helper.proc.pid,
             seconds=self.preload_seconds,
             n=self.helpers_started,
-            early=helper.early,
         )
 
     def _on_readable(self, helper: _Helper) -> None:
@@ -643,7 +630,7 @@ class ForkServerSpawner:
         if not helper.waiting:
             helper.progress_at = time.monotonic()  # it had nothing to do until now
         helper.waiting += 1
-        request = {"op": "spawn", "id": ident, "args": list(spec.args), "env": self._env}
+        request = {"op": "spawn", "id": ident, "args": list(spec.args)}
         try:
             # Written even before the helper is ready: it reads once its preload is done.
             helper.outbox.put(json.dumps(request, separators=(",", ":")).encode() + b"\n")
@@ -682,9 +669,6 @@ class ForkServerSpawner:
     async def close(self) -> None:
         """Close the helper's input: it exits (children must already be stopped)."""
         self._closing = True
-        early, self._prestarted = self._prestarted, None
-        if early is not None:  # closed before it was opened (a stop at once): nobody else would end it
-            prestart.end(early)
         if self._replacement is not None:
             self._replacement.cancel()
         with contextlib.suppress(RuntimeError, ValueError):
@@ -704,15 +688,13 @@ class ForkServerSpawner:
             asyncio.get_running_loop().remove_reader(helper.channel.fd)
         helper.close_pipes()
         deadline = time.monotonic() + 2.0
-        while not _ended(helper.proc):
-            self._reaper.collect()
-            if _ended(helper.proc):
-                break
+        self._reaper.collect()
+        while helper.proc.returncode is None:
             if time.monotonic() > deadline:
-                with contextlib.suppress(OSError):
-                    helper.proc.kill()
+                _signal_group(helper.proc.pid, signal.SIGKILL)
                 deadline = time.monotonic() + 2.0
             await asyncio.sleep(0.01)
+            self._reaper.collect()
 
 
 def _input_refused(exc: OSError) -> str:
