@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import importlib
 import json
@@ -46,7 +47,7 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, NoReturn
@@ -59,7 +60,7 @@ TITLE: Final = "plugvisor fork-server"
 """What ``ps`` shows for this process (its ``comm``, what ``top`` shows, is ``pv-forkserver``)."""
 
 _PLUGIN_ENTRY: Final = "plugvisor.plugins.entry"
-"""The plugin entry module: its ``main(args)`` is what a child runs, the same as ``plugvisor plugin``.
+"""The plugin entry module: ``prepare(args)`` here, then what it returns in the child: ``plugvisor plugin``.
 
 Imported by name, in this process only: the agent's own import graph must not
 reach the framework (an import-linter contract), and only plugins need it.
@@ -236,15 +237,17 @@ class _Server:
 
     def handle(self, request: dict[str, Any]) -> None:
         ident = request.get("id")
+        args = [str(arg) for arg in request["args"]]
+        command = _prepare(args)
         try:
             intermediate = os.fork()
         except OSError as exc:
             self.send(op="spawned", id=ident, error=_fork_error(exc))
             return
         if intermediate == 0:
-            self.become_intermediate(ident, [str(arg) for arg in request["args"]])
+            self.become_intermediate(ident, args, command)
 
-    def become_intermediate(self, ident: Any, args: list[str]) -> NoReturn:
+    def become_intermediate(self, ident: Any, args: list[str], command: Callable[[], int]) -> NoReturn:
         """Runs in the intermediate: fork the plugin, report its PID, exit."""
         code = 0
         try:
@@ -254,14 +257,14 @@ class _Server:
                 self.send(op="spawned", id=ident, error=_fork_error(exc))
             else:
                 if pid == 0:
-                    self.become_child(args)
+                    self.become_child(args, command)
                 self.send(op="spawned", id=ident, pid=pid)
         except BaseException:
             code = 1
         finally:
             os._exit(code)
 
-    def become_child(self, args: list[str]) -> NoReturn:
+    def become_child(self, args: list[str], command: Callable[[], int]) -> NoReturn:
         """Runs in the forked plugin."""
         code = 1
         try:
@@ -280,7 +283,7 @@ class _Server:
             # child's PSS 17 -> 24 MB after one full collection; unchanged when they stay
             # frozen). Preloaded objects that become garbage here are still freed by
             # reference counting; only cycles among them would wait for the process's exit.
-            code = _run_plugin_command(args)
+            code = command()
         except BaseException:
             traceback.print_exc()
         finally:
@@ -294,9 +297,18 @@ def _fork_error(exc: OSError) -> str:
     return f"fork failed: {exc.strerror or exc}"[:_MAX_ERROR]
 
 
-def _run_plugin_command(args: list[str]) -> int:
-    code: int = importlib.import_module(_PLUGIN_ENTRY).main(args)
-    return code
+def _prepare(args: list[str]) -> Callable[[], int]:
+    """The plugin command for ``args``, parsed here, to run in the child (see ``entry.prepare``)."""
+    try:
+        command: Callable[[], int] = importlib.import_module(_PLUGIN_ENTRY).prepare(args)
+    except Exception:  # a bug of the parsing: the child reports it, this process serves on
+        return functools.partial(_report, traceback.format_exc())
+    return command
+
+
+def _report(text: str) -> int:
+    sys.stderr.write(text)
+    return 1
 
 
 def _preload(kinds: Sequence[str]) -> None:

@@ -84,3 +84,53 @@ def test_256_spawns_with_the_largest_options_all_get_a_process_from_one_fork_ser
         "reaped": 256,
         "helpers": 1,
     }
+
+
+ERRORS = textwrap.dedent(
+    """
+    import asyncio, os, sys
+    from plugvisor.supervisor.config import ChildSpec
+    from plugvisor.supervisor.spawner import ForkServerSpawner
+
+    CASES = [
+        ("plugin", "generic", "--no-such-option"),  # refused by the parser, in the fork server
+        ("plugin", "generic", "--count", "0"),  # refused by the parser too (a range)
+        ("plugin", "no-such-kind"),  # refused by the command, in the child
+        ("not-a-plugin",),
+    ]
+
+    async def main():
+        woken = asyncio.Event()
+        spawner = ForkServerSpawner(dict(os.environ))
+        await spawner.open(woken.set)
+        pids = []
+        for args in CASES:
+            spawner.spawn(ChildSpec("example.com/x", "generic", args), pids.append)
+        exits = {}
+        while len(pids) < len(CASES) or len(exits) < len(CASES):
+            woken.clear()
+            exits.update((e.pid, e.returncode) for e in spawner.reap())
+            if len(pids) < len(CASES) or len(exits) < len(CASES):
+                await asyncio.wait_for(woken.wait(), 60)
+        await spawner.close()
+        print([exits[pid] for pid in pids])
+
+    asyncio.run(main())
+    """
+)
+
+
+def test_a_command_line_the_plugin_refuses_is_reported_by_the_child_with_its_exit_status():
+    """Parsed in the fork server, refused or not: each child says why on stderr and exits 2."""
+    result = subprocess.run(
+        [sys.executable, "-c", ERRORS], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "[2, 2, 2, 2]"
+    for expected in (
+        "No such option '--no-such-option'",
+        "Invalid value for '--count': 0 is not in the range x>=1.",
+        "unknown plugin kind 'no-such-kind'",
+        "a plugin process takes 'plugin KIND ...', got ['not-a-plugin']",
+    ):
+        assert expected in result.stderr, result.stderr
