@@ -29,6 +29,7 @@ from plugvisor.common.exitcodes import EXIT_CONFIGURATION
 from plugvisor.common.inotify import InotifyLimitError
 from plugvisor.common.notify import STATUS_SOCKET_ENV
 from plugvisor.common.validation import shorten
+from plugvisor.plugins import kinds
 from plugvisor.supervisor import signals
 from plugvisor.supervisor import status as status_
 from plugvisor.supervisor.clock import SystemClock
@@ -67,6 +68,11 @@ def child_env(base: Mapping[str, str], *, runtime_dir: Path, multiprocess_metric
     if multiprocess_metrics:
         env[MULTIPROC_ENV] = str(runtime_dir / status_.METRICS_DIR)
     return env
+
+
+def _code_of(config: NodeConfig) -> dict[str, str]:
+    """Each kind in use, with the revision of its installed code as loaded now."""
+    return {kind: kinds.kind_revision(kind) for kind in sorted({r.kind for r in config.resources})}
 
 
 class RuntimeDirLock:
@@ -141,6 +147,8 @@ class Agent:
         self._state_error: str | None = None
         self._follow_starts: Callable[[Callable[[float], float]], None] = lambda _: None
         """After each tick: /metrics gives way to children being started (``metrics.ScrapeGate``)."""
+        self._spawner_code: dict[str, str] = {}
+        """The kinds (and their code's revisions) the spawner was last given: another set needs a refresh."""
 
     def _child_env(self) -> dict[str, str]:
         env = child_env(
@@ -158,8 +166,8 @@ class Agent:
     def _make_spawner(self, env: Mapping[str, str]) -> Spawner:
         if self.config.supervisor.spawner == "exec":
             return ExecSpawner(env)
-        kinds = sorted({resource.kind for resource in self.config.resources})
-        return ForkServerSpawner(env, preload_kinds=kinds)
+        self._spawner_code = _code_of(self.config)
+        return ForkServerSpawner(env, preload_kinds=sorted(self._spawner_code))
 
     def wake(self) -> None:
         """Have the loop look at its inputs now."""
@@ -418,6 +426,11 @@ class Agent:
             return
         if announce:
             self.notifier.reloading(int(supervisor.clock.monotonic() * 1e6))
+        # An outside kind reinstalled since it was loaded is unloaded first: the file is then
+        # validated with its new options model, and its children restart on the new code.
+        changed = kinds.forget_changed_kinds()
+        if changed:
+            _log.info("kinds_changed", kinds=changed, effect="their children restart on the installed code")
         try:
             config = load_node_config(self.config_path)
         except Exception as exc:  # whatever the file holds, the agent keeps running
@@ -432,6 +445,11 @@ class Agent:
                     f"reload rejected, running the previous configuration; {supervisor.summary()}"
                 )
             return
+        code = _code_of(config)
+        if code != self._spawner_code:
+            # Before any child is started for the new file: they must come from the new code.
+            supervisor.spawner.refresh(sorted(code))
+            self._spawner_code = code
         summary = supervisor.reload(config)
         self.config = config
         _log.info("reloaded", **summary)

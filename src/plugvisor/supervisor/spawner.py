@@ -108,6 +108,10 @@ class Spawner(Protocol):
         """Send ``sig`` to the child ``pid``."""
         ...
 
+    def refresh(self, preload_kinds: Sequence[str]) -> None:
+        """Create the next children with the code installed now, and with these kinds loaded ahead."""
+        ...
+
     def reap(self) -> list[Exit]:
         """The exits not reported yet."""
         ...
@@ -228,6 +232,9 @@ class ExecSpawner:
         if pid in self._children:
             _signal_group(pid, sig)
 
+    def refresh(self, preload_kinds: Sequence[str]) -> None:
+        """Nothing to do: every child is a fresh interpreter, which imports what is installed."""
+
     def reap(self) -> list[Exit]:
         """Every child that has ended (waitpid WNOHANG)."""
         exits = []
@@ -250,6 +257,9 @@ class _LineChannel:
         self.fd = fd
         self._buffer = bytearray()
         self.closed = False
+        """The writers have closed their end (no more messages will come)."""
+        self.closed_fd = False
+        """Our end is closed."""
         os.set_blocking(fd, False)
 
     def read_available(self) -> list[dict[str, Any]]:
@@ -278,7 +288,7 @@ class _LineChannel:
 
 
 class _Outbox:
-    """Bytes waiting for a non-blocking pipe, written as fast as the reader takes them.
+    """Bytes waiting for a non-blocking pipe, written as fast as the reader takes them; owns the pipe.
 
     A pipe holds 64 KiB; one request can be as large (a resource's options travel
     on its command line) and hundreds are sent at once when the agent starts or
@@ -289,25 +299,30 @@ class _Outbox:
 
     def __init__(self, fd: int, on_error: Callable[[OSError], None]) -> None:
         """``on_error``: the reader went away while bytes were waiting (the pipe is closed)."""
-        self.fd = fd
+        self._fd = fd
         self._on_error = on_error
         self._chunks: collections.deque[memoryview] = collections.deque()
         self._watching = False
+        self._close_when_sent = False
         os.set_blocking(fd, False)
-
-    def __bool__(self) -> bool:
-        return bool(self._chunks)
 
     def put(self, data: bytes) -> None:
         """Queue ``data`` and write what the pipe takes now (raises OSError if the reader is gone)."""
         self._chunks.append(memoryview(data))
-        self.flush()
+        self._flush()
 
-    def flush(self) -> None:
+    def finish(self) -> None:
+        """Close the pipe once everything queued is written (the reader then sees its end)."""
+        self._close_when_sent = True
+        self._flush_or_fail()
+
+    def _flush(self) -> None:
         """Write until the pipe is full or nothing is left; watch for room while something is left."""
+        if self._fd < 0:
+            return
         while self._chunks:
             try:
-                written = os.write(self.fd, self._chunks[0])
+                written = os.write(self._fd, self._chunks[0])
             except BlockingIOError:
                 break
             if written == len(self._chunks[0]):
@@ -316,26 +331,34 @@ class _Outbox:
                 self._chunks[0] = self._chunks[0][written:]
         loop = asyncio.get_running_loop()
         if self._chunks and not self._watching:
-            loop.add_writer(self.fd, self._flush_or_fail)
+            loop.add_writer(self._fd, self._flush_or_fail)
             self._watching = True
-        elif not self._chunks and self._watching:
-            loop.remove_writer(self.fd)
-            self._watching = False
+        elif not self._chunks:
+            if self._watching:
+                loop.remove_writer(self._fd)
+                self._watching = False
+            if self._close_when_sent:
+                self.close()
 
     def _flush_or_fail(self) -> None:
         try:
-            self.flush()
+            self._flush()
         except OSError as exc:
-            self.stop()
+            self.close()
             self._on_error(exc)
 
-    def stop(self) -> None:
-        """Drop what is left and stop watching the pipe."""
+    def close(self) -> None:
+        """Drop what is left and close the pipe (once)."""
         self._chunks.clear()
+        if self._fd < 0:
+            return
         if self._watching:
             with contextlib.suppress(RuntimeError, ValueError, OSError):
-                asyncio.get_running_loop().remove_writer(self.fd)
+                asyncio.get_running_loop().remove_writer(self._fd)
             self._watching = False
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+        self._fd = -1
 
 
 class _Helper:
@@ -350,6 +373,8 @@ class _Helper:
         self.started: asyncio.Task[None] | None = None
         self.ready_at: float | None = None
         self.lost = False
+        self.retired = False
+        """Replaced by a fork server with newer code: it exits once it has answered what it was sent."""
         self.waiting = 0
         """Requests sent to it and not answered yet."""
         self.progress_at = time.monotonic()
@@ -357,13 +382,17 @@ class _Helper:
         self.watchdog: asyncio.TimerHandle | None = None
 
     def close_pipes(self) -> None:
-        self.outbox.stop()
+        """Stop reading and writing (once): its input closes, so it exits after what it was sent."""
+        self.outbox.close()
         if self.watchdog is not None:
             self.watchdog.cancel()
             self.watchdog = None
-        for fd in (self.proc.requests, self.proc.answers):
+        if not self.channel.closed_fd:
+            with contextlib.suppress(RuntimeError, ValueError, OSError):
+                asyncio.get_running_loop().remove_reader(self.channel.fd)
             with contextlib.suppress(OSError):
-                os.close(fd)
+                os.close(self.channel.fd)
+            self.channel.closed_fd = True
 
 
 @dataclass(slots=True)
@@ -420,6 +449,7 @@ class ForkServerSpawner:
         self._queued: list[tuple[ChildSpec, SpawnDone, tuple[str, ...]]] = []
         self._young_deaths = 0
         self._replacement: asyncio.TimerHandle | None = None
+        self._retired: set[_Helper] = set()
         self.helpers_started = 0
         self.server_pid: int | None = None
         self.preload_seconds: float | None = None
@@ -538,11 +568,11 @@ class ForkServerSpawner:
             # Once only: the second call would act on fd numbers that a newer helper may own by now.
             return
         helper.lost = True
+        self._retired.discard(helper)
+        quiet = quiet or helper.retired
         if self._helper is helper:
             self._helper = None
             self.server_pid = None
-        with contextlib.suppress(RuntimeError, ValueError, OSError):
-            asyncio.get_running_loop().remove_reader(helper.channel.fd)
         if helper.proc.returncode is None:
             # Its whole group: intermediates that have not answered yet go with it.
             _signal_group(helper.proc.pid, signal.SIGKILL)
@@ -604,6 +634,35 @@ class ForkServerSpawner:
         helper.started.add_done_callback(lambda task: task.cancelled() or task.exception())
         for spec, done, losses in queued:
             self._request(spec, done, losses=losses)
+
+    def refresh(self, preload_kinds: Sequence[str]) -> None:
+        """From now on fork children from a new fork server, forked now (with the code this process has now).
+
+        The current one is retired: it answers what it was sent, then its input
+        closes and it exits. Its children run on, as ever. Called on a reload that
+        changed the kinds in use or their installed code (this process has just
+        imported the new code to validate the file).
+        """
+        self._preload = list(preload_kinds)
+        helper, self._helper = self._helper, None
+        self.server_pid = None
+        if self._closing:
+            return
+        if helper is not None:
+            helper.retired = True
+            self._retired.add(helper)
+            helper.outbox.finish()
+        if self._replacement is not None:
+            return  # a replacement is due (fork servers keep dying young): it will have the new code
+        try:
+            fresh = self._start_helper()
+        except SpawnError as exc:
+            _log.error("forkserver_unavailable", error=str(exc))
+            return
+        assert fresh.started is not None
+        fresh.started.add_done_callback(lambda task: task.cancelled() or task.exception())
+        retired = None if helper is None else helper.proc.pid
+        _log.info("forkserver_refreshed", kinds=self._preload, retired=retired)
 
     def spawn(self, spec: ChildSpec, done: SpawnDone) -> None:
         """Ask the helper (started now if there is none) to fork a child running ``plugvisor <args>``."""
@@ -679,19 +738,20 @@ class ForkServerSpawner:
         for _, done, _ in self._queued:
             done(SpawnError("the agent is stopping"))
         self._queued.clear()
-        helper, self._helper = self._helper, None
-        if helper is None:
-            return
-        if helper.started is not None and not helper.started.done():
-            helper.started.cancel()
-        with contextlib.suppress(RuntimeError, ValueError, OSError):
-            asyncio.get_running_loop().remove_reader(helper.channel.fd)
-        helper.close_pipes()
+        helpers = [*self._retired, *([self._helper] if self._helper is not None else [])]
+        self._helper = None
+        self._retired.clear()
+        for helper in helpers:
+            if helper.started is not None and not helper.started.done():
+                helper.started.cancel()
+            helper.close_pipes()
         deadline = time.monotonic() + 2.0
         self._reaper.collect()
-        while helper.proc.returncode is None:
+        while any(helper.proc.returncode is None for helper in helpers):
             if time.monotonic() > deadline:
-                _signal_group(helper.proc.pid, signal.SIGKILL)
+                for helper in helpers:
+                    if helper.proc.returncode is None:
+                        _signal_group(helper.proc.pid, signal.SIGKILL)
                 deadline = time.monotonic() + 2.0
             await asyncio.sleep(0.01)
             self._reaper.collect()
@@ -717,6 +777,7 @@ class FakeSpawner:
     fail_next: list[str] = field(default_factory=list)
     deferred: bool = False
     waiting: list[tuple[ChildSpec, SpawnDone]] = field(default_factory=list)
+    refreshed: list[list[str]] = field(default_factory=list)
     _exits: list[Exit] = field(default_factory=list)
     _wake: Wake | None = None
 
@@ -753,6 +814,10 @@ class FakeSpawner:
     def kill(self, pid: int, sig: int) -> None:
         """Record the signal (the process does not react until :meth:`exit`)."""
         self.signals.append((pid, sig))
+
+    def refresh(self, preload_kinds: Sequence[str]) -> None:
+        """Record the kinds."""
+        self.refreshed.append(list(preload_kinds))
 
     def exit(self, pid: int, returncode: int) -> None:
         """Make ``pid`` exit with ``returncode``."""

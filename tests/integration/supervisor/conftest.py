@@ -136,6 +136,14 @@ class Agent:
                 )
             await asyncio.sleep(0.02)
 
+    async def wait_log(self, event: str, timeout: float = 30) -> None:
+        """Wait until the agent has logged ``event``."""
+        deadline = time.monotonic() + timeout
+        while f"event='{event}'" not in self.log():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {event} logged within {timeout}s:\n{self.log()[-3000:]}")
+            await asyncio.sleep(0.02)
+
     async def wait_catching(self, sig: int, timeout: float = 30) -> None:
         """Wait until the process has a handler for ``sig`` (its SigCgt mask says so)."""
         deadline = time.monotonic() + timeout
