@@ -6,12 +6,13 @@ it with :class:`FakeSpawner`. ``spawn`` never blocks: it answers through a
 callback, at once or later, so that a slow or dead fork server never stalls the
 supervisor's loop. Two real implementations:
 
-- :class:`ForkServerSpawner` (the default): a helper process, started once by
-  fork+exec, imports the plugin command and its kinds (gRPC included, but it
-  creates no gRPC object, so forking it is safe) and forks one child per
-  request. A child is serving within ~30 ms instead of ~350 ms for a fresh
-  interpreter, and the children share the imported code pages (PSS ~24 MB
-  instead of ~39 MB each). See docs/supervisor.md for the measurements. The
+- :class:`ForkServerSpawner` (the default): a helper process, forked from the
+  supervisor once its imports are done (:mod:`.forkserver`), imports the plugin
+  command and its kinds (gRPC included, but it creates no gRPC object, so
+  forking it is safe) and forks one child per request. A child is serving within
+  ~30 ms instead of ~350 ms for a fresh interpreter, and every process shares
+  the pages of what was imported once (each child's own memory is ~9 MB, the
+  pages it copied on write). See docs/supervisor.md for the measurements. The
   supervisor is a child subreaper and the helper forks through an intermediate
   that exits at once, so every plugin is the supervisor's own child: the
   supervisor reaps it, and the helper can die (and be replaced) without taking
@@ -26,8 +27,8 @@ is ever lost to, or stolen from, another waiter.
 Both put each child in its own process group (a stop reaches any helper it
 started; a terminal's Ctrl-C reaches only the supervisor, which stops children
 in order) and give it a parent-death signal, so that no child outlives the
-supervisor. The supervisor itself never imports gRPC: the fork server is a
-separate process.
+supervisor. The supervisor itself never imports gRPC: the fork server imports
+it after it was forked.
 """
 
 from __future__ import annotations
@@ -258,8 +259,7 @@ class _LineChannel:
         self._buffer = bytearray()
         self.closed = False
         """The writers have closed their end (no more messages will come)."""
-        self.closed_fd = False
-        """Our end is closed."""
+        self._open = True
         os.set_blocking(fd, False)
 
     def read_available(self) -> list[dict[str, Any]]:
@@ -285,6 +285,16 @@ class _LineChannel:
                 with contextlib.suppress(ValueError):
                     messages.append(json.loads(line))
         return messages
+
+    def close(self) -> None:
+        """Stop reading and close our end (once: the number may belong to another file afterwards)."""
+        if not self._open:
+            return
+        self._open = False
+        with contextlib.suppress(RuntimeError, ValueError, OSError):
+            asyncio.get_running_loop().remove_reader(self.fd)
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
 
 
 class _Outbox:
@@ -384,15 +394,10 @@ class _Helper:
     def close_pipes(self) -> None:
         """Stop reading and writing (once): its input closes, so it exits after what it was sent."""
         self.outbox.close()
+        self.channel.close()
         if self.watchdog is not None:
             self.watchdog.cancel()
             self.watchdog = None
-        if not self.channel.closed_fd:
-            with contextlib.suppress(RuntimeError, ValueError, OSError):
-                asyncio.get_running_loop().remove_reader(self.channel.fd)
-            with contextlib.suppress(OSError):
-                os.close(self.channel.fd)
-            self.channel.closed_fd = True
 
 
 @dataclass(slots=True)
@@ -416,8 +421,8 @@ class ForkServerSpawner:
     blocking the loop.
 
     Requests are written through an :class:`_Outbox` (flow control: as fast as the
-    helper reads, whatever their number and size) and the helper answers each in
-    turn. It is taken for lost only when it is: its output closed (it exited), its
+    helper reads, whatever their number and size) and the helper answers each.
+    It is taken for lost only when it is: its output closed (it exited), its
     input refused (it exited), its start failed, or it answered nothing for
     ``spawn_timeout`` seconds while requests waited (hung). A slow helper working
     through a long queue is not hung. A request whose helper was lost is sent once
