@@ -40,7 +40,14 @@ from plugvisor.supervisor.config import (
 )
 from plugvisor.supervisor.kubelet_watch import KubeletWatch
 from plugvisor.supervisor.reports import ReportListener
-from plugvisor.supervisor.spawner import ExecSpawner, ForkServerSpawner, Spawner, SpawnError
+from plugvisor.supervisor.spawner import (
+    ExecSpawner,
+    ForkServerSpawner,
+    Spawner,
+    SpawnError,
+    StartLimiter,
+    start_slots,
+)
 from plugvisor.supervisor.supervisor import Supervisor, remove_stale_sockets
 from plugvisor.supervisor.systemd import SYSTEMD_ENV, Notifier
 
@@ -147,6 +154,7 @@ class Agent:
         self._state_error: str | None = None
         self._follow_starts: Callable[[Callable[[float], float]], None] = lambda _: None
         """After each tick: /metrics gives way to children being started (``metrics.ScrapeGate``)."""
+        self._limiter: StartLimiter | None = None
         self._spawner_code: dict[str, str] = {}
         """The kinds (and their code's revisions) the spawner was last given: another set needs a refresh."""
 
@@ -226,7 +234,8 @@ class Agent:
             _log.warning("forkserver_unavailable", error=str(exc), fallback="exec")
             spawner = ExecSpawner(env)
             await spawner.open(self.wake)
-        return spawner
+        self._limiter = StartLimiter(spawner, start_slots(spawner))
+        return self._limiter
 
     async def _open_unless_stopped(self, spawner: Spawner) -> bool:
         """Open ``spawner``, unless SIGTERM/SIGINT comes first: then close it and return False.
@@ -325,7 +334,8 @@ class Agent:
             _log.info(
                 "supervisor_started",
                 resources=len(self.config.resources),
-                spawner=type(spawner).__name__,
+                spawner=type(self._limiter.inner).__name__ if self._limiter else None,
+                start_slots=self._limiter.slots if self._limiter else None,
                 runtime_dir=str(runtime_dir),
                 config=str(self.config_path),
             )
@@ -462,6 +472,8 @@ class Agent:
             await asyncio.sleep(interval)
 
     def _on_report(self, pid: int, fields: dict[str, str]) -> None:
+        if self._limiter is not None and ("ENDPOINT" in fields or "REGISTERED" in fields):
+            self._limiter.started(pid)  # it serves: the next child may start
         if self.supervisor is not None:
             self.supervisor.handle_report(pid, fields)
             self.wake()

@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -764,6 +765,89 @@ class ForkServerSpawner:
 
 def _input_refused(exc: OSError) -> str:
     return f"its input was closed ({exc.strerror or exc}): it exited"
+
+
+def start_slots(spawner: Spawner) -> int:
+    """How many children may start at once: a few per core, fewer when each start is a fresh interpreter."""
+    cores = len(os.sched_getaffinity(0))
+    return cores * (2 if isinstance(spawner, ExecSpawner) else 8)
+
+
+class StartLimiter:
+    """At most ``slots`` children starting at once; the other spawns wait their turn, in order.
+
+    A plugin's start is CPU work (a fresh interpreter's imports: ~0.35 s of one
+    core; a forked child's start: ~40 ms), and each child has ``registrationTimeout``
+    to register. 128 children started at once on two cores each got a 64th of
+    the CPU: none registered in time, every one was restarted as unregistered,
+    and the restarts started over (measured with ``spawner: exec``: 24 of 128
+    registered after 300 s). Here a child holds its slot from its spawn until it
+    says it serves (its first ``ENDPOINT=`` or ``REGISTERED=`` report, passed to
+    :meth:`started`), exits, or cannot be spawned; a waiting spawn has no process
+    yet, so nothing is blamed on it (the child is STARTING without a PID).
+    """
+
+    def __init__(self, inner: Spawner, slots: int) -> None:
+        self.inner = inner
+        self.slots = max(1, slots)
+        self._waiting: collections.deque[tuple[ChildSpec, SpawnDone]] = collections.deque()
+        self._in_flight = 0
+        self._starting: set[int] = set()
+
+    async def open(self, wake: Wake) -> None:
+        """Open the inner spawner."""
+        await self.inner.open(wake)
+
+    def spawn(self, spec: ChildSpec, done: SpawnDone) -> None:
+        """Spawn now if a slot is free, else when one is."""
+        self._waiting.append((spec, done))
+        self._admit()
+
+    def started(self, pid: int) -> None:
+        """The child ``pid`` serves (it reported so): its slot goes to the next waiting spawn."""
+        if pid in self._starting:
+            self._starting.discard(pid)
+            self._admit()
+
+    def _admit(self) -> None:
+        while self._waiting and self._in_flight + len(self._starting) < self.slots:
+            spec, done = self._waiting.popleft()
+            self._in_flight += 1
+            self.inner.spawn(spec, functools.partial(self._answered, done))
+
+    def _answered(self, done: SpawnDone, result: int | SpawnError) -> None:
+        self._in_flight -= 1
+        if isinstance(result, int):
+            self._starting.add(result)
+        done(result)
+        self._admit()
+
+    def kill(self, pid: int, sig: int) -> None:
+        """Signal the child (through the inner spawner)."""
+        self.inner.kill(pid, sig)
+
+    def refresh(self, preload_kinds: Sequence[str]) -> None:
+        """Refresh the inner spawner."""
+        self.inner.refresh(preload_kinds)
+
+    def reap(self) -> list[Exit]:
+        """The inner spawner's exits; each frees the slot its child still held."""
+        exits = self.inner.reap()
+        freed = False
+        for exit_ in exits:
+            if exit_.pid in self._starting:
+                self._starting.discard(exit_.pid)
+                freed = True
+        if freed:
+            self._admit()
+        return exits
+
+    async def close(self) -> None:
+        """Fail the waiting spawns, then close the inner spawner."""
+        waiting, self._waiting = self._waiting, collections.deque()
+        for _, done in waiting:
+            done(SpawnError("the agent is stopping"))
+        await self.inner.close()
 
 
 @dataclass
