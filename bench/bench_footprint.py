@@ -195,13 +195,18 @@ async def start_and_wait(
             pss = measure_pss_of(descendants(process.pid))
         return elapsed, pss
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(process.wait(), 10)
-        except TimeoutError:
-            process.kill()
-            await process.wait()
+        await terminate(process, 10)
         await kubelet.stop()
+
+
+async def terminate(process: asyncio.subprocess.Process, timeout: float) -> None:
+    """SIGTERM, and SIGKILL if it is still there after ``timeout`` seconds; reaped either way."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        await asyncio.wait_for(process.wait(), timeout)
+    except TimeoutError:
+        process.kill()
+        await process.wait()
 
 
 def plugin_argv(node: Node) -> list[str]:

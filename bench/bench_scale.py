@@ -26,7 +26,8 @@ default (fs.inotify.max_user_instances, shared by every process of the user): a
 size that does not fit in what is free is skipped, saying so. `--inotify-limit N`
 raises the limit to N for the run (root) and puts the old value back afterwards;
 a node with that many resources needs the same. Sizes whose exec children would
-not fit in memory are skipped too.
+not fit in memory are skipped too. A round that fails keeps its directory (with the
+agent's log) and says where.
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ import asyncio
 import contextlib
 import json
 import shutil
-import signal
 import statistics
 import sys
 import tempfile
@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-from bench_footprint import BARE_PLUGIN, descendants
+from bench_footprint import BARE_PLUGIN, descendants, terminate
 from node_memory import kernel_pss_kb, node_pss
 
 from plugvisor.emulators.kubelet import EmulatedKubelet
@@ -226,12 +226,7 @@ async def one_round(size: int, spawner: str, figures: Figures, timeout: float) -
         await asyncio.sleep(1.0)
         figures.other_restarts.append({k: v for k, v in node.restarts().items() if k != "kubelet-restart"})
     finally:
-        agent.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(agent.wait(), 120)
-        except TimeoutError:
-            agent.kill()
-            await agent.wait()
+        await terminate(agent, 120)
         await kubelet.stop()
         if not figures.failures:
             node.cleanup()

@@ -172,9 +172,9 @@ class Agent:
         return env
 
     def _make_spawner(self, env: Mapping[str, str]) -> Spawner:
+        self._spawner_code = _code_of(self.config)
         if self.config.supervisor.spawner == "exec":
             return ExecSpawner(env)
-        self._spawner_code = _code_of(self.config)
         return ForkServerSpawner(env, preload_kinds=sorted(self._spawner_code))
 
     def wake(self) -> None:
