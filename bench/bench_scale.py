@@ -56,8 +56,8 @@ from node_memory import kernel_pss_kb, node_pss
 from plugvisor.emulators.kubelet import EmulatedKubelet
 
 INOTIFY_LIMIT = Path("/proc/sys/fs/inotify/max_user_instances")
-EXEC_CHILD_MB = 60
-"""Room to leave per exec'd child (a fresh interpreter: ~40 MB resident, more while it starts)."""
+EXEC_CHILD_MB = 40
+"""Room per exec'd child (a fresh interpreter: ~29 MB of its own once started, more while it starts)."""
 INOTIFY_PER_PLUGIN = 2
 """Instances one generic plugin holds (its device watch and its kubelet directory watch)."""
 
