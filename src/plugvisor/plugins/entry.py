@@ -291,7 +291,7 @@ def plugin_command(
     del mode  # "dra" never gets here (_ModeDispatch)
     _drop_unread_metrics(metrics_listen)
     configure_logging(level=log_level, fmt="json" if log_format == "json" else "kv")
-    _set_title(kind, resource or f"plugvisor.io/{kind}")
+    set_title(kind, resource or f"plugvisor.io/{kind}")
     try:
         plugin_kind = get_kind(kind)
     except UnknownKindError as exc:
@@ -343,14 +343,18 @@ def plugin_command(
     sys.exit(run_plugin(config, source, on_ready=on_ready))
 
 
-def _set_title(kind: str, resource: str) -> None:
-    """Show in ``ps`` which resource this process serves, and its last part in ``top``.
+def set_title(kind: str, served: str, *, dra: bool = False) -> None:
+    """Show in ``ps`` which resource (or DRA driver) this process serves, and a short name in ``top``.
 
     A child of the agent would otherwise show the agent's command line (it is
     forked from it), an exec'd one its whole options as JSON.
     """
-    proctitle.set_name("pv:" + resource.rsplit("/", 1)[-1])
-    proctitle.set_title(f"plugvisor plugin {kind} {resource}")
+    if dra:
+        proctitle.set_name(f"pv:{served.split('.', 1)[0]}-dra")
+        proctitle.set_title(f"plugvisor plugin {kind} {served} (dra)")
+    else:
+        proctitle.set_name("pv:" + served.rsplit("/", 1)[-1])
+        proctitle.set_title(f"plugvisor plugin {kind} {served}")
 
 
 def _drop_unread_metrics(metrics_listen: str | None) -> None:
