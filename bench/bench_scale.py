@@ -21,7 +21,7 @@ Floors measured in the same run: a bare grpc.aio plugin (bench_footprint.py's)
 start -> registered and node PSS; the figures are also printed per resource, as
 ratios to them.
 
-Each plugin process holds inotify instances, and Linux allows 128 per user by
+Each plugin process holds an inotify instance, and Linux allows 128 per user by
 default (fs.inotify.max_user_instances, shared by every process of the user): a
 size that does not fit in what is free is skipped, saying so. `--inotify-limit N`
 raises the limit to N for the run (root) and puts the old value back afterwards;
@@ -58,8 +58,8 @@ from plugvisor.emulators.kubelet import EmulatedKubelet
 INOTIFY_LIMIT = Path("/proc/sys/fs/inotify/max_user_instances")
 EXEC_CHILD_MB = 40
 """Room per exec'd child (a fresh interpreter: ~29 MB of its own once started, more while it starts)."""
-INOTIFY_PER_PLUGIN = 2
-"""Instances one generic plugin holds (its device watch and its kubelet directory watch)."""
+INOTIFY_PER_PLUGIN = 1
+"""Instances one plugin holds (its kubelet directory and device watches share one)."""
 
 
 def inotify_in_use() -> int:
