@@ -186,6 +186,7 @@ def _await_adoption(agent: int, timeout: float = 5.0) -> None:
 class _Server:
     def __init__(self, control_in: int, control_out: int, agent: int) -> None:
         self.agent = agent
+        self.pid = os.getpid()
         self.control_in = control_in
         self.control_out = control_out
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -212,6 +213,7 @@ class _Server:
             if self.control_in in ready:
                 data = os.read(self.control_in, 65536)
                 if not data:
+                    self.await_intermediates()
                     return
                 # A request can be longer than one read (its options travel in it): only
                 # what ends in a newline is complete, the rest waits for the next read.
@@ -224,6 +226,18 @@ class _Server:
                 for line in lines:
                     if line.strip():
                         self.handle(json.loads(line))
+
+    def await_intermediates(self) -> None:
+        """Before this process exits: every intermediate has answered (and exited).
+
+        An intermediate dies with this process (its parent-death signal): exiting
+        while one had not answered yet would leave a plugin nobody knows of.
+        """
+        while True:
+            try:
+                os.waitpid(-1, 0)
+            except ChildProcessError:
+                return
 
     def reap(self) -> None:
         """Collect the intermediates (plugins are the agent's children, never ours)."""
@@ -251,6 +265,9 @@ class _Server:
         """Runs in the intermediate: fork the plugin, report its PID, exit."""
         code = 0
         try:
+            # Dies with the fork server, whatever it is doing (stopped included): a fork server
+            # that is replaced or killed leaves no intermediate behind.
+            prctl.die_with_parent(signal.SIGKILL, self.pid)
             try:
                 pid = os.fork()
             except OSError as exc:
