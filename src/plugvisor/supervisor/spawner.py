@@ -457,8 +457,6 @@ class ForkServerSpawner:
         self._replacement: asyncio.TimerHandle | None = None
         self._retired: set[_Helper] = set()
         self.helpers_started = 0
-        self.server_pid: int | None = None
-        self.preload_seconds: float | None = None
 
     async def open(self, wake: Wake) -> None:
         """Become a subreaper, start the helper and wait until it is ready (raises SpawnError if not)."""
@@ -502,14 +500,12 @@ class ForkServerSpawner:
             if self._opened and not self._closing and self._helper is None and self._replacement is None:
                 self._schedule_replacement(helper)
             raise SpawnError(helper_fault=True, message=f"the fork server is unavailable: {reason}")
-        self.server_pid = helper.proc.pid
         helper.ready_at = helper.progress_at = time.monotonic()
-        self.preload_seconds = round(helper.ready_at - started, 3)
         self._arm_watchdog(helper)
         _log.info(
             "forkserver_ready",
             pid=helper.proc.pid,
-            seconds=self.preload_seconds,
+            seconds=round(helper.ready_at - started, 3),
             n=self.helpers_started,
         )
 
@@ -578,7 +574,6 @@ class ForkServerSpawner:
         quiet = quiet or helper.retired
         if self._helper is helper:
             self._helper = None
-            self.server_pid = None
         if helper.proc.returncode is None:
             # Its whole group: intermediates that have not answered yet go with it.
             _signal_group(helper.proc.pid, signal.SIGKILL)
@@ -651,7 +646,6 @@ class ForkServerSpawner:
         """
         self._preload = list(preload_kinds)
         helper, self._helper = self._helper, None
-        self.server_pid = None
         if self._closing:
             return
         if helper is not None:
