@@ -11,7 +11,7 @@ server (when used) and the three children (bench/node_memory.py: pages divided
 only among those processes, as on a node; the kernel's PSS, which this process
 and others on the machine lower, is printed beside it). The agent is started as
 `python -m plugvisor run`, the way the installed command runs (its fork server
-starts from the command's first lines). Targets are in bench/README.md.
+is forked from it once its imports are done). Targets are in bench/README.md.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ async def measure_running(
     kernel = sum(kernel_pss_kb(pid) for pid in pids)
     processes = f"supervisor + helpers + 3 children ({len(pids)} processes)"
     print(
-        f"  node PSS summed over {processes}: {total / 1024:.1f} MB  target <= 60 MB"
+        f"  node PSS summed over {processes}: {total / 1024:.1f} MB  target <= 75 MB"
         f"  (kernel PSS {kernel / 1024:.1f} MB)"
     )
     names = list(RESOURCES)
@@ -164,7 +164,7 @@ async def measure_running(
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.21)  # let the backoff reset: every kill is a first crash
     if kill_times:
-        line("child SIGKILL -> registered again", kill_times, "p99 < 300 ms")
+        line("child SIGKILL -> registered again", kill_times, "p99 <= 100 ms")
     restart_times: list[float] = []
     for _ in range(restarts):
         began = time.perf_counter()

@@ -72,8 +72,8 @@ def _zero_pages(frames: set[int]) -> set[int]:
     return zero
 
 
-def node_pss(pids: list[int]) -> dict[int, int] | None:
-    """PSS in kB of each of ``pids`` with pages shared only among ``pids``; None without root."""
+def _sharing(pids: list[int]) -> tuple[dict[int, list[int]], Counter[int], set[int]] | None:
+    """Each pid's frames, how many of ``pids`` map each frame, and the zero-page frames; None without root."""
     frames: dict[int, list[int]] = {}
     for pid in pids:
         try:
@@ -86,8 +86,32 @@ def node_pss(pids: list[int]) -> dict[int, int] | None:
     sharers: Counter[int] = Counter()
     for found in frames.values():
         sharers.update(set(found))
-    zero = _zero_pages(set(sharers))
+    return frames, sharers, _zero_pages(set(sharers))
+
+
+def node_pss(pids: list[int]) -> dict[int, int] | None:
+    """PSS in kB of each of ``pids`` with pages shared only among ``pids``; None without root."""
+    found = _sharing(pids)
+    if found is None:
+        return None
+    frames, sharers, zero = found
     return {
-        pid: round(sum(PAGE / sharers[frame] for frame in found if frame not in zero) / 1024)
-        for pid, found in frames.items()
+        pid: round(sum(PAGE / sharers[frame] for frame in mapped if frame not in zero) / 1024)
+        for pid, mapped in frames.items()
+    }
+
+
+def private_kb(pids: list[int]) -> dict[int, int] | None:
+    """kB of each of ``pids`` mapped by no other of ``pids`` (its own heap, pages it copied on write).
+
+    With a fork server this is what each process costs on its own; the rest of the
+    set's PSS is the pages they share (imported code and data), counted once in the sum.
+    """
+    found = _sharing(pids)
+    if found is None:
+        return None
+    frames, sharers, zero = found
+    return {
+        pid: len({f for f in mapped if sharers[f] == 1 and f not in zero}) * PAGE // 1024
+        for pid, mapped in frames.items()
     }

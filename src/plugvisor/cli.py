@@ -15,12 +15,10 @@ from plugvisor.common import richless
 richless.install()  # before anything imports structlog
 
 if sys.argv[1:2] == ["run"]:
-    # First of all: the agent must stop cleanly even when told to while it is still
-    # importing, and its fork server starts importing now, beside it (see
-    # plugvisor.supervisor.prestart, which imports nothing heavy).
-    from plugvisor.supervisor import prestart
+    # First of all: the agent must stop cleanly even when told to while it is still importing.
+    from plugvisor.supervisor import signals
 
-    prestart.begin(sys.argv[2:])
+    signals.install()
 
 import importlib
 from typing import Any, Final, NamedTuple

@@ -21,14 +21,17 @@ The agent's only word back is a signal: SIGTERM stops a plugin, and
 configuration, which then also withdraws its ResourceSlices (a driver stopped
 by SIGTERM is expected back, and keeps them).
 
-Speaking it directly keeps libsystemd out of the dependencies. Sending is best
-effort in both directions: a missing or full socket only drops the message, and
-every message carries the full state it is about, so the next one repairs a loss.
+Speaking it directly keeps libsystemd out of the dependencies. Sending never
+blocks and never fails the sender: a missing socket drops the message, a full
+one (a busy reader) delays it (:class:`DatagramSender`), and every message
+carries the full state it is about.
 See https://www.freedesktop.org/software/systemd/man/latest/sd_notify.html.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import contextlib
 import os
 import signal
@@ -77,11 +80,30 @@ def socket_address(path: str) -> str | None:
 
 
 class DatagramSender:
-    """One non-blocking unix datagram socket that sends :func:`encode`'d fields to one address."""
+    """One non-blocking unix datagram socket that sends :func:`encode`'d fields to one address.
+
+    A unix datagram socket queues at most ``net.unix.max_dgram_qlen`` datagrams
+    (10 by default) for its reader: a busy reader, or many senders at once (256
+    plugins starting), fill it, and a non-blocking send then fails with EAGAIN.
+    Such a message is kept, in order behind any other kept one, and sent again
+    from the running event loop, sooner first (10 ms, doubling up to 0.5 s),
+    until the reader takes it: a report that a plugin registered must not be
+    lost, or the agent restarts the plugin for not registering. A missing reader
+    (nobody bound the address) still only drops the message. At most
+    :data:`BACKLOG` messages are kept (the oldest go first: each carries the
+    full state it is about).
+    """
+
+    BACKLOG: Final = 256
+    _FIRST_RETRY: Final = 0.01
+    _LAST_RETRY: Final = 0.5
 
     def __init__(self, address: str | None) -> None:
         self.address = address
         self._sock: socket.socket | None = None
+        self._backlog: collections.deque[bytes] = collections.deque(maxlen=self.BACKLOG)
+        self._retry: asyncio.TimerHandle | None = None
+        self._delay = self._FIRST_RETRY
         if address:
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
             self._sock.setblocking(False)
@@ -92,18 +114,52 @@ class DatagramSender:
         return self._sock is not None
 
     def send(self, **fields: str | int) -> bool:
-        """Send one datagram; returns whether the kernel took it (never raises for a missing listener)."""
+        """Send one datagram; returns whether the kernel took it now (never raises for a missing listener).
+
+        False with a listener that is only busy: the message is sent later.
+        """
         if self._sock is None or self.address is None:
             return False
-        message = encode(fields)
+        self._backlog.append(encode(fields))
+        return self._flush()
+
+    def _flush(self) -> bool:
+        """Send what is kept, oldest first; True when nothing is left."""
+        while self._backlog and self._sock is not None and self.address is not None:
+            try:
+                self._sock.sendto(self._backlog[0], self.address)
+            except BlockingIOError:
+                self._retry_later()
+                return False
+            except OSError:  # nobody listens (yet, or any more): this one is lost, as documented
+                self._backlog.popleft()
+                if not self._backlog:
+                    return False
+                continue
+            self._backlog.popleft()
+        self._delay = self._FIRST_RETRY
+        return not self._backlog
+
+    def _retry_later(self) -> None:
+        if self._retry is not None:
+            return
         try:
-            self._sock.sendto(message, self.address)
-        except OSError:
-            return False
-        return True
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no event loop here: the next send tries again
+            return
+        self._retry = loop.call_later(self._delay, self._retried)
+        self._delay = min(self._LAST_RETRY, self._delay * 2)
+
+    def _retried(self) -> None:
+        self._retry = None
+        self._flush()
 
     def close(self) -> None:
-        """Release the socket."""
+        """Release the socket (what is still kept is dropped)."""
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
+        self._backlog.clear()
         if self._sock is not None:
             with contextlib.suppress(OSError):
                 self._sock.close()

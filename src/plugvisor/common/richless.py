@@ -5,8 +5,8 @@ traceback machinery whenever rich is installed (it is, for the demo): about
 5 MB and most of structlog's import time in every process, for a renderer
 plugvisor never uses (records are rendered on one line by
 :mod:`plugvisor.common.logs`). :func:`install` is called on the first lines of
-plugvisor's programs (:mod:`plugvisor.cli`, the fork server, hence every plugin
-child) and nowhere else: a program that uses plugvisor as a library keeps
+plugvisor's program (:mod:`plugvisor.cli`; the agent's fork server and every
+plugin child are forked from it) and nowhere else: a program that uses plugvisor as a library keeps
 structlog exactly as it would be. The demo imports rich itself, later, as usual.
 """
 

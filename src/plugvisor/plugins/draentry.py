@@ -198,6 +198,7 @@ def dra_plugin_command(
         click.echo(f"plugvisor plugin {kind}: invalid options\n{describe(exc, source=source_name)}", err=True)
         sys.exit(EXIT_USAGE)
     driver_name = driver or f"{kind}.plugvisor.io"
+    entry.set_title(kind, driver_name, dra=True)
     problem = dra_driver_name_problem(driver_name)
     if problem is not None:
         raise click.BadParameter(problem, param_hint="--driver")

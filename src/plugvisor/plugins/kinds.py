@@ -17,9 +17,12 @@ only, and a kind's module must not import gRPC when it is loaded
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final, Generic, Protocol, TypeVar
 
@@ -124,7 +127,81 @@ def get_kind(name: str) -> PluginKind[Any]:
     from importlib.metadata import entry_points  # noqa: PLC0415
 
     for ep in entry_points(group=ENTRY_POINT_GROUP, name=name):
-        return _load(ep.name, ep.value, ep.load)
+        kind = _load(ep.name, ep.value, ep.load)
+        if name not in _installed:
+            _installed[name] = _Installed.loaded(ep.module.partition(".")[0])
+        return kind
     known = sorted({*BUILTIN_KINDS, *(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))})
     shown = shorten(name)
     raise UnknownKindError(f"unknown plugin kind {shown!r}: installed kinds are {', '.join(known)}")
+
+
+@dataclass(frozen=True, slots=True)
+class _Installed:
+    """An outside kind as loaded in this process: its top-level package, its module files, their revision."""
+
+    package: str
+    files: tuple[str, ...]
+    revision: str
+
+    @classmethod
+    def loaded(cls, package: str) -> _Installed:
+        files = tuple(
+            sorted(
+                path
+                for name, module in list(sys.modules.items())
+                if name.partition(".")[0] == package and (path := getattr(module, "__file__", None))
+            )
+        )
+        return cls(package, files, _revision(files))
+
+
+_installed: dict[str, _Installed] = {}
+"""Outside kinds loaded in this process, by name (plugvisor's own are part of plugvisor: never reloaded)."""
+
+
+def _revision(files: tuple[str, ...]) -> str:
+    """A digest of ``files``' sizes and modification times.
+
+    A reinstall (pip writes every file anew) or an edit of an editable install changes it.
+    """
+    digest = hashlib.sha256()
+    for path in files:
+        try:
+            stat = Path(path).stat()
+        except OSError:
+            digest.update(f"{path}\0gone\n".encode())
+        else:
+            digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def kind_revision(name: str) -> str:
+    """The revision of an outside kind's code as loaded here ("" for plugvisor's own or one not loaded)."""
+    installed = _installed.get(name)
+    return "" if installed is None else installed.revision
+
+
+def forget_changed_kinds() -> list[str]:
+    """Unload every outside kind whose installed code changed since it was loaded; returns their names.
+
+    The modules of its package leave ``sys.modules`` (with every kind of that
+    package), so that the next :func:`get_kind` imports what is installed now:
+    on the agent's SIGHUP the file is then validated with the new options model,
+    and a fork server forked afterwards has the new code. A kind packaged inside
+    plugvisor itself is never unloaded: that is an upgrade of plugvisor, which
+    needs a restart of the agent.
+    """
+    packages = {
+        installed.package
+        for installed in _installed.values()
+        if installed.package != "plugvisor" and _revision(installed.files) != installed.revision
+    }
+    changed = sorted(name for name, installed in _installed.items() if installed.package in packages)
+    for name in changed:
+        del _installed[name]
+    for module in [name for name in sys.modules if name.partition(".")[0] in packages]:
+        del sys.modules[module]
+    if packages:
+        importlib.invalidate_caches()
+    return changed

@@ -27,8 +27,10 @@ import structlog
 from plugvisor.common import monitoring
 from plugvisor.common.exitcodes import EXIT_CONFIGURATION
 from plugvisor.common.inotify import InotifyLimitError
+from plugvisor.common.notify import STATUS_SOCKET_ENV
 from plugvisor.common.validation import shorten
-from plugvisor.supervisor import prestart, signals
+from plugvisor.plugins import kinds
+from plugvisor.supervisor import signals
 from plugvisor.supervisor import status as status_
 from plugvisor.supervisor.clock import SystemClock
 from plugvisor.supervisor.config import (
@@ -38,17 +40,46 @@ from plugvisor.supervisor.config import (
 )
 from plugvisor.supervisor.kubelet_watch import KubeletWatch
 from plugvisor.supervisor.reports import ReportListener
-from plugvisor.supervisor.spawner import ExecSpawner, ForkServerSpawner, Spawner, SpawnError
+from plugvisor.supervisor.spawner import (
+    ExecSpawner,
+    ForkServerSpawner,
+    Spawner,
+    SpawnError,
+    StartLimiter,
+    start_slots,
+)
 from plugvisor.supervisor.supervisor import Supervisor, remove_stale_sockets
-from plugvisor.supervisor.systemd import Notifier
+from plugvisor.supervisor.systemd import SYSTEMD_ENV, Notifier
 
 if TYPE_CHECKING:
     from plugvisor.supervisor.metrics import Metrics
 
 HOUSEKEEPING_INTERVAL: Final = 1.0
 """The loop wakes at least this often even when nothing happens."""
+MULTIPROC_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
+"""prometheus-client picks its multiprocess value class when it is imported, by this variable's presence."""
 
 _log = structlog.get_logger("plugvisor.supervisor")
+
+
+def child_env(base: Mapping[str, str], *, runtime_dir: Path, multiprocess_metrics: bool) -> dict[str, str]:
+    """The environment of the fork server and, before what the agent adds, of every child.
+
+    Without systemd's variables (only the agent speaks to systemd), with the
+    agent's status socket, and with the metrics directory only when the agent
+    serves ``/metrics`` (prometheus-client decides at import time whether it writes
+    multiprocess files).
+    """
+    env = {key: value for key, value in base.items() if key not in SYSTEMD_ENV and key != MULTIPROC_ENV}
+    env[STATUS_SOCKET_ENV] = str(runtime_dir / status_.REPORT_SOCKET)
+    if multiprocess_metrics:
+        env[MULTIPROC_ENV] = str(runtime_dir / status_.METRICS_DIR)
+    return env
+
+
+def _code_of(config: NodeConfig) -> dict[str, str]:
+    """Each kind in use, with the revision of its installed code as loaded now."""
+    return {kind: kinds.kind_revision(kind) for kind in sorted({r.kind for r in config.resources})}
 
 
 class RuntimeDirLock:
@@ -123,9 +154,12 @@ class Agent:
         self._state_error: str | None = None
         self._follow_starts: Callable[[Callable[[float], float]], None] = lambda _: None
         """After each tick: /metrics gives way to children being started (``metrics.ScrapeGate``)."""
+        self._limiter: StartLimiter | None = None
+        self._spawner_code: dict[str, str] = {}
+        """The kinds (and their code's revisions) the spawner was last given: another set needs a refresh."""
 
     def _child_env(self) -> dict[str, str]:
-        env = prestart.child_env(
+        env = child_env(
             self._env, runtime_dir=self.runtime_dir, multiprocess_metrics=self.config.metrics is not None
         )
         watch = self.config.monitoring
@@ -138,19 +172,10 @@ class Agent:
         return env
 
     def _make_spawner(self, env: Mapping[str, str]) -> Spawner:
-        early = prestart.take()
+        self._spawner_code = _code_of(self.config)
         if self.config.supervisor.spawner == "exec":
-            prestart.discard(early)
             return ExecSpawner(env)
-        kinds = sorted({resource.kind for resource in self.config.resources})
-        metrics = self.config.metrics is not None
-        if early is not None and not early.suits(
-            kinds, multiprocess_metrics=metrics, runtime_dir=self.runtime_dir
-        ):
-            _log.info("forkserver_prestart_discarded", started_for=early.preload_kinds, kinds=kinds)
-            prestart.discard(early)
-            early = None
-        return ForkServerSpawner(env, preload_kinds=kinds, prestarted=None if early is None else early.proc)
+        return ForkServerSpawner(env, preload_kinds=sorted(self._spawner_code))
 
     def wake(self) -> None:
         """Have the loop look at its inputs now."""
@@ -209,7 +234,8 @@ class Agent:
             _log.warning("forkserver_unavailable", error=str(exc), fallback="exec")
             spawner = ExecSpawner(env)
             await spawner.open(self.wake)
-        return spawner
+        self._limiter = StartLimiter(spawner, start_slots(spawner))
+        return self._limiter
 
     async def _open_unless_stopped(self, spawner: Spawner) -> bool:
         """Open ``spawner``, unless SIGTERM/SIGINT comes first: then close it and return False.
@@ -308,7 +334,8 @@ class Agent:
             _log.info(
                 "supervisor_started",
                 resources=len(self.config.resources),
-                spawner=type(spawner).__name__,
+                spawner=type(self._limiter.inner).__name__ if self._limiter else None,
+                start_slots=self._limiter.slots if self._limiter else None,
                 runtime_dir=str(runtime_dir),
                 config=str(self.config_path),
             )
@@ -409,6 +436,11 @@ class Agent:
             return
         if announce:
             self.notifier.reloading(int(supervisor.clock.monotonic() * 1e6))
+        # An outside kind reinstalled since it was loaded is unloaded first: the file is then
+        # validated with its new options model, and its children restart on the new code.
+        changed = kinds.forget_changed_kinds()
+        if changed:
+            _log.info("kinds_changed", kinds=changed, effect="their children restart on the installed code")
         try:
             config = load_node_config(self.config_path)
         except Exception as exc:  # whatever the file holds, the agent keeps running
@@ -423,6 +455,11 @@ class Agent:
                     f"reload rejected, running the previous configuration; {supervisor.summary()}"
                 )
             return
+        code = _code_of(config)
+        if code != self._spawner_code:
+            # Before any child is started for the new file: they must come from the new code.
+            supervisor.spawner.refresh(sorted(code))
+            self._spawner_code = code
         summary = supervisor.reload(config)
         self.config = config
         _log.info("reloaded", **summary)
@@ -435,6 +472,8 @@ class Agent:
             await asyncio.sleep(interval)
 
     def _on_report(self, pid: int, fields: dict[str, str]) -> None:
+        if self._limiter is not None and ("ENDPOINT" in fields or "REGISTERED" in fields):
+            self._limiter.started(pid)  # it serves: the next child may start
         if self.supervisor is not None:
             self.supervisor.handle_report(pid, fields)
             self.wake()
@@ -455,9 +494,6 @@ def run_agent(config_path: Path, *, log_format: str = "kv", log_level: str = "in
 
     Raises :class:`ConfigError` (exit status 2 in the CLI) before starting anything.
     """
-    try:
-        config = load_node_config(config_path)
-        agent = Agent(config, config_path=config_path, log_format=log_format, log_level=log_level)
-        return asyncio.run(agent.run())
-    finally:
-        prestart.discard()  # a fork server started early that the agent did not take
+    config = load_node_config(config_path)
+    agent = Agent(config, config_path=config_path, log_format=log_format, log_level=log_level)
+    return asyncio.run(agent.run())

@@ -474,6 +474,9 @@ class Child:
             return
         self.spawn_error = None
         self.pid = result
+        # Up (and blamed for not registering) from now: a spawn may have waited for a start slot.
+        self.started_at = self._clock.monotonic()
+        self.started_wall = self._clock.wall()
         if self._cancel_spawn:
             # Stopped (or restarted) while the spawn was in flight: stop the new process now.
             self._spawner.kill(result, signal.SIGTERM)

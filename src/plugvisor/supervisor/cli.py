@@ -16,6 +16,7 @@ from pathlib import Path
 
 import click
 
+from plugvisor.common import proctitle
 from plugvisor.common.exitcodes import EXIT_FAILURE, EXIT_USAGE
 from plugvisor.common.logs import configure_logging, log_options
 from plugvisor.supervisor import signals
@@ -43,6 +44,9 @@ def run_command(*, config_path: Path, log_level: str, log_format: str) -> None:
     announced once every resource is registered.
     """
     signals.install()  # before anything slow: a stop from now on is a clean stop
+    # What ps and top show, whether started as `plugvisor run` or `python -m plugvisor run`.
+    proctitle.set_name("plugvisor")
+    proctitle.set_title(f"plugvisor agent --config {config_path}")
     # Imported when run: `plugvisor status` and `export` need neither the agent nor prometheus-client.
     from plugvisor.supervisor.agent import run_agent  # noqa: PLC0415
 

@@ -428,6 +428,9 @@ class ChildSpec:
     kind: str
     args: tuple[str, ...]
     mode: str = "device-plugin"
+    revision: str = ""
+    """The revision of an outside kind's installed code (:func:`~plugvisor.plugins.kinds.kind_revision`):
+    a reinstalled kind's children differ from the running ones, so a reload restarts them."""
 
     def argv(self) -> list[str]:
         """The full command line for fork+exec (and for supervisord)."""
@@ -465,6 +468,7 @@ def child_specs(
             shared += ["--spec-root", str(config.spec_root)]
         if resource.rescan_interval is not None:
             shared += ["--rescan-interval", repr(resource.rescan_interval)]
+        revision = kinds.kind_revision(resource.kind)
         if resource.dra:
             # A DRA driver (plugvisor.plugins.draentry) has no kubelet-restart policy: the kubelet's
             # plugin watcher dials its registration socket again when it starts, so the driver keeps
@@ -472,9 +476,11 @@ def child_specs(
             args = ["plugin", resource.kind, "--mode", "dra", "--driver", resource.name, *shared]
             if config.node_name is not None:
                 args += ["--node-name", config.node_name]
-            specs[resource.name] = ChildSpec(resource.name, resource.kind, tuple(args), mode="dra")
+            specs[resource.name] = ChildSpec(
+                resource.name, resource.kind, tuple(args), mode="dra", revision=revision
+            )
             continue
         args = ["plugin", resource.kind, "--resource", resource.name, *shared]
         args += ["--on-kubelet-restart", policy, "--registration", resource.registration]
-        specs[resource.name] = ChildSpec(resource.name, resource.kind, tuple(args))
+        specs[resource.name] = ChildSpec(resource.name, resource.kind, tuple(args), revision=revision)
     return specs

@@ -453,11 +453,18 @@ class HttpServer:
             await writer.drain()
         except _RequestTooLongError:
             message = f"request line or header longer than {MAX_REQUEST_LINE} bytes\n".encode()
-            with contextlib.suppress(ConnectionError):
+            with contextlib.suppress(ConnectionError, TimeoutError):
                 writer.write(
                     _head("431 Request Header Fields Too Large", "text/plain", len(message)) + message
                 )
                 await writer.drain()
+                # The rest of the request is still coming: closing with it unread makes the kernel
+                # reset the connection, and the client may lose the answer. Say we are done, and
+                # read what it still sends, for a moment.
+                writer.write_eof()
+                async with asyncio.timeout(1.0):
+                    while await reader.read(65536):
+                        pass
         except (TimeoutError, ConnectionError, asyncio.IncompleteReadError):
             pass
         except Exception:  # a bug of ours must cost one request and one log line, not the endpoint

@@ -18,16 +18,12 @@ CHILD_DEATH_SIGNAL: Final = signal.SIGTERM
 """Children get SIGTERM when their parent dies: they stop cleanly and remove their socket."""
 
 PR_SET_PDEATHSIG: Final = 1
-PR_SET_NAME: Final = 15
 PR_SET_CHILD_SUBREAPER: Final = 36
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _prctl = _libc.prctl
 _prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
 _prctl.restype = ctypes.c_int
-_prctl_name = ctypes.CDLL(None, use_errno=True).prctl
-_prctl_name.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-_prctl_name.restype = ctypes.c_int
 
 
 def set_parent_death_signal(sig: int) -> None:
@@ -47,11 +43,6 @@ def become_subreaper() -> None:
     if _prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         errno = ctypes.get_errno()
         raise OSError(errno, f"prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(errno)}")
-
-
-def set_name(name: str) -> None:
-    """Set this process's name as ``ps``/``top`` show it (``comm``, at most 15 bytes; best effort)."""
-    _prctl_name(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
 
 
 def die_with_parent(sig: int, expected_parent: int) -> None:

@@ -6,12 +6,13 @@ it with :class:`FakeSpawner`. ``spawn`` never blocks: it answers through a
 callback, at once or later, so that a slow or dead fork server never stalls the
 supervisor's loop. Two real implementations:
 
-- :class:`ForkServerSpawner` (the default): a helper process, started once by
-  fork+exec, imports the plugin command and its kinds (gRPC included, but it
-  creates no gRPC object, so forking it is safe) and forks one child per
-  request. A child is serving within ~30 ms instead of ~350 ms for a fresh
-  interpreter, and the children share the imported code pages (PSS ~24 MB
-  instead of ~39 MB each). See docs/supervisor.md for the measurements. The
+- :class:`ForkServerSpawner` (the default): a helper process, forked from the
+  supervisor once its imports are done (:mod:`.forkserver`), imports the plugin
+  command and its kinds (gRPC included, but it creates no gRPC object, so
+  forking it is safe) and forks one child per request. A child is serving within
+  ~30 ms instead of ~350 ms for a fresh interpreter, and every process shares
+  the pages of what was imported once (each child's own memory is ~9 MB, the
+  pages it copied on write). See docs/supervisor.md for the measurements. The
   supervisor is a child subreaper and the helper forks through an intermediate
   that exits at once, so every plugin is the supervisor's own child: the
   supervisor reaps it, and the helper can die (and be replaced) without taking
@@ -26,14 +27,16 @@ is ever lost to, or stolen from, another waiter.
 Both put each child in its own process group (a stop reaches any helper it
 started; a terminal's Ctrl-C reaches only the supervisor, which stops children
 in order) and give it a parent-death signal, so that no child outlives the
-supervisor. The supervisor itself never imports gRPC: the fork server is a
-separate process.
+supervisor. The supervisor itself never imports gRPC: the fork server imports
+it after it was forked.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -45,7 +48,7 @@ from typing import Any, Final, Protocol
 
 import structlog
 
-from plugvisor.supervisor import prctl, prestart
+from plugvisor.supervisor import forkserver, prctl
 from plugvisor.supervisor.config import ChildSpec
 from plugvisor.supervisor.prctl import CHILD_DEATH_SIGNAL
 
@@ -70,6 +73,13 @@ class Exit:
 
     pid: int
     returncode: int
+
+
+class _Process(Protocol):
+    """A child process the reaper records the exit of: ``subprocess.Popen`` or a forked fork server."""
+
+    pid: int
+    returncode: int | None
 
 
 Wake = Callable[[], None]
@@ -100,6 +110,10 @@ class Spawner(Protocol):
         """Send ``sig`` to the child ``pid``."""
         ...
 
+    def refresh(self, preload_kinds: Sequence[str]) -> None:
+        """Create the next children with the code installed now, and with these kinds loaded ahead."""
+        ...
+
     def reap(self) -> list[Exit]:
         """The exits not reported yet."""
         ...
@@ -121,20 +135,21 @@ def _signal_group(pid: int, sig: int) -> None:
 class Reaper:
     """Every ``waitpid`` of the supervisor: exits of our children, kept until claimed.
 
-    Processes started with ``subprocess.Popen`` are registered with :meth:`track`
-    and get their ``returncode`` set here, so ``Popen`` itself never waits on a
-    PID that may, by then, belong to another child. An exit whose PID nobody has
-    claimed yet (a plugin that died before its spawn answer was read, or an
-    orphan we adopted) is kept for :data:`UNCLAIMED_TTL` seconds.
+    Processes started with ``subprocess.Popen`` (or forked: the fork server) are
+    registered with :meth:`track` and get their ``returncode`` set here, so
+    ``Popen`` itself never waits on a PID that may, by then, belong to another
+    child. An exit whose PID nobody has claimed yet (a plugin that died before
+    its spawn answer was read, or an orphan we adopted) is kept for
+    :data:`UNCLAIMED_TTL` seconds.
     """
 
     UNCLAIMED_TTL: Final = 60.0
 
     def __init__(self) -> None:
-        self._popens: dict[int, tuple[subprocess.Popen[bytes], bool]] = {}
+        self._popens: dict[int, tuple[_Process, bool]] = {}
         self._unclaimed: dict[int, tuple[int, float]] = {}
 
-    def track(self, proc: subprocess.Popen[bytes], *, report: bool = False) -> None:
+    def track(self, proc: _Process, *, report: bool = False) -> None:
         """Let the reaper set ``proc.returncode`` when it exits (and report the exit if ``report``).
 
         Keeping the ``Popen`` referenced until then also keeps it out of
@@ -219,6 +234,9 @@ class ExecSpawner:
         if pid in self._children:
             _signal_group(pid, sig)
 
+    def refresh(self, preload_kinds: Sequence[str]) -> None:
+        """Nothing to do: every child is a fresh interpreter, which imports what is installed."""
+
     def reap(self) -> list[Exit]:
         """Every child that has ended (waitpid WNOHANG)."""
         exits = []
@@ -234,18 +252,15 @@ class ExecSpawner:
             asyncio.get_running_loop().remove_signal_handler(signal.SIGCHLD)
 
 
-def _ended(proc: subprocess.Popen[bytes]) -> bool:
-    """Whether the reaper has recorded ``proc``'s exit (it sets ``returncode``)."""
-    return proc.returncode is not None
-
-
 class _LineChannel:
-    """Newline-delimited JSON over a non-blocking pipe."""
+    """Newline-delimited JSON read from a non-blocking pipe, lines of any length."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
-        self._buffer = b""
+        self._buffer = bytearray()
         self.closed = False
+        """The writers have closed their end (no more messages will come)."""
+        self._open = True
         os.set_blocking(fd, False)
 
     def read_available(self) -> list[dict[str, Any]]:
@@ -261,37 +276,129 @@ class _LineChannel:
                 self.closed = True
                 break
             self._buffer += data
-        *lines, self._buffer = self._buffer.split(b"\n")
+        end = self._buffer.rfind(b"\n")
+        if end < 0:
+            return messages
+        lines = bytes(self._buffer[:end]).split(b"\n")
+        del self._buffer[: end + 1]
         for line in lines:
             if line.strip():
                 with contextlib.suppress(ValueError):
                     messages.append(json.loads(line))
         return messages
 
+    def close(self) -> None:
+        """Stop reading and close our end (once: the number may belong to another file afterwards)."""
+        if not self._open:
+            return
+        self._open = False
+        with contextlib.suppress(RuntimeError, ValueError, OSError):
+            asyncio.get_running_loop().remove_reader(self.fd)
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+class _Outbox:
+    """Bytes waiting for a non-blocking pipe, written as fast as the reader takes them; owns the pipe.
+
+    A pipe holds 64 KiB; one request can be as large (a resource's options travel
+    on its command line) and hundreds are sent at once when the agent starts or
+    reloads. What does not fit waits here, and the event loop writes it when the
+    pipe has room again: no request is ever dropped for a full pipe, nor the
+    loop blocked by one.
+    """
+
+    def __init__(self, fd: int, on_error: Callable[[OSError], None]) -> None:
+        """``on_error``: the reader went away while bytes were waiting (the pipe is closed)."""
+        self._fd = fd
+        self._on_error = on_error
+        self._chunks: collections.deque[memoryview] = collections.deque()
+        self._watching = False
+        self._close_when_sent = False
+        os.set_blocking(fd, False)
+
+    def put(self, data: bytes) -> None:
+        """Queue ``data`` and write what the pipe takes now (raises OSError if the reader is gone)."""
+        self._chunks.append(memoryview(data))
+        self._flush()
+
+    def finish(self) -> None:
+        """Close the pipe once everything queued is written (the reader then sees its end)."""
+        self._close_when_sent = True
+        self._flush_or_fail()
+
+    def _flush(self) -> None:
+        """Write until the pipe is full or nothing is left; watch for room while something is left."""
+        if self._fd < 0:
+            return
+        while self._chunks:
+            try:
+                written = os.write(self._fd, self._chunks[0])
+            except BlockingIOError:
+                break
+            if written == len(self._chunks[0]):
+                self._chunks.popleft()
+            else:
+                self._chunks[0] = self._chunks[0][written:]
+        loop = asyncio.get_running_loop()
+        if self._chunks and not self._watching:
+            loop.add_writer(self._fd, self._flush_or_fail)
+            self._watching = True
+        elif not self._chunks:
+            if self._watching:
+                loop.remove_writer(self._fd)
+                self._watching = False
+            if self._close_when_sent:
+                self.close()
+
+    def _flush_or_fail(self) -> None:
+        try:
+            self._flush()
+        except OSError as exc:
+            self.close()
+            self._on_error(exc)
+
+    def close(self) -> None:
+        """Drop what is left and close the pipe (once)."""
+        self._chunks.clear()
+        if self._fd < 0:
+            return
+        if self._watching:
+            with contextlib.suppress(RuntimeError, ValueError, OSError):
+                asyncio.get_running_loop().remove_writer(self._fd)
+            self._watching = False
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+        self._fd = -1
+
 
 class _Helper:
-    """One fork-server process, its pipes, and its readiness."""
+    """One fork-server process, its pipes, its readiness and its progress."""
 
-    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
-        assert proc.stdin is not None
-        assert proc.stdout is not None
+    def __init__(self, proc: forkserver.Forked, on_input_error: Callable[[OSError], None]) -> None:
         self.proc = proc
-        self.stdin = proc.stdin.fileno()
-        os.set_blocking(self.stdin, False)
-        self.channel = _LineChannel(proc.stdout.fileno())
+        self.outbox = _Outbox(proc.requests, on_input_error)
+        self.channel = _LineChannel(proc.answers)
         loop = asyncio.get_running_loop()
         self.ready: asyncio.Future[dict[str, Any]] = loop.create_future()
         self.started: asyncio.Task[None] | None = None
         self.ready_at: float | None = None
         self.lost = False
-        self.early = False
-        """Started before the agent validated its file (:mod:`.prestart`), and adopted."""
+        self.retired = False
+        """Replaced by a fork server with newer code: it exits once it has answered what it was sent."""
+        self.waiting = 0
+        """Requests sent to it and not answered yet."""
+        self.progress_at = time.monotonic()
+        """When it last answered, or last had nothing to do: the watchdog measures from there."""
+        self.watchdog: asyncio.TimerHandle | None = None
 
     def close_pipes(self) -> None:
-        for stream in (self.proc.stdin, self.proc.stdout):
-            if stream is not None:
-                with contextlib.suppress(OSError):
-                    stream.close()
+        """Stop reading and writing (once): its input closes, so it exits after what it was sent."""
+        self.outbox.close()
+        self.channel.close()
+        if self.watchdog is not None:
+            self.watchdog.cancel()
+            self.watchdog = None
 
 
 @dataclass(slots=True)
@@ -301,8 +408,8 @@ class _Pending:
     spec: ChildSpec
     done: SpawnDone
     helper: _Helper
-    timer: asyncio.TimerHandle
-    retried: bool
+    losses: tuple[str, ...]
+    """Why the fork servers it was sent to before were lost (it is sent once more after the first)."""
 
 
 class ForkServerSpawner:
@@ -312,9 +419,15 @@ class ForkServerSpawner:
     an intermediate that exits at once, so each child is re-parented to the
     supervisor, which reaps it. If the helper dies, nothing happens to any child:
     the next spawn starts a new helper and waits for its readiness without
-    blocking the loop. A spawn still unanswered when its helper's pipe closes
-    (every intermediate has exited by then, so no answer can still come) is sent
-    once more to a new helper; failures reach ``done``, never the caller.
+    blocking the loop.
+
+    Requests are written through an :class:`_Outbox` (flow control: as fast as the
+    helper reads, whatever their number and size) and the helper answers each.
+    It is taken for lost only when it is: its output closed (it exited), its
+    input refused (it exited), its start failed, or it answered nothing for
+    ``spawn_timeout`` seconds while requests waited (hung). A slow helper working
+    through a long queue is not hung. A request whose helper was lost is sent once
+    more to a new one; failures reach ``done``, never the caller.
     """
 
     def __init__(
@@ -324,11 +437,9 @@ class ForkServerSpawner:
         preload_kinds: Sequence[str] = (),
         start_timeout: float = 60.0,
         spawn_timeout: float = 10.0,
-        prestarted: subprocess.Popen[bytes] | None = None,
     ):
-        """``prestarted``: a fork server already started for these kinds (:mod:`.prestart`) to adopt."""
+        """``env``: every child's environment; ``preload_kinds``: the kinds the fork server loads first."""
         self._env = dict(env)
-        self._prestarted = prestarted
         self._preload = list(preload_kinds)
         self._start_timeout = start_timeout
         self._spawn_timeout = spawn_timeout
@@ -339,15 +450,13 @@ class ForkServerSpawner:
         self._reaper = Reaper()
         self._wake: Wake | None = None
         self._next_id = 0
-        self._tasks: set[asyncio.Task[None]] = set()
         self._closing = False
         self._opened = False
-        self._queued: list[tuple[ChildSpec, SpawnDone, bool]] = []
+        self._queued: list[tuple[ChildSpec, SpawnDone, tuple[str, ...]]] = []
         self._young_deaths = 0
         self._replacement: asyncio.TimerHandle | None = None
+        self._retired: set[_Helper] = set()
         self.helpers_started = 0
-        self.server_pid: int | None = None
-        self.preload_seconds: float | None = None
 
     async def open(self, wake: Wake) -> None:
         """Become a subreaper, start the helper and wait until it is ready (raises SpawnError if not)."""
@@ -357,26 +466,18 @@ class ForkServerSpawner:
         except OSError as exc:
             raise SpawnError(f"cannot adopt the fork server's children: {exc}") from exc
         asyncio.get_running_loop().add_signal_handler(signal.SIGCHLD, self._on_sigchld)
-        if self._prestarted is not None:
-            helper = self._watch_helper(self._prestarted)
-            helper.early = True
-            self._prestarted = None
-        else:
-            helper = self._start_helper()
+        helper = self._start_helper()
         assert helper.started is not None
         await helper.started
         self._opened = True
 
     def _start_helper(self) -> _Helper:
         try:
-            proc = prestart.launch(self._env, self._preload)
+            proc = forkserver.fork(self._env, self._preload)
         except OSError as exc:
             raise SpawnError(f"cannot start the fork server: {exc}") from exc
-        return self._watch_helper(proc)
-
-    def _watch_helper(self, proc: subprocess.Popen[bytes]) -> _Helper:
         self._reaper.track(proc)
-        helper = _Helper(proc)
+        helper = _Helper(proc, lambda exc: self._helper_lost(helper, _input_refused(exc)))
         self._helper = helper
         self.helpers_started += 1
         loop = asyncio.get_running_loop()
@@ -388,26 +489,24 @@ class ForkServerSpawner:
         started = time.monotonic()
         try:
             ready = await asyncio.wait_for(asyncio.shield(helper.ready), self._start_timeout)
-        except (TimeoutError, SpawnError) as exc:
-            self._helper_lost(helper, quiet=True)
+        except TimeoutError:
+            reason = f"it did not start within {self._start_timeout:g} s"
+        except SpawnError as exc:
+            reason = str(exc)
+        else:
+            reason = "" if not ready.get("error") else f"it did not start: {ready['error']}"
+        if reason:
+            self._helper_lost(helper, reason, quiet=True)
             if self._opened and not self._closing and self._helper is None and self._replacement is None:
                 self._schedule_replacement(helper)
-            reason = "it did not answer in time" if isinstance(exc, TimeoutError) else str(exc)
-            raise SpawnError(helper_fault=True, message=f"the fork server did not start: {reason}") from None
-        if ready.get("error"):
-            self._helper_lost(helper, quiet=True)
-            if self._opened and not self._closing and self._helper is None and self._replacement is None:
-                self._schedule_replacement(helper)
-            raise SpawnError(helper_fault=True, message=f"the fork server did not start: {ready['error']}")
-        self.server_pid = helper.proc.pid
-        helper.ready_at = time.monotonic()
-        self.preload_seconds = round(helper.ready_at - started, 3)
+            raise SpawnError(helper_fault=True, message=f"the fork server is unavailable: {reason}")
+        helper.ready_at = helper.progress_at = time.monotonic()
+        self._arm_watchdog(helper)
         _log.info(
             "forkserver_ready",
             pid=helper.proc.pid,
-            seconds=self.preload_seconds,
+            seconds=round(helper.ready_at - started, 3),
             n=self.helpers_started,
-            early=helper.early,
         )
 
     def _on_readable(self, helper: _Helper) -> None:
@@ -416,9 +515,10 @@ class ForkServerSpawner:
             if op == "ready" and not helper.ready.done():
                 helper.ready.set_result(message)
             elif op == "spawned":
+                helper.progress_at = time.monotonic()
                 self._answered(message)
         if helper.channel.closed:
-            self._helper_lost(helper)
+            self._helper_lost(helper, "it exited")
 
     def _answered(self, message: dict[str, Any]) -> None:
         ident = message.get("id")
@@ -426,12 +526,12 @@ class ForkServerSpawner:
         if pending is None:
             pid = message.get("pid")
             if isinstance(pid, int) and pid > 1:
-                # An answer to a spawn that already timed out: nobody tracks that process,
-                # so it must not run (it would register the resource behind our back).
+                # An answer nobody waits for any more: nobody tracks that process, so it
+                # must not run (it would register the resource behind our back).
                 _log.warning("forkserver_late_answer", id=ident, pid=pid, action="killed")
                 _signal_group(pid, signal.SIGKILL)
             return
-        pending.timer.cancel()
+        pending.helper.waiting -= 1
         pid = message.get("pid")
         if message.get("error") or not isinstance(pid, int):
             pending.done(SpawnError(str(message.get("error") or "the fork server gave no PID")))
@@ -445,41 +545,58 @@ class ForkServerSpawner:
             self._exits.append(early)
             self._poke()
 
-    def _helper_lost(self, helper: _Helper, *, quiet: bool = False) -> None:
-        """The helper's pipe closed (or it failed to start): forget it; spawns in flight go to a new one."""
+    def _arm_watchdog(self, helper: _Helper) -> None:
+        """Check the helper's progress ``spawn_timeout`` after it last made some, while requests wait."""
+        if helper.watchdog is not None or helper.ready_at is None or helper.lost or not helper.waiting:
+            return
+        due = max(0.0, helper.progress_at + self._spawn_timeout - time.monotonic())
+        helper.watchdog = asyncio.get_running_loop().call_later(due, self._check_progress, helper)
+
+    def _check_progress(self, helper: _Helper) -> None:
+        helper.watchdog = None
+        if helper.lost or not helper.waiting or self._closing:
+            return
+        if time.monotonic() - helper.progress_at < self._spawn_timeout:
+            self._arm_watchdog(helper)
+            return
+        # It has requests and has answered none of them for that long: stopped or stuck.
+        # It would never answer the later ones either. Replace it.
+        _log.warning("forkserver_hung", pid=helper.proc.pid, waiting=helper.waiting, action="replaced")
+        self._helper_lost(helper, f"it answered nothing for {self._spawn_timeout:g} s")
+
+    def _helper_lost(self, helper: _Helper, reason: str, *, quiet: bool = False) -> None:
+        """The helper exited, hung or failed to start: forget it; its requests go to a new one, once."""
         if helper.lost:
             # Once only: the second call would act on fd numbers that a newer helper may own by now.
             return
         helper.lost = True
+        self._retired.discard(helper)
+        quiet = quiet or helper.retired
         if self._helper is helper:
             self._helper = None
-            self.server_pid = None
-        with contextlib.suppress(RuntimeError, ValueError, OSError):
-            asyncio.get_running_loop().remove_reader(helper.channel.fd)
         if helper.proc.returncode is None:
             # Its whole group: intermediates that have not answered yet go with it.
             _signal_group(helper.proc.pid, signal.SIGKILL)
         helper.close_pipes()
         if not helper.ready.done():
-            helper.ready.set_exception(SpawnError(helper_fault=True, message="the fork server exited"))
+            helper.ready.set_exception(SpawnError(helper_fault=True, message=reason))
             helper.ready.exception()  # retrieved: whoever awaits it gets it through the shield
         if not quiet:
             _log.warning(
                 "forkserver_lost",
                 pid=helper.proc.pid,
+                reason=reason,
                 children=len(self._children),
-                note="children keep running; a new fork server starts with the next spawn",
+                note="children keep running; a new fork server starts",
             )
         retry = [(i, p) for i, p in self._pending.items() if p.helper is helper]
         for ident, pending in retry:
             del self._pending[ident]
-            pending.timer.cancel()
-            if pending.retried:
-                pending.done(
-                    SpawnError(helper_fault=True, message="the fork server exited before answering, twice")
-                )
+            if pending.losses:
+                lost = f"{pending.losses[0]}, then {reason}"
+                pending.done(SpawnError(helper_fault=True, message=f"the fork server was lost twice: {lost}"))
             else:
-                self._request(pending.spec, pending.done, retried=True)
+                self._request(pending.spec, pending.done, losses=(reason,))
         if not quiet and not self._closing and self._helper is None:
             self._schedule_replacement(helper)
 
@@ -503,8 +620,8 @@ class ForkServerSpawner:
         self._replacement = None
         queued, self._queued = self._queued, []
         if self._closing or self._helper is not None:
-            for spec, done, retried in queued:
-                self._request(spec, done, retried=retried)
+            for spec, done, losses in queued:
+                self._request(spec, done, losses=losses)
             return
         try:
             helper = self._start_helper()
@@ -516,19 +633,47 @@ class ForkServerSpawner:
         assert helper.started is not None
         # Failures are logged (and the helper dropped) by _await_ready; nothing awaits this one.
         helper.started.add_done_callback(lambda task: task.cancelled() or task.exception())
-        for spec, done, retried in queued:
-            self._request(spec, done, retried=retried)
+        for spec, done, losses in queued:
+            self._request(spec, done, losses=losses)
+
+    def refresh(self, preload_kinds: Sequence[str]) -> None:
+        """From now on fork children from a new fork server, forked now (with the code this process has now).
+
+        The current one is retired: it answers what it was sent, then its input
+        closes and it exits. Its children run on, as ever. Called on a reload that
+        changed the kinds in use or their installed code (this process has just
+        imported the new code to validate the file).
+        """
+        self._preload = list(preload_kinds)
+        helper, self._helper = self._helper, None
+        if self._closing:
+            return
+        if helper is not None:
+            helper.retired = True
+            self._retired.add(helper)
+            helper.outbox.finish()
+        if self._replacement is not None:
+            return  # a replacement is due (fork servers keep dying young): it will have the new code
+        try:
+            fresh = self._start_helper()
+        except SpawnError as exc:
+            _log.error("forkserver_unavailable", error=str(exc))
+            return
+        assert fresh.started is not None
+        fresh.started.add_done_callback(lambda task: task.cancelled() or task.exception())
+        retired = None if helper is None else helper.proc.pid
+        _log.info("forkserver_refreshed", kinds=self._preload, retired=retired)
 
     def spawn(self, spec: ChildSpec, done: SpawnDone) -> None:
         """Ask the helper (started now if there is none) to fork a child running ``plugvisor <args>``."""
-        self._request(spec, done, retried=False)
+        self._request(spec, done, losses=())
 
-    def _request(self, spec: ChildSpec, done: SpawnDone, *, retried: bool) -> None:
+    def _request(self, spec: ChildSpec, done: SpawnDone, *, losses: tuple[str, ...]) -> None:
         helper = self._helper
         if helper is None and self._replacement is not None:
             # A replacement is due after a delay (helpers keep dying young): wait for it
             # rather than start helpers as fast as children ask.
-            self._queued.append((spec, done, retried))
+            self._queued.append((spec, done, losses))
             return
         if helper is None:
             try:
@@ -536,58 +681,22 @@ class ForkServerSpawner:
             except SpawnError as exc:
                 done(exc)
                 return
+            assert helper.started is not None
+            helper.started.add_done_callback(lambda task: task.cancelled() or task.exception())
         self._next_id += 1
         ident = self._next_id
-        loop = asyncio.get_running_loop()
-        timer = loop.call_later(self._spawn_timeout, self._timed_out, ident)
-        self._pending[ident] = _Pending(spec, done, helper, timer, retried)
-        if helper.ready.done() and self.server_pid == helper.proc.pid:
-            self._send(helper, ident, spec)
-            return
-        task = loop.create_task(self._send_when_ready(helper, ident, spec))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _send_when_ready(self, helper: _Helper, ident: int, spec: ChildSpec) -> None:
-        assert helper.started is not None
+        self._pending[ident] = _Pending(spec, done, helper, losses)
+        if not helper.waiting:
+            helper.progress_at = time.monotonic()  # it had nothing to do until now
+        helper.waiting += 1
+        request = {"op": "spawn", "id": ident, "args": list(spec.args)}
         try:
-            await asyncio.shield(helper.started)
-        except SpawnError as exc:
-            pending = self._pending.pop(ident, None)
-            if pending is not None:
-                pending.timer.cancel()
-                pending.done(exc)
-            return
-        if ident in self._pending:
-            self._send(helper, ident, spec)
-
-    def _send(self, helper: _Helper, ident: int, spec: ChildSpec) -> None:
-        request = {"op": "spawn", "id": ident, "args": list(spec.args), "env": self._env}
-        data = json.dumps(request).encode() + b"\n"
-        try:
-            # A request is a few KiB and the helper reads as fast as it forks; a full pipe
-            # means a hung helper, which the spawn timeout reports.
-            if os.write(helper.stdin, data) != len(data):
-                raise BlockingIOError("short write to the fork server")
+            # Written even before the helper is ready: it reads once its preload is done.
+            helper.outbox.put(json.dumps(request, separators=(",", ":")).encode() + b"\n")
         except OSError as exc:
-            _log.warning("forkserver_unwritable", error=str(exc))
-            self._helper_lost(helper)
-
-    def _timed_out(self, ident: int) -> None:
-        pending = self._pending.pop(ident, None)
-        if pending is not None:
-            pending.done(
-                SpawnError(
-                    helper_fault=True,
-                    message=f"the fork server did not answer within {self._spawn_timeout:g} s",
-                )
-            )
-            helper = pending.helper
-            if helper is self._helper and self.server_pid == helper.proc.pid and not self._closing:
-                # A helper that does not answer is hung (stopped, stuck): it would time out
-                # every later spawn too. Replace it.
-                _log.warning("forkserver_hung", pid=helper.proc.pid, action="replaced")
-                self._helper_lost(helper)
+            self._helper_lost(helper, _input_refused(exc))
+            return
+        self._arm_watchdog(helper)
 
     def _on_sigchld(self) -> None:
         self._collect()
@@ -619,43 +728,120 @@ class ForkServerSpawner:
     async def close(self) -> None:
         """Close the helper's input: it exits (children must already be stopped)."""
         self._closing = True
-        early, self._prestarted = self._prestarted, None
-        if early is not None:  # closed before it was opened (a stop at once): nobody else would end it
-            prestart.end(early)
         if self._replacement is not None:
             self._replacement.cancel()
-        for task in list(self._tasks):
-            task.cancel()
         with contextlib.suppress(RuntimeError, ValueError):
             asyncio.get_running_loop().remove_signal_handler(signal.SIGCHLD)
         for pending in self._pending.values():
-            pending.timer.cancel()
             pending.done(SpawnError("the agent is stopping"))
         self._pending.clear()
         for _, done, _ in self._queued:
             done(SpawnError("the agent is stopping"))
         self._queued.clear()
-        helper, self._helper = self._helper, None
-        if helper is None:
-            return
-        if helper.started is not None and not helper.started.done():
-            helper.started.cancel()
-        with contextlib.suppress(RuntimeError, ValueError, OSError):
-            asyncio.get_running_loop().remove_reader(helper.channel.fd)
-        if helper.proc.stdin is not None:
-            with contextlib.suppress(OSError):
-                helper.proc.stdin.close()
+        helpers = [*self._retired, *([self._helper] if self._helper is not None else [])]
+        self._helper = None
+        self._retired.clear()
+        for helper in helpers:
+            if helper.started is not None and not helper.started.done():
+                helper.started.cancel()
+            helper.close_pipes()
         deadline = time.monotonic() + 2.0
-        while not _ended(helper.proc):
-            self._reaper.collect()
-            if _ended(helper.proc):
-                break
+        self._reaper.collect()
+        while any(helper.proc.returncode is None for helper in helpers):
             if time.monotonic() > deadline:
-                with contextlib.suppress(OSError):
-                    helper.proc.kill()
+                for helper in helpers:
+                    if helper.proc.returncode is None:
+                        _signal_group(helper.proc.pid, signal.SIGKILL)
                 deadline = time.monotonic() + 2.0
             await asyncio.sleep(0.01)
-        helper.close_pipes()
+            self._reaper.collect()
+
+
+def _input_refused(exc: OSError) -> str:
+    return f"its input was closed ({exc.strerror or exc}): it exited"
+
+
+def start_slots(spawner: Spawner) -> int:
+    """How many children may start at once: a few per core, fewer when each start is a fresh interpreter."""
+    cores = len(os.sched_getaffinity(0))
+    return cores * (2 if isinstance(spawner, ExecSpawner) else 8)
+
+
+class StartLimiter:
+    """At most ``slots`` children starting at once; the other spawns wait their turn, in order.
+
+    A plugin's start is CPU work (a fresh interpreter's imports: ~0.35 s of one
+    core; a forked child's start: ~40 ms), and each child has ``registrationTimeout``
+    to register. 128 children started at once on two cores each got a 64th of
+    the CPU: none registered in time, every one was restarted as unregistered,
+    and the restarts started over (measured with ``spawner: exec``: 24 of 128
+    registered after 300 s). Here a child holds its slot from its spawn until it
+    says it serves (its first ``ENDPOINT=`` or ``REGISTERED=`` report, passed to
+    :meth:`started`), exits, or cannot be spawned; a waiting spawn has no process
+    yet, so nothing is blamed on it (the child is STARTING without a PID).
+    """
+
+    def __init__(self, inner: Spawner, slots: int) -> None:
+        self.inner = inner
+        self.slots = max(1, slots)
+        self._waiting: collections.deque[tuple[ChildSpec, SpawnDone]] = collections.deque()
+        self._in_flight = 0
+        self._starting: set[int] = set()
+
+    async def open(self, wake: Wake) -> None:
+        """Open the inner spawner."""
+        await self.inner.open(wake)
+
+    def spawn(self, spec: ChildSpec, done: SpawnDone) -> None:
+        """Spawn now if a slot is free, else when one is."""
+        self._waiting.append((spec, done))
+        self._admit()
+
+    def started(self, pid: int) -> None:
+        """The child ``pid`` serves (it reported so): its slot goes to the next waiting spawn."""
+        if pid in self._starting:
+            self._starting.discard(pid)
+            self._admit()
+
+    def _admit(self) -> None:
+        while self._waiting and self._in_flight + len(self._starting) < self.slots:
+            spec, done = self._waiting.popleft()
+            self._in_flight += 1
+            self.inner.spawn(spec, functools.partial(self._answered, done))
+
+    def _answered(self, done: SpawnDone, result: int | SpawnError) -> None:
+        self._in_flight -= 1
+        if isinstance(result, int):
+            self._starting.add(result)
+        done(result)
+        self._admit()
+
+    def kill(self, pid: int, sig: int) -> None:
+        """Signal the child (through the inner spawner)."""
+        self.inner.kill(pid, sig)
+
+    def refresh(self, preload_kinds: Sequence[str]) -> None:
+        """Refresh the inner spawner."""
+        self.inner.refresh(preload_kinds)
+
+    def reap(self) -> list[Exit]:
+        """The inner spawner's exits; each frees the slot its child still held."""
+        exits = self.inner.reap()
+        freed = False
+        for exit_ in exits:
+            if exit_.pid in self._starting:
+                self._starting.discard(exit_.pid)
+                freed = True
+        if freed:
+            self._admit()
+        return exits
+
+    async def close(self) -> None:
+        """Fail the waiting spawns, then close the inner spawner."""
+        waiting, self._waiting = self._waiting, collections.deque()
+        for _, done in waiting:
+            done(SpawnError("the agent is stopping"))
+        await self.inner.close()
 
 
 @dataclass
@@ -674,6 +860,7 @@ class FakeSpawner:
     fail_next: list[str] = field(default_factory=list)
     deferred: bool = False
     waiting: list[tuple[ChildSpec, SpawnDone]] = field(default_factory=list)
+    refreshed: list[list[str]] = field(default_factory=list)
     _exits: list[Exit] = field(default_factory=list)
     _wake: Wake | None = None
 
@@ -710,6 +897,10 @@ class FakeSpawner:
     def kill(self, pid: int, sig: int) -> None:
         """Record the signal (the process does not react until :meth:`exit`)."""
         self.signals.append((pid, sig))
+
+    def refresh(self, preload_kinds: Sequence[str]) -> None:
+        """Record the kinds."""
+        self.refreshed.append(list(preload_kinds))
 
     def exit(self, pid: int, returncode: int) -> None:
         """Make ``pid`` exit with ``returncode``."""

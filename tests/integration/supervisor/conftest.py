@@ -21,6 +21,9 @@ from plugvisor.emulators.kubelet import EmulatedKubelet
 RUN = ("-m", "plugvisor", "run")
 """``plugvisor run``, as the installed command runs it (the module entry, not the click command alone)."""
 
+NODE_ENV = "PLUGVISOR_TEST_NODE"
+"""Given to each agent a test starts; every process it starts keeps it, forked or exec'd."""
+
 FUSE = "example.com/fuse"
 SERIAL = "example.com/serial"
 DISK = "example.com/disk"
@@ -35,6 +38,7 @@ class Node:
         self.kubelet_dir = base / "dp"
         self.runtime_dir = base / "run"
         self.config_path = base / "node.yaml"
+        self.agent_pids: set[int] = set()
         (self.root / "dev").mkdir(parents=True)
         for name in ("fuse", "ttyUSB0", "ttyUSB1", "sda"):
             (self.root / "dev" / name).touch()
@@ -64,22 +68,22 @@ class Node:
 
 
 def processes_of(node: Node) -> list[int]:
-    """PIDs of every process started for this node (the supervisor, the fork server, children).
+    """PIDs of every process the node's agents started (fork servers, children), not the agents themselves.
 
-    Found by their environment, which names the node's runtime directory: forked
-    children keep the fork server's command line, but never lose that.
+    Found by the variable :data:`NODE_ENV` in their environment block, which a forked
+    process inherits from the agent and an exec'd one is given with the rest.
     """
-    marker = str(node.runtime_dir).encode() + b"/status.sock"
+    marker = f"{NODE_ENV}={node.base}".encode()
     found = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+        if not entry.name.isdigit() or int(entry.name) in (os.getpid(), *node.agent_pids):
             continue
         try:
             environ = (entry / "environ").read_bytes()
             stat = (entry / "stat").read_text()
         except OSError:
             continue
-        if marker in environ and stat.rsplit(")", 1)[1].split()[0] != "Z":
+        if marker in environ.split(b"\0") and stat.rsplit(")", 1)[1].split()[0] != "Z":
             found.append(int(entry.name))
     return sorted(found)
 
@@ -89,7 +93,7 @@ class Agent:
 
     def __init__(self, node: Node, env: dict[str, str] | None = None) -> None:
         self.node = node
-        self.env = {**os.environ, **(env or {})}
+        self.env = {**os.environ, NODE_ENV: str(node.base), **(env or {})}
         self.proc: asyncio.subprocess.Process | None = None
         self.log_path = node.base / f"agent-{time.monotonic_ns()}.log"
 
@@ -98,6 +102,7 @@ class Agent:
             self.proc = await asyncio.create_subprocess_exec(
                 sys.executable, *RUN, "--config", str(self.node.config_path), env=self.env, stderr=log
             )
+        self.node.agent_pids.add(self.proc.pid)
         return self
 
     @property
@@ -129,6 +134,14 @@ class Agent:
                 raise AssertionError(
                     f"state did not hold within {timeout}s: {self.children()}\n{self.log()[-3000:]}"
                 )
+            await asyncio.sleep(0.02)
+
+    async def wait_log(self, event: str, timeout: float = 30) -> None:
+        """Wait until the agent has logged ``event``."""
+        deadline = time.monotonic() + timeout
+        while f"event='{event}'" not in self.log():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {event} logged within {timeout}s:\n{self.log()[-3000:]}")
             await asyncio.sleep(0.02)
 
     async def wait_catching(self, sig: int, timeout: float = 30) -> None:

@@ -266,37 +266,50 @@ async def test_an_invalid_file_exits_2_before_starting_anything(node, agents):
     assert not node.kubelet_dir.exists()
 
 
-def fork_servers_of(agent_pid: int) -> list[int]:
-    """Fork servers started for the agent ``agent_pid`` (their command line names it)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if (
-            b"plugvisor.supervisor.forkserver" in argv
-            and argv[argv.index(b"--parent") + 1] == str(agent_pid).encode()
-        ):
-            found.append(int(entry.name))
-    return found
+def cmdline(pid: int) -> str:
+    """What ps shows as the process's command line."""
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
 
 
-async def test_the_fork_server_starts_beside_the_agents_own_imports_and_is_adopted(node, kubelet, agents):
-    """Started from a cheap read of the file before validation, it is the one the children come from."""
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def maps_grpc(pid: int) -> bool:
+    return "cygrpc" in Path(f"/proc/{pid}/maps").read_text()
+
+
+async def test_the_fork_server_is_forked_from_the_agent_which_never_loads_grpc(node, kubelet, agents):
+    """It shares the agent's imports and loads gRPC itself, single-threaded; only the plugins start it."""
     agent = await start_registered(node, kubelet, agents)
-    assert "event='forkserver_ready'" in agent.log()
-    assert "early=True" in agent.log()
-    assert "forkserver_prestart_discarded" not in agent.log()
+    plugins = {child["pid"]: name for name, child in agent.children().items()}
+    (server,) = [pid for pid in processes_of(node) if pid not in plugins]
+    assert parent_of(server) == agent.pid
+    assert all(parent_of(pid) == agent.pid for pid in plugins)
+    assert not maps_grpc(agent.pid)
+    assert maps_grpc(server)
+    assert len(list(Path(f"/proc/{server}/task").iterdir())) == 1
+    assert agent.log().count("event='forkserver_ready'") == 1
     assert await agent.stop() == 0
 
 
-async def test_an_invalid_file_leaves_no_early_fork_server_behind(node, agents):
-    """The file reads well enough to start the fork server early; validation refuses it: exit 2, none left."""
-    node.write_config([{"name": FUSE, "kind": "generic", "paths": ["/dev/fuse"], "count": 0}])
-    agent = await agents()
-    assert await asyncio.wait_for(agent.proc.wait(), 20) == 2
-    assert fork_servers_of(agent.pid) == []
+async def test_every_process_says_what_it_is_in_ps_and_top(node, kubelet, agents):
+    """The agent, the fork server and each plugin, by resource; not the agent's command line three times."""
+    agent = await start_registered(node, kubelet, agents)
+    plugins = {child["pid"]: name for name, child in agent.children().items()}
+    (server,) = [pid for pid in processes_of(node) if pid not in plugins]
+    assert cmdline(agent.pid) == f"plugvisor agent --config {node.config_path}"
+    assert cmdline(server) == "plugvisor fork-server"
+    assert {pid: cmdline(pid) for pid in plugins} == {
+        pid: f"plugvisor plugin generic {name}" for pid, name in plugins.items()
+    }
+    comms = {pid: Path(f"/proc/{pid}/comm").read_text().strip() for pid in (agent.pid, server, *plugins)}
+    assert comms == {
+        agent.pid: "plugvisor",
+        server: "pv-forkserver",
+        **{pid: "pv:" + name.rsplit("/", 1)[1] for pid, name in plugins.items()},
+    }
+    assert await agent.stop() == 0
 
 
 async def test_the_exec_spawner_restarts_crashed_children_too(node, kubelet, agents):

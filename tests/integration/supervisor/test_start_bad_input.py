@@ -1,8 +1,7 @@
 """`plugvisor run` given a file it cannot use: exit 2 naming it, promptly, with no fork server left behind.
 
-The agent starts its fork server early, from a first look at the file before the
-validation (supervisor/prestart.py); that look must neither hang nor crash on what
-the validation would refuse.
+The agent reads its file strictly before it starts anything: a FIFO must not hang
+the start, and nesting that crashes libyaml's C composer must be refused first.
 """
 
 import os
@@ -12,17 +11,19 @@ import sys
 import pytest
 
 
-def leftover_forkservers(parent: int) -> list[int]:
+def leftovers(runtime_dir: str, agent: int) -> list[int]:
+    """Processes other than ``agent`` with the agent's environment (a fork server is forked from it)."""
+    marker = f"PLUGVISOR_RUNTIME_DIR={runtime_dir}".encode()
     found = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+        if not entry.isdigit() or int(entry) in (agent, os.getpid()):
             continue
         try:
-            with open(f"/proc/{entry}/cmdline", "rb") as handle:
-                argv = handle.read().split(b"\0")
+            with open(f"/proc/{entry}/environ", "rb") as handle:
+                environ = handle.read().split(b"\0")
         except OSError:
             continue
-        if b"plugvisor.supervisor.forkserver" in argv and str(parent).encode() in argv:
+        if marker in environ:
             found.append(int(entry))
     return found
 
@@ -58,4 +59,4 @@ def test_a_file_the_agent_cannot_use_exits_2_naming_it(short_dir, breakage, expe
         pytest.fail(f"plugvisor run --config <{breakage}> still runs after 60 s")
     assert proc.returncode == 2, stderr
     assert str(config) in stderr and expected in stderr, stderr
-    assert leftover_forkservers(proc.pid) == []
+    assert leftovers(str(short_dir / "run"), proc.pid) == []

@@ -44,9 +44,9 @@ def test_without_an_api_client_the_driver_says_how_to_run_without_one(monkeypatc
 
 
 def test_main_runs_the_dra_command_as_a_child_of_the_agent_would(tmp_path, capsys):
-    """entry.main, what the fork server calls, reaches the DRA command too (here: a bad driver name)."""
-    code = entry.main(
+    """entry.prepare, what the fork server calls (its child runs the result), reaches the DRA command too."""
+    code = entry.prepare(
         ["plugin", "gpu", "--mode", "dra", "--driver", "UPPER", "--kubelet-dir", str(tmp_path / "dp")]
-    )
+    )()
     assert code == 2
     assert "DRA driver name 'UPPER' is not a DNS subdomain" in capsys.readouterr().err

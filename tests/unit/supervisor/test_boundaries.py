@@ -17,7 +17,6 @@ MODULES = [
     "plugvisor.supervisor.kubelet_watch",
     "plugvisor.supervisor.metrics",
     "plugvisor.supervisor.prctl",
-    "plugvisor.supervisor.prestart",
     "plugvisor.supervisor.reports",
     "plugvisor.supervisor.spawner",
     "plugvisor.supervisor.states",

@@ -1,0 +1,341 @@
+"""`plugvisor run` at scale: 1, 16, 64 and 256 resources, with the fork server and with `spawner: exec`.
+
+Run: python bench/bench_scale.py [--sizes 1 16 64 256] [--spawners forkserver exec] [--rounds 2]
+                                 [--inotify-limit N]
+
+Per size and spawner, in rounds (each round a fresh agent, sizes and spawners
+interleaved so that a slow spell of the shared machine hits every case):
+
+- start -> all registered: from spawning `python -m plugvisor run` to the emulated
+  kubelet (in this process) listing every resource registered with its device;
+  and how many registered (every one must, every time);
+- memory once settled: node PSS summed over the agent and every process below it
+  (bench/node_memory.py: pages divided only among them, as on a node), the
+  kernel's PSS beside it, and per resource;
+- CPU at idle: the agent and its processes over 5 s, in millicores;
+- kubelet restart -> all registered again (the default policy, `restart`, restarts
+  every child), and how many came back;
+- children restarted for any other reason than the kubelet restart (must be 0).
+
+Floors measured in the same run: a bare grpc.aio plugin (bench_footprint.py's)
+start -> registered and node PSS; the figures are also printed per resource, as
+ratios to them.
+
+Each plugin process holds an inotify instance, and Linux allows 128 per user by
+default (fs.inotify.max_user_instances, shared by every process of the user): a
+size that does not fit in what is free is skipped, saying so. `--inotify-limit N`
+raises the limit to N for the run (root) and puts the old value back afterwards;
+a node with that many resources needs the same. Sizes whose exec children would
+not fit in memory are skipped too. A round that fails keeps its directory (with the
+agent's log) and says where.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # before grpc is imported: no info lines
+
+import argparse
+import asyncio
+import contextlib
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from bench_footprint import BARE_PLUGIN, descendants, terminate
+from node_memory import kernel_pss_kb, node_pss
+
+from plugvisor.emulators.kubelet import EmulatedKubelet
+
+INOTIFY_LIMIT = Path("/proc/sys/fs/inotify/max_user_instances")
+EXEC_CHILD_MB = 40
+"""Room per exec'd child (a fresh interpreter: ~29 MB of its own once started, more while it starts)."""
+INOTIFY_PER_PLUGIN = 1
+"""Instances one plugin holds (its kubelet directory and device watches share one)."""
+
+
+def inotify_in_use() -> int:
+    """inotify instances open on the machine now (every process we can see)."""
+    count = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            count += sum(1 for fd in (entry / "fd").iterdir() if str(fd.readlink()) == "anon_inode:inotify")
+    return count
+
+
+def available_mb() -> int:
+    for row in Path("/proc/meminfo").read_text().splitlines():
+        if row.startswith("MemAvailable:"):
+            return int(row.split()[1]) // 1024
+    return 0
+
+
+def cpu_ticks(pids: list[int]) -> int:
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total
+
+
+@contextlib.contextmanager
+def inotify_limit(wanted: int | None) -> Iterator[None]:
+    """Raise fs.inotify.max_user_instances to ``wanted`` for the block; restore it unless changed since."""
+    if wanted is None:
+        yield
+        return
+    before = int(INOTIFY_LIMIT.read_text())
+    if wanted <= before:
+        yield
+        return
+    INOTIFY_LIMIT.write_text(f"{wanted}\n")
+    print(f"fs.inotify.max_user_instances raised from {before} to {wanted} for this run")
+    try:
+        yield
+    finally:
+        if int(INOTIFY_LIMIT.read_text()) == wanted:
+            INOTIFY_LIMIT.write_text(f"{before}\n")
+            print(f"fs.inotify.max_user_instances back to {before}")
+
+
+class Node:
+    """``size`` generic resources, one device each, and the agent's file."""
+
+    def __init__(self, size: int, spawner: str) -> None:
+        self.base = Path(tempfile.mkdtemp(prefix="/tmp/pvs-"))
+        self.size = size
+        (self.base / "root/dev").mkdir(parents=True)
+        for index in range(size):
+            (self.base / f"root/dev/d{index:04d}").touch()
+        self.kubelet_dir = self.base / "dp"
+        self.runtime_dir = self.base / "run"
+        self.config = self.base / "node.yaml"
+        self.names = [f"scale.example/r{index:04d}" for index in range(size)]
+        self.config.write_text(
+            yaml.safe_dump(
+                {
+                    "kubeletDir": str(self.kubelet_dir),
+                    "hostRoot": str(self.base / "root"),
+                    "supervisor": {"runtimeDir": str(self.runtime_dir), "spawner": spawner},
+                    "resources": [
+                        {"name": name, "kind": "generic", "paths": [f"/dev/d{index:04d}"]}
+                        for index, name in enumerate(self.names)
+                    ],
+                }
+            )
+        )
+
+    def registered(self, kubelet: EmulatedKubelet, generation: int | None = None) -> int:
+        """How many resources the kubelet lists as registered with their device (since ``generation``)."""
+        latest = {}
+        if generation is not None:
+            latest = {r.resource: r.generation for r in kubelet.registrations if r.accepted}
+        count = 0
+        for name in self.names:
+            view = kubelet.resource(name)
+            if view is None or not view.registered or view.allocatable != 1:
+                continue
+            if generation is None or latest.get(name) == generation:
+                count += 1
+        return count
+
+    def restarts(self) -> dict[str, int]:
+        """Restarts by cause, summed over the children (state.json)."""
+        try:
+            state = json.loads((self.runtime_dir / "state.json").read_text())
+        except (OSError, ValueError):
+            return {}
+        causes: dict[str, int] = {}
+        for child in state["children"]:
+            for cause, count in child.get("restarts_by_cause", {}).items():
+                causes[cause] = causes.get(cause, 0) + count
+        return causes
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
+@dataclass
+class Figures:
+    starts: list[float] = field(default_factory=list)
+    registered: list[int] = field(default_factory=list)
+    pss_kb: list[int] = field(default_factory=list)
+    kernel_pss_kb: list[int] = field(default_factory=list)
+    processes: list[int] = field(default_factory=list)
+    idle_millicores: list[float] = field(default_factory=list)
+    restarts: list[float] = field(default_factory=list)
+    back: list[int] = field(default_factory=list)
+    other_restarts: list[dict[str, int]] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+
+
+async def wait_count(count: Callable[[], int], wanted: int, timeout: float) -> tuple[float, int]:
+    """Seconds until ``count()`` reaches ``wanted`` (or the timeout), and the last count."""
+    began = time.perf_counter()
+    got = count()
+    while got < wanted and time.perf_counter() - began < timeout:
+        await asyncio.sleep(0.01)
+        got = count()
+    return time.perf_counter() - began, got
+
+
+async def one_round(size: int, spawner: str, figures: Figures, timeout: float) -> None:
+    node = Node(size, spawner)
+    kubelet = EmulatedKubelet(node.kubelet_dir, write_view=False, grace_period=300)
+    await kubelet.start()
+    log = node.base / "agent.log"
+    began = time.perf_counter()
+    with log.open("wb") as stderr:
+        agent = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "plugvisor", "run", "--config", str(node.config), stderr=stderr
+        )
+    try:
+        _, got = await wait_count(lambda: node.registered(kubelet), size, timeout)
+        figures.starts.append(time.perf_counter() - began)
+        figures.registered.append(got)
+        if got < size:
+            figures.failures.append(f"start: {got}/{size} registered after {timeout:g} s (log {log})")
+            return
+        await asyncio.sleep(2.0)  # settled: first rescans, status reports, the PodResources poller
+        pids = descendants(agent.pid)
+        alone = node_pss(pids) or {pid: kernel_pss_kb(pid) for pid in pids}
+        figures.pss_kb.append(sum(alone.values()))
+        figures.kernel_pss_kb.append(sum(kernel_pss_kb(pid) for pid in pids))
+        figures.processes.append(len(pids))
+        ticks = cpu_ticks(pids)
+        await asyncio.sleep(5.0)
+        figures.idle_millicores.append((cpu_ticks(pids) - ticks) / os.sysconf("SC_CLK_TCK") / 5.0 * 1000)
+        await kubelet.restart()
+        generation = kubelet.generation
+        seconds, back = await wait_count(lambda: node.registered(kubelet, generation), size, timeout)
+        figures.restarts.append(seconds)
+        figures.back.append(back)
+        if back < size:
+            figures.failures.append(f"kubelet restart: {back}/{size} back after {timeout:g} s (log {log})")
+        await asyncio.sleep(1.0)
+        figures.other_restarts.append({k: v for k, v in node.restarts().items() if k != "kubelet-restart"})
+    finally:
+        await terminate(agent, 120)
+        await kubelet.stop()
+        if not figures.failures:
+            node.cleanup()
+
+
+async def bare_floor(rounds: int) -> tuple[float, int]:
+    """A bare grpc.aio plugin: start -> registered (median) and node PSS once registered."""
+    times, pss = [], 0
+    for _ in range(rounds):
+        base = Path(tempfile.mkdtemp(prefix="/tmp/pvs-"))
+        kubelet = EmulatedKubelet(base / "dp", write_view=False, grace_period=30)
+        await kubelet.start()
+        began = time.perf_counter()
+        bare = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", BARE_PLUGIN, str(base / "dp"), "bench.example/bare"
+        )
+        try:
+            await kubelet.wait_for(
+                lambda k: (v := k.resource("bench.example/bare")) is not None and v.registered
+            )
+            times.append(time.perf_counter() - began)
+            await asyncio.sleep(1.0)
+            pss = (node_pss([bare.pid]) or {bare.pid: kernel_pss_kb(bare.pid)})[bare.pid]
+        finally:
+            bare.kill()
+            await bare.wait()
+            await kubelet.stop()
+            shutil.rmtree(base, ignore_errors=True)
+    return statistics.median(times), pss
+
+
+def fits(size: int, spawner: str) -> str | None:
+    """Why ``size`` resources cannot run here now (None: they can)."""
+    free = int(INOTIFY_LIMIT.read_text()) - inotify_in_use()
+    needed = size * INOTIFY_PER_PLUGIN + 4  # the agent's kubelet watch, the emulated kubelet's
+    if needed > free:
+        return (
+            f"needs ~{needed} inotify instances, {free} free (fs.inotify.max_user_instances "
+            f"{INOTIFY_LIMIT.read_text().strip()}, shared by the machine; --inotify-limit raises it)"
+        )
+    if spawner == "exec" and size * EXEC_CHILD_MB > available_mb() // 2:
+        return f"{size} interpreters need ~{size * EXEC_CHILD_MB} MB, {available_mb()} MB available"
+    return None
+
+
+def report(size: int, spawner: str, figures: Figures, floor_s: float, floor_kb: int) -> None:
+    def p50(values: list[float]) -> float:
+        return statistics.median(values)
+
+    print(f"{size} resources, spawner {spawner}: {len(figures.starts)} rounds")
+    print(f"  registered at start: {figures.registered} of {size}; after the kubelet restart: {figures.back}")
+    for failure in figures.failures:
+        print(f"  FAILED {failure}")
+    if figures.starts:
+        print(
+            f"  start -> all registered     p50 {p50(figures.starts) * 1000:8.0f} ms  max "
+            f"{max(figures.starts) * 1000:8.0f} ms  = {p50(figures.starts) / floor_s:5.1f}x a bare plugin's "
+            f"start ({p50(figures.starts) / floor_s / size:.2f}x per resource)"
+        )
+    if figures.restarts:
+        print(
+            f"  kubelet restart -> all back p50 {p50(figures.restarts) * 1000:8.0f} ms  max "
+            f"{max(figures.restarts) * 1000:8.0f} ms"
+        )
+    if figures.pss_kb:
+        total = p50(figures.pss_kb) / 1024
+        print(
+            f"  node PSS {total:7.1f} MB over {figures.processes[-1]} processes ({total / size:5.1f} MB per "
+            f"resource; kernel PSS {p50(figures.kernel_pss_kb) / 1024:.1f} MB) = "
+            f"{total * 1024 / floor_kb:.2f}x a bare plugin ({floor_kb / 1024:.1f} MB)"
+        )
+        print(f"  CPU at idle {p50(figures.idle_millicores):6.1f} millicores (agent and every child, 5 s)")
+    other = [restarts for restarts in figures.other_restarts if restarts]
+    print(f"  restarts other than the kubelet's: {other or 'none'}")
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument("--spawners", nargs="+", default=["forkserver", "exec"])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=180.0, help="seconds for all to register")
+    parser.add_argument(
+        "--inotify-limit", type=int, help="raise fs.inotify.max_user_instances to this (root)"
+    )
+    options = parser.parse_args()
+    print(
+        f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} (a shared machine: read the ratios)"
+    )
+    with inotify_limit(options.inotify_limit):
+        floor_s, floor_kb = await bare_floor(3)
+        print(f"floor: a bare grpc.aio plugin starts and registers in {floor_s * 1000:.0f} ms, "
+              f"node PSS {floor_kb / 1024:.1f} MB")  # fmt: skip
+        cases = [(size, spawner) for size in options.sizes for spawner in options.spawners]
+        figures = {case: Figures() for case in cases}
+        skipped: dict[tuple[int, str], str] = {}
+        for _ in range(options.rounds):
+            for size, spawner in cases:
+                reason = fits(size, spawner)
+                if reason is not None:
+                    skipped[(size, spawner)] = reason
+                    continue
+                await one_round(size, spawner, figures[(size, spawner)], options.timeout)
+        for size, spawner in cases:
+            if not figures[(size, spawner)].starts and (size, spawner) in skipped:
+                print(f"{size} resources, spawner {spawner}: skipped, {skipped[(size, spawner)]}")
+            else:
+                report(size, spawner, figures[(size, spawner)], floor_s, floor_kb)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,136 @@
+"""The fork server's protocol holds at the configuration's limits: 256 spawns of the largest options at once.
+
+Each run is a child interpreter of its own (as in test_reaper.py): the spawner makes
+its process a child subreaper and reaps with ``waitpid(-1)``, which must not touch
+the test process's other children. The children it forks are real processes that
+exit at once (an unknown kind), so the pipes, not the plugins, are what is tested;
+no inotify instance, no socket is used.
+"""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent(
+    """
+    import asyncio, json, os, sys
+    from plugvisor.supervisor.config import ChildSpec
+    from plugvisor.supervisor.spawner import ForkServerSpawner
+
+    count, option_bytes = int(sys.argv[1]), int(sys.argv[2])
+    # The largest options the configuration accepts travel on each child's command line.
+    options = json.dumps({"paths": ["/dev/x" * (option_bytes // 6)]})
+
+    async def main():
+        woken = asyncio.Event()
+        spawner = ForkServerSpawner(dict(os.environ), spawn_timeout=120)
+        await spawner.open(woken.set)
+        answers = {}
+        for index in range(count):
+            resource = f"example.com/r{index}"
+            args = ("plugin", "no-such-kind", "--resource", resource, "--options-json", options)
+            spec = ChildSpec(resource, "no-such-kind", args)
+            spawner.spawn(spec, lambda result, index=index: answers.__setitem__(index, result))
+        exits = {}
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 150
+        while (len(answers) < count or len(exits) < count) and loop.time() < deadline:
+            woken.clear()
+            for exit_ in spawner.reap():
+                exits[exit_.pid] = exit_.returncode
+            try:
+                await asyncio.wait_for(woken.wait(), 0.5)
+            except TimeoutError:
+                pass
+        pids = {index: result for index, result in answers.items() if isinstance(result, int)}
+        errors = sorted({str(result) for result in answers.values() if not isinstance(result, int)})
+        await spawner.close()
+        print(json.dumps({
+            "answered": len(answers),
+            "pids": len(set(pids.values())),
+            "errors": errors,
+            "exit_codes": sorted(set(exits[pid] for pid in pids.values() if pid in exits)),
+            "reaped": sum(1 for pid in pids.values() if pid in exits),
+            "helpers": spawner.helpers_started,
+        }))
+
+    asyncio.run(main())
+    """
+)
+
+
+def run_spawns(count: int, option_bytes: int) -> dict:
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(count), str(option_bytes)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,  # every child says, on one line, that its kind is unknown
+        text=True,
+        timeout=170,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout
+    return json.loads(result.stdout.splitlines()[-1])  # the last line: the spawner logs before it
+
+
+def test_256_spawns_with_the_largest_options_all_get_a_process_from_one_fork_server():
+    """Each request is ~64 KiB, the whole batch ~16 MiB: far more than a pipe holds; nothing is lost."""
+    outcome = run_spawns(256, 64_000)
+    assert outcome == {
+        "answered": 256,
+        "pids": 256,
+        "errors": [],
+        "exit_codes": [2],  # each child ran the plugin command, which refused the unknown kind
+        "reaped": 256,
+        "helpers": 1,
+    }
+
+
+ERRORS = textwrap.dedent(
+    """
+    import asyncio, os, sys
+    from plugvisor.supervisor.config import ChildSpec
+    from plugvisor.supervisor.spawner import ForkServerSpawner
+
+    CASES = [
+        ("plugin", "generic", "--no-such-option"),  # refused by the parser, in the fork server
+        ("plugin", "generic", "--count", "0"),  # refused by the parser too (a range)
+        ("plugin", "no-such-kind"),  # refused by the command, in the child
+        ("not-a-plugin",),
+    ]
+
+    async def main():
+        woken = asyncio.Event()
+        spawner = ForkServerSpawner(dict(os.environ))
+        await spawner.open(woken.set)
+        pids = []
+        for args in CASES:
+            spawner.spawn(ChildSpec("example.com/x", "generic", args), pids.append)
+        exits = {}
+        while len(pids) < len(CASES) or len(exits) < len(CASES):
+            woken.clear()
+            exits.update((e.pid, e.returncode) for e in spawner.reap())
+            if len(pids) < len(CASES) or len(exits) < len(CASES):
+                await asyncio.wait_for(woken.wait(), 60)
+        await spawner.close()
+        print([exits[pid] for pid in pids])
+
+    asyncio.run(main())
+    """
+)
+
+
+def test_a_command_line_the_plugin_refuses_is_reported_by_the_child_with_its_exit_status():
+    """Parsed in the fork server, refused or not: each child says why on stderr and exits 2."""
+    result = subprocess.run(
+        [sys.executable, "-c", ERRORS], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "[2, 2, 2, 2]"
+    for expected in (
+        "No such option '--no-such-option'",
+        "Invalid value for '--count': 0 is not in the range x>=1.",
+        "unknown plugin kind 'no-such-kind'",
+        "a plugin process takes 'plugin KIND ...', got ['not-a-plugin']",
+    ):
+        assert expected in result.stderr, result.stderr

@@ -1,0 +1,78 @@
+"""At most N children start at once; the others wait their turn, without a process to blame."""
+
+import asyncio
+
+from plugvisor.supervisor.config import ChildSpec
+from plugvisor.supervisor.spawner import FakeSpawner, SpawnError, StartLimiter
+
+
+def spec(index: int) -> ChildSpec:
+    return ChildSpec(f"example.com/r{index}", "generic", ("plugin", "generic"))
+
+
+def spawn_all(limiter: StartLimiter, count: int) -> list[object]:
+    answers: list[object] = [None] * count
+    for index in range(count):
+        limiter.spawn(spec(index), lambda result, index=index: answers.__setitem__(index, result))
+    return answers
+
+
+def test_only_the_first_slots_are_spawned_and_each_freed_slot_starts_the_next_in_order():
+    fake = FakeSpawner()
+    limiter = StartLimiter(fake, slots=2)
+    answers = spawn_all(limiter, 5)
+    assert answers == [100, 101, None, None, None]
+    limiter.started(100)  # it serves
+    assert answers[2] == 102 and answers[3:] == [None, None]
+    fake.exit(101, -9)  # died before it served
+    limiter.reap()
+    assert answers[3] == 103 and answers[4] is None
+    limiter.started(100)  # a second report of the same process frees nothing more
+    assert answers[4] is None
+    limiter.started(102)
+    assert answers[4] == 104
+
+
+def test_a_spawn_that_fails_frees_its_slot():
+    fake = FakeSpawner(fail_next=["EAGAIN"])
+    limiter = StartLimiter(fake, slots=1)
+    answers = spawn_all(limiter, 2)
+    assert isinstance(answers[0], SpawnError)
+    assert answers[1] == 100
+
+
+def test_closing_fails_the_waiting_spawns():
+    fake = FakeSpawner()
+    limiter = StartLimiter(fake, slots=1)
+    answers = spawn_all(limiter, 3)
+    asyncio.run(limiter.close())
+    assert answers[0] == 100
+    assert [str(answer) for answer in answers[1:]] == ["the agent is stopping"] * 2
+
+
+def test_the_registration_timeout_counts_from_the_process_not_from_the_wait_for_a_slot():
+    """A spawn that waited 60 s for its turn is not restarted as unregistered the moment it starts."""
+    from plugvisor.supervisor.clock import FakeClock
+    from plugvisor.supervisor.supervisor import Supervisor
+
+    from .conftest import node_config
+
+    clock = FakeClock()
+    fake = FakeSpawner(deferred=True)
+    supervisor = Supervisor(
+        node_config("example.com/gpu", registrationTimeout=20),
+        spawner=fake,
+        clock=clock,
+        socket_exists=lambda name: True,  # the kubelet is up all along
+    )
+    supervisor.start()
+    clock.advance(60)  # waiting: no process, nothing to blame
+    supervisor.tick()
+    pid = fake.answer()
+    supervisor.tick()
+    clock.advance(19)
+    supervisor.tick()
+    assert not fake.signals, "restarted as unregistered although it has existed for 19 s only"
+    clock.advance(2)
+    supervisor.tick()
+    assert (pid, 15) in fake.signals
