@@ -156,7 +156,6 @@ class EventKind(enum.StrEnum):
     CHECKPOINT_IGNORED = "checkpoint_ignored"
     CHECKPOINT_WRITE_FAILED = "checkpoint_write_failed"
     PLUGIN_INSTANCE_ENDED = "plugin_instance_ended"
-    PLUGIN_RESUMED = "plugin_resumed"
     PLUGIN_CALL_FAILED = "plugin_call_failed"
     PLUGIN_SOCKET_FOUND = "plugin_socket_found"
     PLUGIN_SOCKET_REMOVED = "plugin_socket_removed"
