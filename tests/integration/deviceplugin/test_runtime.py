@@ -14,7 +14,7 @@ from plugvisor.common.hostpaths import HostPaths
 from plugvisor.deviceplugin.devices import Device, DeviceSpec, Health
 from plugvisor.deviceplugin.runtime import DevicePluginRuntime, PluginConfig
 from plugvisor.deviceplugin.snapshot import Snapshot
-from plugvisor.emulators.kubelet import EmulatedKubelet, PluginMethod
+from plugvisor.emulators.kubelet import EmulatedKubelet, EventKind, PluginMethod
 
 RESOURCE = "example.com/widget"
 
@@ -291,6 +291,15 @@ POD = {
 }
 
 
+def answered(kubelet: EmulatedKubelet, method: PluginMethod) -> list[bool]:
+    """Whether the plugin offered each ``method`` call the kubelet has had an answer to."""
+    return [
+        bool(e.fields["offered"])
+        for e in kubelet.events
+        if e.kind is EventKind.PLUGIN_CALL_ANSWERED and e.fields["method"] == method
+    ]
+
+
 class TestProposedReleaseCalls:
     """The KEP-20210712 addendum's calls, served only when the plugin has the hooks."""
 
@@ -310,11 +319,14 @@ class TestProposedReleaseCalls:
                 # As upstream, devices of deleted pods are freed when the next admission updates
                 # the allocated set; that is when Deallocate goes out.
                 await kubelet.add_pod({**POD, "metadata": {"name": "next", "namespace": "default"}})
-                await kubelet.wait_for(lambda k: PluginMethod.DEALLOCATE in k.calls_for(RESOURCE))
-                # The kubelet journals a call as it sends it; the hook runs in the plugin just after.
-                async with asyncio.timeout(10):
-                    while not source.deallocated:
-                        await asyncio.sleep(0.01)
+                # The kubelet journals a call as it sends it, and its answer when it comes: the plugin
+                # must not stop in between (its stop would cut the call off).
+                await kubelet.wait_for(
+                    lambda k: (
+                        answered(k, PluginMethod.POST_STOP_CONTAINER) == [True]
+                        and answered(k, PluginMethod.DEALLOCATE) == [True]
+                    )
+                )
         assert source.post_stopped == [held]
         assert source.deallocated == [held]
         failed = [e for e in kubelet.events if "failed" in str(e.kind)]
@@ -329,7 +341,8 @@ class TestProposedReleaseCalls:
                 await kubelet.wait_for(lambda k: counts(k) == (4, 4))
                 await kubelet.add_pod(POD)
                 await kubelet.exit_container("user", "main", exit_code=0)
-                await kubelet.wait_for(lambda k: PluginMethod.POST_STOP_CONTAINER in k.calls_for(RESOURCE))
+                # Not merely sent: answered, before the plugin stops (its stop would cut the call off).
+                await kubelet.wait_for(lambda k: answered(k, PluginMethod.POST_STOP_CONTAINER) == [False])
             failed = [e for e in kubelet.events if "failed" in str(e.kind)]
         assert not failed, failed  # UNIMPLEMENTED means "not offered", not an error
 

@@ -320,7 +320,9 @@ class ManagerImpl:
         if info is None:
             return
         try:
-            await info.endpoint.proposed_call(method, sorted(device_ids), timeout=self._pre_start_timeout)
+            offered = await info.endpoint.proposed_call(
+                method, sorted(device_ids), timeout=self._pre_start_timeout
+            )
         except endpoint_.EndpointCallError as error:
             self._journal.event(
                 model.EventKind.PLUGIN_CALL_FAILED,
@@ -329,6 +331,16 @@ class ManagerImpl:
                 method=str(method),
                 error=str(error),
             )
+            return
+        # Journaled, as a failure is: whoever waits for the outcome of a call sent in the
+        # background (a test, before it stops the plugin) has something to wait for.
+        self._journal.event(
+            model.EventKind.PLUGIN_CALL_ANSWERED,
+            f"{resource}: {method} " + ("answered" if offered else "not offered (UNIMPLEMENTED)"),
+            resource=resource,
+            method=str(method),
+            offered=offered,
+        )
 
     def _spawn(self, coroutine: Coroutine[object, object, None]) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)

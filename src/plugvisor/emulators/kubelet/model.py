@@ -157,6 +157,7 @@ class EventKind(enum.StrEnum):
     CHECKPOINT_WRITE_FAILED = "checkpoint_write_failed"
     PLUGIN_INSTANCE_ENDED = "plugin_instance_ended"
     PLUGIN_CALL_FAILED = "plugin_call_failed"
+    PLUGIN_CALL_ANSWERED = "plugin_call_answered"
     PLUGIN_SOCKET_FOUND = "plugin_socket_found"
     PLUGIN_SOCKET_REMOVED = "plugin_socket_removed"
     PLUGIN_DEREGISTERED = "plugin_deregistered"
