@@ -9,6 +9,7 @@ import contextlib
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
 from plugvisor.common.hostpaths import HostPaths
 from plugvisor.deviceplugin.devices import Device, DeviceSpec, Health
@@ -383,3 +384,25 @@ class TestLifecycle:
         with pytest.raises(RuntimeError, match="device busy"):
             await asyncio.wait_for(runtime.run(asyncio.Event()), 10)
         assert events == ["start"], "nothing was started, so nothing is closed"
+
+
+class OverTheKubeletsMessageLimit:
+    """More devices than one ListAndWatch message of the kubelet's 4 MiB limit holds."""
+
+    def scan(self) -> Snapshot:
+        return Snapshot([Device(f"{'x' * 50}-{i:06d}") for i in range(80_000)])
+
+
+async def test_a_kubelet_that_cuts_every_stream_at_once_is_not_registered_with_in_a_hot_loop(kubelet):
+    """The kubelet ends the stream it cannot read and drops the plugin; registering again at once, for
+    ever, would spin. The second cut in a row waits 0.5 s, the next 1 s, and so on."""
+    with capture_logs() as logs:
+        async with running(runtime_for(kubelet, OverTheKubeletsMessageLimit())):
+            await kubelet.wait_for(
+                lambda k: len([r for r in k.registrations if r.accepted]) >= 3,
+                timeout=60,
+                what="three registrations, each stream cut at once",
+            )
+    waits = [e["waited"] for e in logs if e["event"] == "stream_cut_again"]
+    assert waits[:1] == [0.5], logs
+    assert "Received message larger than max" in str(kubelet.events), "not the 4 MiB limit"
