@@ -11,6 +11,7 @@ both registration modes.
 """
 
 import asyncio
+import contextlib
 import signal
 import socket
 import sys
@@ -157,33 +158,45 @@ def counts(kubelet):
     return None if view is None else (view.allocatable, view.capacity)
 
 
-async def start_one(node, kubelet, mode, *args):
-    """A plugin process; returns it once the kubelet follows it, with the socket it follows."""
-    before = endpoint(kubelet)
-    proc = await asyncio.create_subprocess_exec(
-        *plugin_argv(node, "--registration", mode, *args), stderr=asyncio.subprocess.PIPE
-    )
-    await kubelet.wait_for(
-        lambda k: endpoint(k) not in (None, before) and counts(k) == (1, 1),
-        timeout=30,
-        what="the kubelet follows the new plugin",
-    )
-    return proc, endpoint(kubelet)
+@contextlib.asynccontextmanager
+async def plugins(node, kubelet, mode):
+    """``start(*args)`` starts a plugin process and returns it once the kubelet follows it, with the socket
+    it follows; no process outlives the block."""
+    started = []
+
+    async def start(*args):
+        before = endpoint(kubelet)
+        proc = await asyncio.create_subprocess_exec(
+            *plugin_argv(node, "--registration", mode, *args), stderr=asyncio.subprocess.PIPE
+        )
+        started.append(proc)
+        await kubelet.wait_for(
+            lambda k: endpoint(k) not in (None, before) and counts(k) == (1, 1),
+            timeout=30,
+            what="the kubelet follows the new plugin",
+        )
+        return proc, endpoint(kubelet)
+
+    try:
+        yield start
+    finally:
+        for proc in started:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
 
 
-async def stop_both_then_none_is_left(kubelet, *procs):
-    """Every plugin stopped cleanly, and the resource went the way of a plugin that is gone: allocatable 0
-    at once, capacity kept for the grace period, then dropped."""
-    logs = [await stop(proc) for proc in procs]
-    for proc, log in zip(procs, logs, strict=True):
-        assert proc.returncode == 0, log
+async def stop_and_none_is_left(kubelet, proc):
+    """The last plugin stopped cleanly, and the resource went the way of a plugin that is gone: allocatable
+    0 at once, capacity kept for the grace period, then dropped. Returns its log."""
+    log = await stop(proc)
+    assert proc.returncode == 0, log
     await kubelet.wait_for(lambda k: counts(k) in (None, (0, 0)), timeout=20, what="dropped after the grace")
-    last = [e for e in kubelet.events if e.kind in (EventKind.ENDPOINT_STOPPED, EventKind.DEVICES_UPDATED)][
-        -1
-    ]
+    counted = (EventKind.ENDPOINT_STOPPED, EventKind.DEVICES_UPDATED)
+    last = [e for e in kubelet.events if e.kind in counted][-1]
     assert last.kind is EventKind.ENDPOINT_STOPPED, last
     assert (last.fields["capacity"], last.fields["allocatable"]) == (1, 0), last
-    return logs
+    return log
 
 
 def never_refused(kubelet):
@@ -198,36 +211,30 @@ async def test_when_the_plugin_that_took_over_stops_the_first_serves_the_resourc
 ):
     """The first plugin registers again from a fresh socket, and keeps the one the kubelet still holds a
     stream on: on either generation the resource is served while one plugin runs, and gone when none does."""
-    (short_dir / "root/dev").mkdir(parents=True)
-    (short_dir / "root/dev/ttyUSB0").touch()
-    async with EmulatedKubelet(
-        short_dir / "device-plugins", grace_period=2, kubelet_version=version
-    ) as kubelet:
-        first, first_socket = await start_one(short_dir, kubelet, mode)
-        second, second_socket = await start_one(short_dir, kubelet, mode, "--replace")
-        try:
-            registrations = len(kubelet.registrations)
-            second_log = await stop(second)
-            assert second.returncode == 0, second_log
-            await kubelet.wait_for(
-                lambda k: (
-                    len(k.registrations) > registrations
-                    and endpoint(k) not in (None, first_socket, second_socket)
-                    and counts(k) == (1, 1)
-                ),
-                timeout=30,
-                what="the first plugin registered again, from a fresh socket",
-            )
-            never_refused(kubelet)
-            # The first socket still serves the stream the kubelet holds on it: ending that stream would
-            # make a kubelet up to 1.36 drop the fresh one.
-            assert socket_answers(Path(first_socket))
-        finally:
-            (first_log,) = await stop_both_then_none_is_left(kubelet, first)
+    async with node_of(short_dir, version) as kubelet, plugins(short_dir, kubelet, mode) as start:
+        first, first_socket = await start()
+        second, second_socket = await start("--replace")
+        registrations = len(kubelet.registrations)
+        second_log = await stop(second)
+        assert second.returncode == 0, second_log
+        await kubelet.wait_for(
+            lambda k: (
+                len(k.registrations) > registrations
+                and endpoint(k) not in (None, first_socket, second_socket)
+                and counts(k) == (1, 1)
+            ),
+            timeout=30,
+            what="the first plugin registered again, from a fresh socket",
+        )
         never_refused(kubelet)
-        assert not list(Path(first_socket).parent.glob("plugvisor-*.sock")), "a socket was left behind"
-        assert "registering_again" in first_log or "registration_lost" in first_log, first_log
-        assert "kubelet_restart_detected" not in first_log, first_log
+        # The first socket still serves the stream the kubelet holds on it: ending that stream would
+        # make a kubelet up to 1.36 drop the fresh one.
+        assert socket_answers(Path(first_socket))
+        first_log = await stop_and_none_is_left(kubelet, first)
+        never_refused(kubelet)
+    assert not list(Path(first_socket).parent.glob("plugvisor-*.sock")), "a socket was left behind"
+    assert "registering_again" in first_log or "registration_lost" in first_log, first_log
+    assert "kubelet_restart_detected" not in first_log, first_log
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -235,32 +242,26 @@ async def test_when_the_plugin_that_took_over_stops_the_first_serves_the_resourc
 async def test_when_the_first_plugin_stops_the_one_that_took_over_goes_on_serving(short_dir, version, mode):
     """Up to 1.36 the first plugin's end closes the stream of the plugin the kubelet follows (and zeroes
     the resource): that plugin sees its stream cut and registers again. From 1.37 nothing happens."""
-    (short_dir / "root/dev").mkdir(parents=True)
-    (short_dir / "root/dev/ttyUSB0").touch()
-    async with EmulatedKubelet(
-        short_dir / "device-plugins", grace_period=2, kubelet_version=version
-    ) as kubelet:
-        first, _ = await start_one(short_dir, kubelet, mode)
-        second, _ = await start_one(short_dir, kubelet, mode, "--replace")
-        try:
-            first_log = await stop(first)
-            assert first.returncode == 0, first_log
-            if version == "1.35":
-                await kubelet.wait_for(
-                    lambda k: any(e.kind is EventKind.ENDPOINT_STOPPED for e in k.events),
-                    what="the first plugin's end zeroed the resource (kubernetes#121994)",
-                )
-            await kubelet.wait_for(
-                lambda k: counts(k) == (1, 1) and k.resource(RESOURCE).registered,
-                timeout=30,
-                what="the resource served by the second plugin",
-            )
-            never_refused(kubelet)
-        finally:
-            (second_log,) = await stop_both_then_none_is_left(kubelet, second)
-        never_refused(kubelet)
+    async with node_of(short_dir, version) as kubelet, plugins(short_dir, kubelet, mode) as start:
+        first, _ = await start()
+        second, _ = await start("--replace")
+        first_log = await stop(first)
+        assert first.returncode == 0, first_log
         if version == "1.35":
-            assert "registering_again" in second_log or "registration_lost" in second_log, second_log
+            await kubelet.wait_for(
+                lambda k: any(e.kind is EventKind.ENDPOINT_STOPPED for e in k.events),
+                what="the first plugin's end zeroed the resource (kubernetes#121994)",
+            )
+        await kubelet.wait_for(
+            lambda k: counts(k) == (1, 1) and k.resource(RESOURCE).registered,
+            timeout=30,
+            what="the resource served by the second plugin",
+        )
+        never_refused(kubelet)
+        second_log = await stop_and_none_is_left(kubelet, second)
+        never_refused(kubelet)
+    if version == "1.35":
+        assert "registering_again" in second_log or "registration_lost" in second_log, second_log
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -268,30 +269,23 @@ async def test_when_the_first_plugin_stops_the_one_that_took_over_goes_on_servin
 async def test_a_killed_first_plugin_leaves_the_one_that_took_over_serving(short_dir, version, mode):
     """A killed plugin leaves its socket behind, so nothing says another plugin stopped; up to 1.36 its
     stream's end still cuts the stream of the plugin the kubelet follows, which registers again."""
-    (short_dir / "root/dev").mkdir(parents=True)
-    (short_dir / "root/dev/ttyUSB0").touch()
-    async with EmulatedKubelet(
-        short_dir / "device-plugins", grace_period=2, kubelet_version=version
-    ) as kubelet:
-        first, _ = await start_one(short_dir, kubelet, mode)
-        second, second_socket = await start_one(short_dir, kubelet, mode, "--replace")
-        try:
-            first.kill()
-            await first.wait()
-            await kubelet.wait_for(
-                lambda k: EventKind.STREAM_ENDED in [e.kind for e in k.events],
-                what="the kubelet saw the killed plugin's stream end",
-            )
-            await kubelet.wait_for(
-                lambda k: counts(k) == (1, 1) and k.resource(RESOURCE).registered,
-                timeout=30,
-                what="the resource served by the second plugin",
-            )
-            never_refused(kubelet)
-        finally:
-            (second_log,) = await stop_both_then_none_is_left(kubelet, second)
-        if version == "1.35":
-            assert f'reason="{STREAM_CUT}"' in second_log, second_log
-            assert endpoint(kubelet) != second_socket
-        else:
-            assert STREAM_CUT not in second_log, second_log
+    async with node_of(short_dir, version) as kubelet, plugins(short_dir, kubelet, mode) as start:
+        first, _ = await start()
+        second, _ = await start("--replace")
+        first.kill()
+        await first.wait()
+        await kubelet.wait_for(
+            lambda k: EventKind.STREAM_ENDED in [e.kind for e in k.events],
+            what="the kubelet saw the killed plugin's stream end",
+        )
+        await kubelet.wait_for(
+            lambda k: counts(k) == (1, 1) and k.resource(RESOURCE).registered,
+            timeout=30,
+            what="the resource served by the second plugin",
+        )
+        never_refused(kubelet)
+        second_log = await stop_and_none_is_left(kubelet, second)
+    if version == "1.35":
+        assert f'reason="{STREAM_CUT}"' in second_log, second_log
+    else:
+        assert STREAM_CUT not in second_log, second_log
