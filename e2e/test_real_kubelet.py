@@ -376,6 +376,16 @@ def test_the_emulated_kubelet_refuses_bad_registrations_as_the_real_one_does(loc
             emulated.wait(30)
 
 
+def _lab(local: LocalBackend, where: Path) -> Path:
+    """A lab of its own at ``where`` (a GPU worker's profile), for plugins run by hand."""
+    profile = str(_worker(local, has="gpus").profile_path)
+    subprocess.run(
+        [sys.executable, "-m", "plugvisor", "lab", "create", str(where), "--profile", profile],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return where
+
+
 def _allocatable_devices(pod_resources_socket: Path, resource: str) -> int:
     """Healthy devices of ``resource`` the kubelet's device manager holds now (no node-status delay)."""
     with grpc.insecure_channel(f"unix://{pod_resources_socket}") as channel:
@@ -422,12 +432,7 @@ def test_a_second_register_from_a_connected_socket_gets_the_real_kubelets_answer
     outcomes = {}
     with tempfile.TemporaryDirectory(prefix="pvre-") as scratch:
         home = Path(scratch)
-        lab = home / "lab"
-        profile = str(_worker(local, has="gpus").profile_path)
-        subprocess.run(
-            [sys.executable, "-m", "plugvisor", "lab", "create", str(lab), "--profile", profile],
-            check=True, capture_output=True,
-        )  # fmt: skip
+        lab = _lab(local, home / "lab")
         emulated_dir = home / "node" / "device-plugins"
         emulated_dir.mkdir(parents=True)
         with (home / "kubelet.log").open("ab") as out:
@@ -489,12 +494,7 @@ def test_two_plugins_of_one_resource_on_the_real_kubelet(
     worker = local.playing or local.workers[0].name
     with tempfile.TemporaryDirectory(prefix="pvto-") as scratch:
         home = Path(scratch)
-        lab = home / "lab"
-        profile = str(_worker(local, has="gpus").profile_path)
-        subprocess.run(
-            [sys.executable, "-m", "plugvisor", "lab", "create", str(lab), "--profile", profile],
-            check=True, capture_output=True,
-        )  # fmt: skip
+        lab = _lab(local, home / "lab")
 
         def plugin(name: str, *args: str) -> subprocess.Popen[bytes]:
             with (home / f"{name}.log").open("ab") as out:

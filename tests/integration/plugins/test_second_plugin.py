@@ -199,6 +199,22 @@ async def stop_and_none_is_left(kubelet, proc):
     return log
 
 
+async def the_second_serves_once_the_first_ended(kubelet, version):
+    """The kubelet handled the first plugin's end its generation's way, and the second one serves."""
+    if version == "1.35":
+        handled, what = EventKind.ENDPOINT_STOPPED, "zeroed the resource (kubernetes#121994)"
+    else:
+        handled, what = EventKind.PLUGIN_INSTANCE_ENDED, "left the second plugin's instance serving"
+    ended = f"the first plugin's end {what}"
+    await kubelet.wait_for(lambda k: handled in [e.kind for e in k.events], what=ended)
+    await kubelet.wait_for(
+        lambda k: counts(k) == (1, 1) and k.resource(RESOURCE).registered,
+        timeout=30,
+        what="the resource served by the second plugin",
+    )
+    never_refused(kubelet)
+
+
 def never_refused(kubelet):
     refused = [r for r in kubelet.registrations if not r.accepted]
     assert not refused, refused  # 1.37: "device plugin already connected" and the plugin forgotten
@@ -247,17 +263,7 @@ async def test_when_the_first_plugin_stops_the_one_that_took_over_goes_on_servin
         second, _ = await start("--replace")
         first_log = await stop(first)
         assert first.returncode == 0, first_log
-        if version == "1.35":
-            await kubelet.wait_for(
-                lambda k: any(e.kind is EventKind.ENDPOINT_STOPPED for e in k.events),
-                what="the first plugin's end zeroed the resource (kubernetes#121994)",
-            )
-        await kubelet.wait_for(
-            lambda k: counts(k) == (1, 1) and k.resource(RESOURCE).registered,
-            timeout=30,
-            what="the resource served by the second plugin",
-        )
-        never_refused(kubelet)
+        await the_second_serves_once_the_first_ended(kubelet, version)
         second_log = await stop_and_none_is_left(kubelet, second)
         never_refused(kubelet)
     if version == "1.35":
@@ -274,16 +280,7 @@ async def test_a_killed_first_plugin_leaves_the_one_that_took_over_serving(short
         second, _ = await start("--replace")
         first.kill()
         await first.wait()
-        await kubelet.wait_for(
-            lambda k: EventKind.STREAM_ENDED in [e.kind for e in k.events],
-            what="the kubelet saw the killed plugin's stream end",
-        )
-        await kubelet.wait_for(
-            lambda k: counts(k) == (1, 1) and k.resource(RESOURCE).registered,
-            timeout=30,
-            what="the resource served by the second plugin",
-        )
-        never_refused(kubelet)
+        await the_second_serves_once_the_first_ended(kubelet, version)
         second_log = await stop_and_none_is_left(kubelet, second)
     if version == "1.35":
         assert f'reason="{STREAM_CUT}"' in second_log, second_log
