@@ -29,6 +29,7 @@ import yaml
 from plugvisor.api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from plugvisor.api.podresources.v1 import api_pb2 as pr
 from plugvisor.api.podresources.v1 import api_pb2_grpc as pr_grpc
+from plugvisor.common.sockets import socket_prefix
 
 from .backends import Backend, LocalBackend, wait_until
 from .backends.local import LAB_DIR
@@ -156,7 +157,7 @@ def _free_port() -> int:
 class HostAgent:
     """`plugvisor run` as a host process, as deploy/systemd/plugvisor.service runs it, on the lab."""
 
-    def __init__(self, home: Path) -> None:
+    def __init__(self, home: Path, resources: list[dict[str, Any]] | None = None) -> None:
         self.home = home
         self.port = _free_port()
         self.runtime = home / "run"
@@ -169,7 +170,7 @@ class HostAgent:
                     "metrics": {"listen": f"127.0.0.1:{self.port}"},
                     "supervisor": {"runtimeDir": str(self.runtime)},
                     "monitoring": {"podResourcesInterval": 0.5},
-                    "resources": [
+                    "resources": resources or [
                         {"name": HOST_FUSE, "kind": "generic", "paths": ["/dev/fuse"], "count": 3},
                         {"name": WATCHER_FUSE, "kind": "generic", "paths": ["/dev/fuse"], "count": 2,
                          "registration": "plugin-watcher"},
@@ -207,6 +208,10 @@ class HostAgent:
         status = self.status()
         children = status["children"]
         return status if len(children) == 2 and all(c.get("registered") for c in children) else None
+
+    def taken_over(self) -> bool:
+        children = self.status()["children"]
+        return len(children) == 2 and all(c.get("taken_over_by") for c in children)
 
     def metrics(self) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as answer:
@@ -371,6 +376,16 @@ def test_the_emulated_kubelet_refuses_bad_registrations_as_the_real_one_does(loc
             emulated.wait(30)
 
 
+def _lab(local: LocalBackend, where: Path) -> Path:
+    """A lab of its own at ``where`` (a GPU worker's profile), for plugins run by hand."""
+    profile = str(_worker(local, has="gpus").profile_path)
+    subprocess.run(
+        [sys.executable, "-m", "plugvisor", "lab", "create", str(where), "--profile", profile],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return where
+
+
 def _allocatable_devices(pod_resources_socket: Path, resource: str) -> int:
     """Healthy devices of ``resource`` the kubelet's device manager holds now (no node-status delay)."""
     with grpc.insecure_channel(f"unix://{pod_resources_socket}") as channel:
@@ -417,12 +432,7 @@ def test_a_second_register_from_a_connected_socket_gets_the_real_kubelets_answer
     outcomes = {}
     with tempfile.TemporaryDirectory(prefix="pvre-") as scratch:
         home = Path(scratch)
-        lab = home / "lab"
-        profile = str(_worker(local, has="gpus").profile_path)
-        subprocess.run(
-            [sys.executable, "-m", "plugvisor", "lab", "create", str(lab), "--profile", profile],
-            check=True, capture_output=True,
-        )  # fmt: skip
+        lab = _lab(local, home / "lab")
         emulated_dir = home / "node" / "device-plugins"
         emulated_dir.mkdir(parents=True)
         with (home / "kubelet.log").open("ab") as out:
@@ -454,3 +464,148 @@ def test_a_second_register_from_a_connected_socket_gets_the_real_kubelets_answer
             emulated.wait(30)
     assert outcomes["real"] == ("UNKNOWN: device plugin already connected: <its socket>", 2)
     assert outcomes["emulated"] == outcomes["real"]
+
+
+POD_RESOURCES = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
+KUBELET_LOG = Path("/var/lib/plugvisor-e2e/logs/kubelet.log")
+
+
+def _refused(resource: str) -> list[str]:
+    """The real kubelet's refusals of a second Register from a connected socket of ``resource``."""
+    prefix = socket_prefix(resource)
+    log = KUBELET_LOG.read_text(errors="replace")
+    return [line for line in log.splitlines() if "device plugin already connected" in line and prefix in line]
+
+
+def _registrations(log: Path) -> int:
+    return log.read_text(errors="replace").count("event='registered'")
+
+
+@pytest.mark.parametrize("mode", ["kubelet-sock", "plugin-watcher"])
+@pytest.mark.parametrize("stops_first", ["the one that took over", "the first"])
+def test_two_plugins_of_one_resource_on_the_real_kubelet(
+    local: LocalBackend, mode: str, stops_first: str
+) -> None:
+    """A plugin, a second one with --replace; whichever stops first, the other serves the resource, never
+    refused (`device plugin already connected`); once both stopped, no healthy device is left."""
+    resource = f"plugvisor.io/takeover-{'sock' if mode == 'kubelet-sock' else 'watcher'}-" + (
+        "second" if stops_first == "the first" else "first"
+    )
+    worker = local.playing or local.workers[0].name
+    with tempfile.TemporaryDirectory(prefix="pvto-") as scratch:
+        home = Path(scratch)
+        lab = _lab(local, home / "lab")
+
+        def plugin(name: str, *args: str) -> subprocess.Popen[bytes]:
+            with (home / f"{name}.log").open("ab") as out:
+                return subprocess.Popen(
+                    [sys.executable, "-m", "plugvisor", "plugin", "generic", "--resource", resource,
+                     "--host-root", str(lab), "--path", "/dev/fuse", "--count", "2",
+                     "--kubelet-dir", str(DEVICE_PLUGINS), "--registration", mode, *args],
+                    stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                )  # fmt: skip
+
+        def healthy() -> int:
+            return _allocatable_devices(POD_RESOURCES, resource)
+
+        processes = {"first": plugin("first")}
+        try:
+            wait_until(
+                lambda: _registrations(home / "first.log") == 1 and healthy() == 2,
+                timeout=60,
+                what=f"{resource}: the first plugin registered",
+            )
+            processes["second"] = plugin("second", "--replace")
+            wait_until(
+                lambda: _registrations(home / "second.log") == 1 and healthy() == 2,
+                timeout=60,
+                what=f"{resource}: the second plugin registered",
+            )
+            wait_until(
+                lambda: "event='taken_over'" in (home / "first.log").read_text(),
+                timeout=60,
+                what=f"{resource}: the first plugin saw it was taken over",
+            )
+            gone, left = (
+                ("second", "first") if stops_first == "the one that took over" else ("first", "second")
+            )
+            processes[gone].send_signal(signal.SIGTERM)
+            assert processes[gone].wait(60) == 0, (home / f"{gone}.log").read_text()[-3000:]
+            # The one left registers again (a fresh socket: up to 1.36 the other's end zeroed the resource).
+            wait_until(
+                lambda: _registrations(home / f"{left}.log") == 2 and healthy() == 2,
+                timeout=60,
+                what=f"{resource}: the {left} plugin registered again and serves",
+            )
+            assert not _refused(resource), _refused(resource)
+            local.progress(f"{resource}: the {gone} plugin stopped; the {left} one serves 2 devices")
+            processes[left].send_signal(signal.SIGTERM)
+            assert processes[left].wait(60) == 0, (home / f"{left}.log").read_text()[-3000:]
+            wait_until(
+                lambda: healthy() == 0, timeout=60, what=f"{resource}: no healthy device once both stopped"
+            )
+            wait_until(
+                lambda: [counts.get(resource) for counts in local.node_resources(worker)] == [2, 0],
+                timeout=local.timeout,
+                what=f"{resource}: capacity 2 (kept for the grace period), allocatable 0",
+            )
+            assert not _refused(resource), _refused(resource)
+        finally:
+            for process in processes.values():
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+            for name in processes:
+                local.progress(
+                    f"{name} plugin's log, last lines:\n{(home / f'{name}.log').read_text()[-1500:]}"
+                )
+
+
+def test_two_agents_on_the_real_kubelet_take_turns(local: LocalBackend) -> None:
+    """The agent of edges' issue 20 item 5, on the real kubelet: the first says it was taken over and stands
+    by; once the second agent stops, the first serves again; once it stops too, nothing is left healthy."""
+    resources = {
+        "plugvisor.io/two-agents-sock": "kubelet-sock",
+        "plugvisor.io/two-agents-watcher": "plugin-watcher",
+    }
+    worker = _worker(local, has="gpus")
+    local.play(worker.name)
+    config = [
+        {"name": name, "kind": "generic", "paths": ["/dev/fuse"], "count": 2, "registration": mode}
+        for name, mode in resources.items()
+    ]
+    with tempfile.TemporaryDirectory(prefix="pv2a-") as scratch:
+        homes = [Path(scratch) / name for name in ("first", "second")]
+        for home in homes:
+            home.mkdir()
+        first = HostAgent(homes[0], config)
+        second: HostAgent | None = None
+        try:
+            wait_until(first.registered, timeout=local.timeout, what="the first agent registered")
+            second = HostAgent(homes[1], config)
+            wait_until(second.registered, timeout=local.timeout, what="the second agent registered")
+            wait_until(first.taken_over, timeout=local.timeout, what="the first agent saw it was taken over")
+            assert second.stop() == 0, second.log.read_text()[-3000:]
+            wait_until(first.registered, timeout=local.timeout, what="the first agent registered again")
+            for resource in resources:
+                wait_until(
+                    lambda r=resource: _allocatable_devices(POD_RESOURCES, r) == 2,
+                    timeout=60,
+                    what=f"{resource}: served by the first agent",
+                )
+                assert not _refused(resource), _refused(resource)
+            assert first.stop() == 0, first.log.read_text()[-3000:]
+            for resource in resources:
+                wait_until(
+                    lambda r=resource: _allocatable_devices(POD_RESOURCES, r) == 0,
+                    timeout=60,
+                    what=f"{resource}: no healthy device once both agents stopped",
+                )
+                assert not _refused(resource), _refused(resource)
+        finally:
+            for agent in (first, second):
+                if agent is not None:
+                    agent.stop()
+                    local.progress(
+                        f"{agent.home.name} agent's log, last lines:\n{agent.log.read_text()[-1500:]}"
+                    )

@@ -113,6 +113,8 @@ class LocalBackend(ApiBackend):
         self.cluster.restart_kubelet()
 
     def teardown(self) -> None:
+        if self.cluster.lock is None:  # set up without the lock: another owner's cluster is not ours to check
+            return
         self.cluster.down()
         self.left_behind = self.cluster.leftovers()
         if self.left_behind:

@@ -786,7 +786,13 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
     # -- down -------------------------------------------------------------------------------------
 
     def down(self) -> None:
-        """Delete every pod (their network and mounts go the kubelet's way), stop everything, sweep."""
+        """Delete every pod (their network and mounts go the kubelet's way), stop everything, sweep.
+
+        Only by the lock's holder: a run that never got the lock (another cluster's owner kept it past
+        the wait) has nothing to take down, and a sweep would tear that other owner's cluster down.
+        """
+        if self.lock is None:
+            return
         try:
             if "kubelet" in self.processes and self._component_running("kubelet"):
                 self._drain()

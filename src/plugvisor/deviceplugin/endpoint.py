@@ -5,6 +5,13 @@ for every server instance (a kubelet that tracks instances per socket path can
 then hand over between an old and a new plugin without a gap, and a stale socket
 can never be mistaken for ours); never bind over a socket another live process
 serves (grpc would silently steal it); and never leave the socket world-accessible.
+
+Each endpoint also counts the ListAndWatch streams open on its own socket, and
+the times the other side (the kubelet) ended one and left none open: a kubelet
+up to 1.36 closes the stream of the plugin it follows when *another* plugin of
+the resource stops (kubernetes#121994), and tells it nothing else. The runtime
+registers again on such a sign, and keeps an older socket serving while the
+kubelet still holds a stream on it (ending that stream would be the same bug).
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import asyncio
 import contextlib
 import os
 import stat
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -20,8 +28,9 @@ import structlog
 
 from plugvisor.api.deviceplugin.v1beta1 import api_pb2_grpc
 from plugvisor.common.sockets import owner_only, socket_name, socket_path_problem
+from plugvisor.deviceplugin.cell import SnapshotCell
 from plugvisor.deviceplugin.errors import ConfigurationError, SocketInUseError
-from plugvisor.deviceplugin.server import add_plugin_servicer
+from plugvisor.deviceplugin.server import Context, StreamHandler, add_plugin_servicer
 
 
 async def socket_is_live(path: Path, timeout: float = 0.5) -> bool:
@@ -60,6 +69,11 @@ class PluginEndpoint:
         self.path = socket_dir / socket_name(resource)
         self._server: grpc.aio.Server | None = None
         self._inode: int | None = None
+        self._stopping = False
+        self.streams: SnapshotCell[int] = SnapshotCell(0)
+        """ListAndWatch streams open on this socket now (the kubelet holds one per registration)."""
+        self.drops: SnapshotCell[int] = SnapshotCell(0)
+        """How often the other side ended a stream here and left none open (see the module docstring)."""
         self._log = structlog.get_logger("plugvisor.endpoint").bind(resource=resource, socket=self.path.name)
 
     @property
@@ -77,7 +91,7 @@ class PluginEndpoint:
                 )
             self.path.unlink()
         server = grpc.aio.server()
-        add_plugin_servicer(self._servicer, server, resource=self._resource)
+        add_plugin_servicer(self._servicer, server, resource=self._resource, wrap_stream=self._counted)
         if self._extra_handlers:
             server.add_generic_rpc_handlers(self._extra_handlers)
         with owner_only():
@@ -102,6 +116,34 @@ class PluginEndpoint:
             return
         self._log.info("serving")
 
+    def _counted(self, handler: StreamHandler) -> StreamHandler:
+        """``handler``, counted in :attr:`streams`; the last one cut while we serve, in :attr:`drops`."""
+        streams = self.streams
+
+        async def list_and_watch(request: object, context: Context) -> AsyncIterator[object]:
+            streams.publish(streams.value + 1)
+            stream = handler(request, context)
+            cut = False
+            try:
+                async for message in stream:
+                    yield message
+            except (asyncio.CancelledError, GeneratorExit):
+                cut = not self._stopping  # our own stop cancels streams too
+                raise
+            finally:
+                if isinstance(stream, AsyncGenerator):  # left at a yield: close it now, not at collection
+                    await stream.aclose()
+                streams.publish(streams.value - 1)
+                if cut and streams.value == 0:
+                    self.drops.publish(self.drops.value + 1)
+
+        return list_and_watch
+
+    async def until_idle(self) -> None:
+        """Return once no ListAndWatch stream is open on this socket."""
+        while self.streams.value:
+            await self.streams.wait_newer(self.streams.version)
+
     def is_ours(self) -> bool:
         """Whether the file at :attr:`path` is still the socket this server bound."""
         try:
@@ -119,6 +161,7 @@ class PluginEndpoint:
         server, self._server = self._server, None
         if server is None:
             return
+        self._stopping = True
         await server.stop(grace)
         if self.is_ours():
             with contextlib.suppress(FileNotFoundError):

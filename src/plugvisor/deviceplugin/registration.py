@@ -13,11 +13,13 @@ change time): the event that announces the very kubelet we just registered
 with must not trigger a second, spurious registration.
 
 A second plugin that registers the same resource (started by hand with
-``--replace``, or another agent's) makes the kubelet follow it and forget us,
-without a word to us; when it stops, the resource would be gone from the node
-until the next kubelet restart. Its socket is named by the same prefix as ours,
-so its removal is counted too (:attr:`DirState.sibling_removals`), and
-:data:`SIBLING_STOPPED` tells the runtime to register again, on the same socket.
+``--replace``, or another agent's) makes the kubelet follow it, without a word
+to us; when it stops, a kubelet up to 1.36 marks every device unhealthy until a
+plugin registers again. Its socket is named by the same prefix as ours, so its
+creation and removal are counted too (:attr:`DirState.sibling_creations`,
+:attr:`DirState.sibling_removals`), and :data:`SIBLING_STOPPED` tells the
+runtime to register again, from a fresh socket: a 1.37 kubelet refuses a
+second Register from a socket it still holds.
 
 A kubelet that crash-loops restarts within milliseconds of accepting a
 registration, so events that announce the *next* restart can be applied while

@@ -8,6 +8,13 @@ before Register is called (the kubelet dials back inside Register since 1.25).
 Until the supervisor takes over the restarts, this runtime re-registers in
 process: on a kubelet restart it starts a fresh server on a fresh socket and
 registers again, while discovery keeps running untouched.
+
+Every Register goes out from a socket that was never registered: a 1.37 kubelet
+refuses a second Register from a socket it holds a stream on, and then never
+notices that plugin's end (docs/architecture.md, "Two plugins for one
+resource"). And an older socket keeps serving for as long as the kubelet holds
+a stream on it: up to 1.36 the end of *any* stream of a resource disconnects
+the plugin the kubelet follows (kubernetes#121994).
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import asyncio
 import gc
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal
@@ -33,7 +40,7 @@ from plugvisor.common.inotify import InotifyLimitError
 from plugvisor.common.monitoring import Owners
 from plugvisor.common.names import extended_resource_name_problem
 from plugvisor.common.notify import StatusReporter
-from plugvisor.common.sockets import socket_prefix
+from plugvisor.common.sockets import socket_answers, socket_prefix
 from plugvisor.common.validation import printable
 from plugvisor.deviceplugin import metrics
 from plugvisor.deviceplugin.cell import SnapshotCell
@@ -61,6 +68,12 @@ from plugvisor.deviceplugin.watcherregistration import (
 
 WATCHER_SILENCE: Final = 5.0
 """Seconds without a plugin-watcher registration after which the plugin says what it waits for."""
+CUT_PAUSE_MAX: Final = 30.0
+"""Seconds, at most, between registrations whose streams the kubelet cut at once (:class:`CutPacing`)."""
+TAKER_CHECK_INTERVAL: Final = 1.0
+"""Seconds between two looks at the plugin that took our resource over (one killed leaves its socket)."""
+STREAM_CUT: Final = "the kubelet ended this plugin's ListAndWatch stream"
+"""Why a plugin registers again when the kubelet, still running, closed the stream it held on our socket."""
 
 KubeletRestartPolicy = Literal["reregister", "exit"]
 RegistrationMode = Literal["kubelet-sock", "plugin-watcher"]
@@ -122,6 +135,31 @@ class PluginConfig:
             )
 
 
+class CutPacing:
+    """Paces registering again after the kubelet cut our stream: at once, then backing off if it goes on.
+
+    One cut is the kubelet dropping us for another plugin's end (up to 1.36).
+    Cut after cut is the kubelet refusing what we send (a device list over its
+    4 MiB message limit, say): registering again at once would loop as fast as
+    the round trip. So from the second cut in a row the pause doubles from 0.5 s
+    up to :data:`CUT_PAUSE_MAX`; a registration that lasted longer than that
+    starts the count again.
+    """
+
+    def __init__(self, sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+        self._sleep = sleep
+        self.in_a_row = 0
+
+    async def pause(self, lasted: float) -> float:
+        """Wait before registering again after a cut registration that ``lasted`` seconds; return the wait."""
+        self.in_a_row = self.in_a_row + 1 if lasted < CUT_PAUSE_MAX else 1
+        if self.in_a_row == 1:
+            return 0.0
+        delay: float = min(0.5 * 2.0 ** (self.in_a_row - 2), CUT_PAUSE_MAX)
+        await self._sleep(delay)
+        return delay
+
+
 @dataclass(frozen=True, slots=True)
 class Registration:
     """One successful registration, as seen from the plugin."""
@@ -177,8 +215,11 @@ class DevicePluginRuntime:
                 or default_pod_resources_socket(config.paths.kubelet_dir),
             )
         self.endpoint: PluginEndpoint | None = None
+        """The socket registered last."""
         self.serving = asyncio.Event()
         """Set once the first endpoint serves: the first scan is done and the server has started."""
+        self.retained: dict[PluginEndpoint, asyncio.Task[None]] = {}
+        """Older sockets the kubelet still holds a stream on, each with the task that stops it at the end."""
         self._log = structlog.get_logger("plugvisor.plugin").bind(resource=config.resource)
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -216,8 +257,9 @@ class DevicePluginRuntime:
             # End the ListAndWatch streams first, so they finish as a normal end of stream
             # (what the kubelet expects of a plugin going away), then stop the server.
             self.snapshot.close()
-            if self.endpoint is not None:
-                await self.endpoint.stop(grace=0.5)
+            for endpoint in [*self.retained, *([self.endpoint] if self.endpoint is not None else [])]:
+                await endpoint.stop(grace=0.5)
+            await asyncio.gather(*self.retained.values(), return_exceptions=True)
             dir_watch.close()
             self.status.close()
             self._log.info("stopped")
@@ -230,6 +272,7 @@ class DevicePluginRuntime:
         reason = "start"
         number = 0
         endpoint: PluginEndpoint | None = None
+        cuts = CutPacing()
         while True:
             detected = time.monotonic()
             if endpoint is None:
@@ -245,20 +288,38 @@ class DevicePluginRuntime:
             self._registered(
                 Registration(number, endpoint.name, round(time.monotonic() - detected, 6), reason)
             )
-            restart = await self._until_kubelet_restart(registrar, endpoint)
-            if restart is None:
-                continue  # registering again, on the socket we serve
-            reason = restart
+            registered_at = time.monotonic()
+            reason = await self._until_registration_lost(registrar, endpoint)
+            endpoint = None  # never a second Register from a socket (1.37 refuses it, then loses track)
+            if reason == STREAM_CUT:
+                await self._pace(cuts, time.monotonic() - registered_at)
+            if reason in (SIBLING_STOPPED, STREAM_CUT):
+                continue  # the same kubelet, whatever the restart policy: nobody else need know
             self._log.info("kubelet_restart_detected", reason=reason)
             self.status.send(KUBELET_RESTART=reason)
             if self.config.on_kubelet_restart == "exit":
                 raise KubeletRestartedError(reason)
-            endpoint = None
 
     async def _serve(
-        self, directory: Path, extra_handlers: tuple[grpc.GenericRpcHandler, ...] = ()
+        self,
+        directory: Path,
+        extra_handlers: tuple[grpc.GenericRpcHandler, ...] = (),
+        *,
+        idle_previous_first: bool = False,
     ) -> PluginEndpoint:
-        """A new server on a fresh socket in ``directory``; the previous one stops once this one serves."""
+        """A new server on a fresh socket in ``directory``; the previous one goes once this one serves.
+
+        The previous one goes when the kubelet holds no stream on it, at once or
+        later (:meth:`_retire`). ``idle_previous_first``: an idle previous socket
+        is removed before the new one appears (the plugin watcher's way: a
+        kubelet up to 1.36 disconnects whatever plugin it follows for a removed
+        socket of the resource, so the removal must come before the new socket
+        is registered).
+        """
+        previous = self.endpoint
+        if previous is not None and idle_previous_first and not previous.streams.value:
+            await previous.stop(grace=0)
+            previous = self.endpoint = None
         proposed = self.server.proposed_handler()
         endpoint = PluginEndpoint(
             self.server,
@@ -275,10 +336,43 @@ class DevicePluginRuntime:
         # Said before registering, so that whoever reaps this process knows which socket
         # it leaves behind should it be killed before it could register.
         self.status.send(ENDPOINT=endpoint.name)
-        old, self.endpoint = self.endpoint, endpoint
-        if old is not None:
-            await old.stop(grace=0)
+        self.endpoint = endpoint
+        if previous is not None:
+            await self._retire(previous)
         return endpoint
+
+    async def _retire(self, endpoint: PluginEndpoint) -> None:
+        """Stop an older socket now if the kubelet holds no stream on it, else once it holds none.
+
+        Ending a stream the kubelet holds would, up to 1.36, disconnect the plugin
+        it follows: the newer socket of this very process (kubernetes#121994).
+        """
+        if not endpoint.streams.value:
+            await endpoint.stop(grace=0)
+            return
+        self._log.info(
+            "socket_kept",
+            socket=endpoint.name,
+            until="the kubelet ends the stream it holds on it",
+            why="ending it would make a kubelet up to 1.36 drop this plugin's newer socket",
+        )
+
+        async def stop_when_idle() -> None:
+            await endpoint.until_idle()
+            await endpoint.stop(grace=0)
+            self.retained.pop(endpoint, None)
+
+        self.retained[endpoint] = asyncio.create_task(stop_when_idle(), name=f"retire {endpoint.name}")
+
+    async def _pace(self, cuts: CutPacing, lasted: float) -> None:
+        waited = await cuts.pause(lasted)
+        if waited:
+            self._log.warning(
+                "stream_cut_again",
+                times_in_a_row=cuts.in_a_row,
+                waited=waited,
+                check="does the kubelet log why it ended the stream (a device list over 4 MiB)?",
+            )
 
     def _registered(self, registration: Registration) -> None:
         metrics.PLUGIN_REGISTRATIONS.labels(self.config.resource).inc()
@@ -311,16 +405,21 @@ class DevicePluginRuntime:
         )
         self.status.send(TAKEN_OVER=by)
 
-    async def _until_kubelet_restart(self, registrar: Registrar, endpoint: PluginEndpoint) -> str | None:
-        """Wait for a kubelet restart and return its reason; None: register again on the same socket.
+    async def _until_registration_lost(self, registrar: Registrar, endpoint: PluginEndpoint) -> str:
+        """Wait until the registration of ``endpoint`` is lost, and say why.
 
-        Another plugin of this resource (one started by hand with ``--replace``, a
-        second agent on the node) makes the kubelet follow it once it registers,
-        and nobody tells us. When one starts, we say so and stand by: registering
-        back would take the resource from it, and two agents would take it from
-        each other for ever. When none is left, we register again, whatever the
-        restart policy: the same kubelet dials our socket once more, and nobody
-        else has to learn of a new one.
+        A kubelet restart returns its reason. Two reasons mean the same kubelet
+        should get a Register again: :data:`STREAM_CUT`, the kubelet closed our
+        stream while it runs on (up to 1.36 it does so to the plugin it follows
+        when another plugin of the resource ends); and :data:`SIBLING_STOPPED`,
+        another plugin of this resource (one started by hand with ``--replace``,
+        a second agent on the node) stopped and none is left: if it had taken the
+        resource over, the kubelet up to 1.36 marked every device unhealthy.
+
+        When another plugin starts and answers, we say so and stand by:
+        registering back would take the resource from it, and two agents would
+        take it from each other for ever. While standing by we look at it every
+        :data:`TAKER_CHECK_INTERVAL` seconds, since a killed one leaves its socket.
         """
         taken_over_by: list[str] = []
         checks: set[asyncio.Task[None]] = set()
@@ -331,35 +430,78 @@ class DevicePluginRuntime:
                 taken_over_by.append(sibling)
                 self._taken_over(sibling)
 
+        restart: asyncio.Future[str] | None = None
+        cut = asyncio.ensure_future(self._until_stream_cut(endpoint))
         try:
             while True:
-                reason = await registrar.wait_for_restart()
-                sibling = registrar.dir_state.last_sibling
-                if reason == SIBLING_STARTED:
-                    if sibling and not taken_over_by:
-                        task = asyncio.create_task(check(sibling))
-                        checks.add(task)
-                        task.add_done_callback(checks.discard)
+                if restart is None:
+                    restart = asyncio.ensure_future(registrar.wait_for_restart())
+                done, _ = await asyncio.wait(
+                    {restart, cut},
+                    timeout=TAKER_CHECK_INTERVAL if taken_over_by else None,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                if cut in done:
+                    self._log.info("registering_again", reason=STREAM_CUT, endpoint=endpoint.name)
+                    return STREAM_CUT
+                if restart in done:
+                    reason, restart = restart.result(), None
+                    if reason == SIBLING_STARTED:
+                        sibling = registrar.dir_state.last_sibling
+                        if sibling and not taken_over_by:
+                            task = asyncio.create_task(check(sibling))
+                            checks.add(task)
+                            task.add_done_callback(checks.discard)
+                        continue
+                    if reason != SIBLING_STOPPED:
+                        return reason
+                elif not taken_over_by:
                     continue
-                if reason != SIBLING_STOPPED:
-                    return reason
-                if not taken_over_by or not await asyncio.to_thread(registrar.dir_state.live_siblings):
-                    self._log.info("registering_again", reason=reason, endpoint=endpoint.name)
-                    return None
+                if not await asyncio.to_thread(registrar.dir_state.live_siblings):
+                    self._log.info("registering_again", reason=SIBLING_STOPPED, endpoint=endpoint.name)
+                    return SIBLING_STOPPED
         finally:
-            for task in checks:
+            for task in (*checks, cut, *((restart,) if restart is not None else ())):
                 task.cancel()
+
+    async def _until_stream_cut(self, endpoint: PluginEndpoint) -> str:
+        """Return :data:`STREAM_CUT` once the kubelet closed every stream it held on ``endpoint`` and runs on.
+
+        A kubelet going away closes them too: that is a restart, seen in its
+        directory (or, with the plugin watcher, the new kubelet dials back).
+        """
+        seen = endpoint.drops.version
+        while True:
+            seen, _ = await endpoint.drops.wait_newer(seen)
+            if await asyncio.to_thread(self._kubelet_runs):
+                return STREAM_CUT
+            self._log.info("stream_ended_by_a_stopping_kubelet", endpoint=endpoint.name)
+
+    def _kubelet_runs(self) -> bool:
+        """Whether the kubelet answers on its ``kubelet.sock`` (blocking probe).
+
+        A plugin-watcher plugin may not see the device-plugins directory at all
+        (only ``plugins_registry`` mounted): it takes the kubelet for running.
+        """
+        kubelet_dir = self.config.paths.kubelet_dir
+        if self.config.registration == "plugin-watcher" and not kubelet_dir.is_dir():
+            return True
+        return socket_answers(kubelet_dir / constants.KUBELET_SOCKET_NAME)
 
     async def _serve_for_plugin_watcher(self) -> None:
         """Serve in ``plugins_registry`` and count every time the kubelet dials back (restarts included).
 
         A socket that is no longer ours (deleted, replaced) is served afresh at once:
-        the kubelet deregistered the old one and registers only a new one.
+        the kubelet deregistered the old one and registers only a new one. So is one
+        whose stream the kubelet ended while it runs on, or that another plugin of
+        the resource had taken over when that one stops: the kubelet's plugin
+        watcher registers a socket once, so only a new one is registered again.
         """
         registry = self.config.registry_dir
         reason = "start"
         number = 0
         served: set[str] = set()
+        cuts = CutPacing()
         with inotify_.open_watches() as watches:
             socket_watch = RegistrySocketWatch(
                 watches,
@@ -373,9 +515,10 @@ class DevicePluginRuntime:
                     registry.mkdir(parents=True, exist_ok=True)
                 except OSError as exc:
                     raise ConfigurationError(f"cannot create {registry}: {exc.strerror or exc}") from None
-                endpoint = await self._serve(registry, (registrar.handler(),))
+                endpoint = await self._serve(registry, (registrar.handler(),), idle_previous_first=True)
                 served.add(endpoint.name)
-                lost = asyncio.create_task(socket_watch.lost(endpoint.path))
+                served_at = time.monotonic()
+                lost = asyncio.create_task(self._until_watcher_registration_lost(socket_watch, endpoint))
                 said = False
                 try:
                     while True:
@@ -411,6 +554,23 @@ class DevicePluginRuntime:
                 reason = lost.result()
                 self._log.warning("registration_lost", reason=reason, action="serving a fresh socket")
                 self.status.send(UNREGISTERED=printable(reason))
+                if reason == STREAM_CUT:
+                    await self._pace(cuts, time.monotonic() - served_at)
+
+    async def _until_watcher_registration_lost(
+        self, socket_watch: RegistrySocketWatch, endpoint: PluginEndpoint
+    ) -> str:
+        """Why the plugin-watcher socket no longer brings registrations: its watch says, or a cut stream."""
+        waits = {
+            asyncio.ensure_future(socket_watch.lost(endpoint.path)),
+            asyncio.ensure_future(self._until_stream_cut(endpoint)),
+        }
+        try:
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiting in waits:
+                waiting.cancel()
+        return done.pop().result()
 
     async def _report_devices(self) -> None:
         seen = -1

@@ -57,13 +57,23 @@ _UNARY: Final[dict[str, tuple[Any, Any]]] = {
 }
 
 
+StreamHandler = Callable[[Any, Context], AsyncIterator[Any]]
+
+
 def add_plugin_servicer(
-    servicer: api_pb2_grpc.DevicePluginServicer, server: grpc.aio.Server, *, resource: str
+    servicer: api_pb2_grpc.DevicePluginServicer,
+    server: grpc.aio.Server,
+    *,
+    resource: str,
+    wrap_stream: Callable[[StreamHandler], StreamHandler] | None = None,
 ) -> None:
     """Register the five RPCs as the generated ``add_DevicePluginServicer_to_server`` does.
 
     The one difference: a request that is not valid protobuf is answered
     INVALID_ARGUMENT naming the method and the message type, not UNKNOWN.
+    ``wrap_stream`` wraps the ListAndWatch handler of this server only (the
+    servicer is shared by every socket of the plugin; an endpoint counts the
+    streams on its own socket with it).
     """
     handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
         name: grpc.unary_unary_rpc_method_handler(
@@ -73,12 +83,13 @@ def add_plugin_servicer(
         )
         for name, (request, response) in _UNARY.items()
     }
+    stream = checked_stream(
+        "ListAndWatch",
+        servicer.ListAndWatch,  # type: ignore[arg-type]
+        on_malformed=_malformed_counter(resource, "ListAndWatch"),
+    )
     handlers["ListAndWatch"] = grpc.unary_stream_rpc_method_handler(
-        checked_stream(
-            "ListAndWatch",
-            servicer.ListAndWatch,  # type: ignore[arg-type]
-            on_malformed=_malformed_counter(resource, "ListAndWatch"),
-        ),
+        stream if wrap_stream is None else wrap_stream(stream),
         request_deserializer=tolerant_deserializer(api_pb2.Empty),
         response_serializer=api_pb2.ListAndWatchResponse.SerializeToString,
     )

@@ -121,9 +121,12 @@ class RegistrySocketWatch:
     """Watches our socket in ``plugins_registry`` for as long as it is ours, and our resource's others.
 
     :meth:`lost` returns why the socket no longer brings registrations: deleted,
-    replaced by another file, or (after another plugin of our resource took the
-    resource over, reported through ``on_taken_over``) that plugin stopped and a
-    fresh socket is what the kubelet registers again.
+    replaced by another file, or another plugin of our resource stopped and none
+    is left (:data:`SIBLING_STOPPED`): if it had taken the resource over
+    (reported through ``on_taken_over``), a kubelet up to 1.36 marked every device
+    unhealthy at its end, and a fresh socket is what the kubelet registers again.
+    While taken over, the other plugin is looked at every ``interval`` seconds:
+    one that was killed leaves its socket behind.
     """
 
     def __init__(
@@ -152,33 +155,38 @@ class RegistrySocketWatch:
         with contextlib.suppress(OSError, inotify_.InotifyLimitError):
             self._watches.add_watch(directory, REGISTRY_MASK)
         identity = SocketIdentity.of(path)
+        # The plugins of our resource that may take (or have taken) it over: those serving now, and
+        # those that start. A removal of any other (gone before we served) is old news.
+        known = set(await asyncio.to_thread(self._live_siblings, directory))
         taken_over_by: str | None = None
         created: str | None = None  # a sibling socket just created (the newest plugin wins)
-        removed = False
+        removed = looked = False
         while True:
             current = SocketIdentity.of(path)
             if current is None:
                 return f"its socket {path.name} was deleted from {directory}"
             if current != identity:
                 return f"its socket {path.name} in {directory} was replaced by another file"
-            if created is not None and taken_over_by is None:
-                if await wait_until_answers(directory / created):
+            if created is not None:
+                known.add(created)
+                if taken_over_by is None and await wait_until_answers(directory / created):
                     taken_over_by = created
                     self._on_taken_over(created)
-            elif (
-                removed
-                and taken_over_by is not None
-                and not await asyncio.to_thread(self._live_siblings, directory)
-            ):
-                return SIBLING_STOPPED
-            created, removed = None, False
-            with contextlib.suppress(TimeoutError):
+            elif known and (removed or looked):
+                known = set(await asyncio.to_thread(self._live_siblings, directory))
+                if not known:
+                    return SIBLING_STOPPED
+            created, removed, looked = None, False, False
+            try:
                 async with asyncio.timeout(self._interval):
                     event = await self._watches.get()
-                    name = str(event.name) if event.name is not None else ""
-                    if self._is_sibling(name) and event.mask & (Mask.CREATE | Mask.MOVED_TO):
-                        created = name
-                    removed = self._is_sibling(name) or bool(event.mask & Mask.Q_OVERFLOW)
+            except TimeoutError:
+                looked = taken_over_by is not None
+                continue
+            name = str(event.name) if event.name is not None else ""
+            if self._is_sibling(name) and event.mask & (Mask.CREATE | Mask.MOVED_TO):
+                created = name
+            removed = self._is_sibling(name) or bool(event.mask & Mask.Q_OVERFLOW)
 
     def _live_siblings(self, directory: Path) -> list[str]:
         return [

@@ -1,9 +1,12 @@
-"""A plugin's endpoint (its socket and gRPC server) when stopped at awkward moments."""
+"""A plugin's endpoint (its socket and gRPC server): stopped at awkward moments, and its streams counted."""
 
 import asyncio
 import contextlib
 import gc
 
+import grpc
+
+from plugvisor.api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from plugvisor.deviceplugin.cell import SnapshotCell
 from plugvisor.deviceplugin.endpoint import PluginEndpoint
 from plugvisor.deviceplugin.hooks import resolve_hooks
@@ -51,3 +54,50 @@ async def test_a_file_put_where_the_socket_was_is_not_removed_at_stop(short_dir)
     plugin.path.write_text("an operator's file\n")
     await plugin.stop(grace=0)
     assert plugin.path.read_text() == "an operator's file\n"
+
+
+async def _stream(plugin: PluginEndpoint) -> tuple[grpc.aio.Channel, object]:
+    """A ListAndWatch stream on ``plugin``'s socket, its first message read (so it counts as open)."""
+    channel = grpc.aio.insecure_channel(f"unix:{plugin.path}")
+    call = api_pb2_grpc.DevicePluginStub(channel).ListAndWatch(api_pb2.Empty())
+    await call.read()
+    return channel, call
+
+
+async def until(predicate) -> None:
+    async with asyncio.timeout(10):
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+
+async def test_a_stream_the_other_side_closes_is_counted_as_a_drop_once_none_is_left(short_dir):
+    """Up to 1.36 the kubelet closes the stream of the plugin it follows when another plugin of the resource
+    ends, and says nothing else: the endpoint counts it, but not while another stream is still open."""
+    plugin = endpoint(short_dir)
+    await plugin.start()
+    try:
+        kubelet, _ = await _stream(plugin)
+        tool, _ = await _stream(plugin)
+        await until(lambda: plugin.streams.value == 2)
+        await tool.close()
+        await until(lambda: plugin.streams.value == 1)
+        assert plugin.drops.value == 0, "one stream is still open"
+        await kubelet.close()
+        await until(lambda: plugin.streams.value == 0)
+        assert plugin.drops.value == 1
+        await plugin.until_idle()
+    finally:
+        await plugin.stop(grace=0)
+
+
+async def test_our_own_stop_ending_a_stream_is_no_drop(short_dir):
+    plugin = endpoint(short_dir)
+    await plugin.start()
+    kubelet, _ = await _stream(plugin)
+    try:
+        await until(lambda: plugin.streams.value == 1)
+        await plugin.stop(grace=0)
+        await until(lambda: plugin.streams.value == 0)
+        assert plugin.drops.value == 0
+    finally:
+        await kubelet.close()

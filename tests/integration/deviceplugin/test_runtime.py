@@ -9,12 +9,13 @@ import contextlib
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
 from plugvisor.common.hostpaths import HostPaths
 from plugvisor.deviceplugin.devices import Device, DeviceSpec, Health
 from plugvisor.deviceplugin.runtime import DevicePluginRuntime, PluginConfig
 from plugvisor.deviceplugin.snapshot import Snapshot
-from plugvisor.emulators.kubelet import EmulatedKubelet, PluginMethod
+from plugvisor.emulators.kubelet import EmulatedKubelet, EventKind, PluginMethod
 
 RESOURCE = "example.com/widget"
 
@@ -291,6 +292,15 @@ POD = {
 }
 
 
+def answered(kubelet: EmulatedKubelet, method: PluginMethod) -> list[bool]:
+    """Whether the plugin offered each ``method`` call the kubelet has had an answer to."""
+    return [
+        bool(e.fields["offered"])
+        for e in kubelet.events
+        if e.kind is EventKind.PLUGIN_CALL_ANSWERED and e.fields["method"] == method
+    ]
+
+
 class TestProposedReleaseCalls:
     """The KEP-20210712 addendum's calls, served only when the plugin has the hooks."""
 
@@ -310,11 +320,14 @@ class TestProposedReleaseCalls:
                 # As upstream, devices of deleted pods are freed when the next admission updates
                 # the allocated set; that is when Deallocate goes out.
                 await kubelet.add_pod({**POD, "metadata": {"name": "next", "namespace": "default"}})
-                await kubelet.wait_for(lambda k: PluginMethod.DEALLOCATE in k.calls_for(RESOURCE))
-                # The kubelet journals a call as it sends it; the hook runs in the plugin just after.
-                async with asyncio.timeout(10):
-                    while not source.deallocated:
-                        await asyncio.sleep(0.01)
+                # The kubelet journals a call as it sends it, and its answer when it comes: the plugin
+                # must not stop in between (its stop would cut the call off).
+                await kubelet.wait_for(
+                    lambda k: (
+                        answered(k, PluginMethod.POST_STOP_CONTAINER) == [True]
+                        and answered(k, PluginMethod.DEALLOCATE) == [True]
+                    )
+                )
         assert source.post_stopped == [held]
         assert source.deallocated == [held]
         failed = [e for e in kubelet.events if "failed" in str(e.kind)]
@@ -329,7 +342,8 @@ class TestProposedReleaseCalls:
                 await kubelet.wait_for(lambda k: counts(k) == (4, 4))
                 await kubelet.add_pod(POD)
                 await kubelet.exit_container("user", "main", exit_code=0)
-                await kubelet.wait_for(lambda k: PluginMethod.POST_STOP_CONTAINER in k.calls_for(RESOURCE))
+                # Not merely sent: answered, before the plugin stops (its stop would cut the call off).
+                await kubelet.wait_for(lambda k: answered(k, PluginMethod.POST_STOP_CONTAINER) == [False])
             failed = [e for e in kubelet.events if "failed" in str(e.kind)]
         assert not failed, failed  # UNIMPLEMENTED means "not offered", not an error
 
@@ -370,3 +384,25 @@ class TestLifecycle:
         with pytest.raises(RuntimeError, match="device busy"):
             await asyncio.wait_for(runtime.run(asyncio.Event()), 10)
         assert events == ["start"], "nothing was started, so nothing is closed"
+
+
+class OverTheKubeletsMessageLimit:
+    """More devices than one ListAndWatch message of the kubelet's 4 MiB limit holds."""
+
+    def scan(self) -> Snapshot:
+        return Snapshot([Device(f"{'x' * 50}-{i:06d}") for i in range(80_000)])
+
+
+async def test_a_kubelet_that_cuts_every_stream_at_once_is_not_registered_with_in_a_hot_loop(kubelet):
+    """The kubelet ends the stream it cannot read and drops the plugin; registering again at once, for
+    ever, would spin. The second cut in a row waits 0.5 s, the next 1 s, and so on."""
+    with capture_logs() as logs:
+        async with running(runtime_for(kubelet, OverTheKubeletsMessageLimit())):
+            await kubelet.wait_for(
+                lambda k: len([r for r in k.registrations if r.accepted]) >= 3,
+                timeout=60,
+                what="three registrations, each stream cut at once",
+            )
+    waits = [e["waited"] for e in logs if e["event"] == "stream_cut_again"]
+    assert waits[:1] == [0.5], logs
+    assert "Received message larger than max" in str(kubelet.events), "not the 4 MiB limit"

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from plugvisor.common import constants
-from plugvisor.emulators.kubelet import EmulatedKubelet, EventKind, checkpoint, devices
+from plugvisor.emulators.kubelet import EmulatedKubelet, EventKind, PluginMethod, checkpoint, devices
 from plugvisor.emulators.kubelet.pods import PodPhase
 
 from .conftest import PluginFactory, counts
@@ -169,6 +169,45 @@ class TestReplacement:
         )
         assert counts(GPU, 2, 2)(kubelet)
 
+    async def test_from_1_37_the_refusal_comes_after_the_dial_and_the_options_call(
+        self, kubelet: EmulatedKubelet, plugin: PluginFactory
+    ) -> None:
+        """v1.37.2's PluginConnected asks for the options first, then finds the socket path taken."""
+        dp = await plugin(GPU, devices("a"), name="dp1.sock")
+        await dp.register(kubelet.socket_path)
+        await kubelet.wait_for(counts(GPU, 1, 1))
+        with pytest.raises(grpc.aio.AioRpcError):
+            await dp.register(kubelet.socket_path)
+        asked = [c for c in kubelet.calls if c.method is PluginMethod.GET_DEVICE_PLUGIN_OPTIONS]
+        assert len(asked) == 2
+
+    async def test_from_1_37_a_forgotten_instance_keeps_the_resource_up_after_every_plugin_stopped(
+        self, kubelet: EmulatedKubelet, plugin: PluginFactory
+    ) -> None:
+        """The refused Register leaves dp1 in the device manager's store, with no client to end it: when
+        dp2 (registered later) stops, dp1's stale entry becomes the endpoint, and nothing ever ends it."""
+        dp1 = await plugin(GPU, devices("a", "b"), name="dp1.sock")
+        await dp1.register(kubelet.socket_path)
+        await kubelet.wait_for(counts(GPU, 2, 2))
+        with pytest.raises(grpc.aio.AioRpcError):
+            await dp1.register(kubelet.socket_path)
+        dp2 = await plugin(GPU, devices("a", "b"), name="dp2.sock")
+        await dp2.register(kubelet.socket_path)
+        await dp1.stop()
+        await dp2.stop()
+        await kubelet.wait_for(
+            lambda k: (v := k.resource(GPU)) is not None and v.endpoint == str(dp1.socket_path)
+        )
+        assert counts(GPU, 2, 2)(kubelet)
+
+    async def test_from_1_37_every_instances_list_still_counts(
+        self, kubelet: EmulatedKubelet, plugin: PluginFactory
+    ) -> None:
+        """v1.37.2 applies every stream's message to the resource, the replaced instance's too."""
+        old, _new = await self._two_instances(kubelet, plugin)
+        await old.update(devices("a"))
+        await kubelet.wait_for(counts(GPU, 1, 1))
+
     async def test_from_1_37_the_old_plugins_exit_leaves_the_new_plugins_resource(
         self, kubelet: EmulatedKubelet, plugin: PluginFactory
     ) -> None:
@@ -196,7 +235,7 @@ class TestReplacement:
     async def test_per_socket_the_older_instance_takes_over_when_the_newer_leaves(
         self, socket_dir: Path, plugin: PluginFactory
     ) -> None:
-        """DP2 "changed its mind": DP1 serves again with its own last list."""
+        """DP2 "changed its mind": DP1 is the endpoint again, and the devices stay."""
         kubelet = EmulatedKubelet(socket_dir, grace_period=0.5, replacement="per-socket")
         await kubelet.start()
         try:

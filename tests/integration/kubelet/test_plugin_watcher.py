@@ -1,7 +1,7 @@
 """Plugin-watcher registration: a socket in plugins_registry, and the kubelet dials back.
 
-All supported kubelet versions (1.26, 1.29, 1.35) follow the same plugin-watcher rules;
-the texts are upstream's operation generator and DevicePlugin handler.
+All supported kubelet versions follow the same plugin-watcher rules (only what a deregistration
+disconnects changed in 1.37); the texts are upstream's operation generator and DevicePlugin handler.
 """
 
 from __future__ import annotations
@@ -148,6 +148,27 @@ class TestLifecycle:
         await stub.stop()  # removes its socket
         await node.wait_for(counts(GPU, 0, 2), what="deregistered: allocatable 0, capacity kept")
         assert EventKind.PLUGIN_DEREGISTERED in [e.kind for e in node.events]
+
+    @pytest.mark.parametrize(("version", "allocatable"), [("1.35", 0), ("1.37", 1)])
+    async def test_removing_an_older_instances_socket(self, socket_dir, version, allocatable) -> None:
+        """Up to 1.36 DeRegisterPlugin disconnects the resource's current client, whichever socket went;
+        from 1.37 only the instance of that socket, and the newer one goes on serving."""
+        kubelet = EmulatedKubelet(socket_dir / "device-plugins", grace_period=5, kubelet_version=version)
+        await kubelet.start()
+        try:
+            assert kubelet.plugins_registry is not None
+            old = StubDevicePlugin(kubelet.plugins_registry / "old.sock", GPU, devices=devices("a"))
+            await old.start()
+            await statuses(old, 1)
+            async with StubDevicePlugin(
+                kubelet.plugins_registry / "new.sock", GPU, devices=devices("a")
+            ) as new:
+                await statuses(new, 1)
+                await old.stop()
+                await kubelet.wait_for(lambda k: EventKind.PLUGIN_DEREGISTERED in [e.kind for e in k.events])
+                await kubelet.wait_for(counts(GPU, allocatable, 1))
+        finally:
+            await kubelet.stop()
 
     async def test_a_re_created_socket_is_registered_again(self, node) -> None:
         """A plugin restart (new socket, same path): deregistered, then registered anew."""

@@ -286,10 +286,15 @@ class TestProposedDeallocate:
             await kubelet.add_pod(manifest("p"))
             kubelet.delete_pod("p")
             await kubelet.add_pod(manifest("q"))
-            await kubelet.wait_for(lambda k: PluginMethod.DEALLOCATE in k.calls_for(GPU))
+            await kubelet.wait_for(
+                lambda k: [e.kind for e in k.events].count(EventKind.PLUGIN_CALL_ANSWERED) == 2,
+                what="both calls answered",
+            )
             calls = kubelet.calls_for(GPU)
             assert calls.index(PluginMethod.POST_STOP_CONTAINER) < calls.index(PluginMethod.DEALLOCATE)
             assert kubelet.pod("q").phase is PodPhase.RUNNING  # type: ignore[union-attr]
+            answers = [e.fields for e in kubelet.events if e.kind is EventKind.PLUGIN_CALL_ANSWERED]
+            assert [a["offered"] for a in answers] == [False, False]
             assert EventKind.PLUGIN_CALL_FAILED not in [e.kind for e in kubelet.events]
         finally:
             await kubelet.stop()

@@ -36,11 +36,8 @@ class ClientHandler(Protocol):
     def plugin_list_and_watch_receiver(self, resource: str, response: api_pb2.ListAndWatchResponse) -> None:
         """Apply one full device list."""
 
-    def plugin_disconnected(self, resource: str) -> None:
-        """The current client of ``resource`` was disconnected."""
-
-    def plugin_resumed(self, resource: str, client: PluginClient) -> None:
-        """An older, still live instance takes over again (per-socket replacement only)."""
+    def plugin_disconnected(self, resource: str, socket_path: str) -> None:
+        """The client of ``resource`` at ``socket_path`` was disconnected."""
 
 
 class PluginClient:
@@ -67,8 +64,6 @@ class PluginClient:
         """Why ListAndWatch ended, in grpc-go's words (``EOF``, ``rpc error: ...``)."""
         self.options: model.PluginOptions | None = None
         """The plugin's GetDevicePluginOptions reply, once the handler fetched it."""
-        self.last_response: api_pb2.ListAndWatchResponse | None = None
-        """The latest ListAndWatch message (a resumed instance's list is applied again)."""
 
     @property
     def stub(self) -> api_pb2_grpc.DevicePluginAsyncStub:
@@ -76,6 +71,11 @@ class PluginClient:
         if self._stub is None:
             raise RuntimeError(f"client for {self.resource} at {self.socket_path} is not connected")
         return self._stub
+
+    @property
+    def closed(self) -> bool:
+        """Whether the kubelet closed this client (disconnected it, or is going away)."""
+        return self._closed
 
     @property
     def channel(self) -> grpc.aio.Channel | None:
@@ -125,7 +125,6 @@ class PluginClient:
                     call.cancel()
                     self.end_reason = _CLOSING
                     return
-                self.last_response = response
                 self._handler.plugin_list_and_watch_receiver(self.resource, response)
         except grpc.aio.AioRpcError as error:
             self.end_reason = errors.go_rpc_error(error)
@@ -147,4 +146,4 @@ class PluginClient:
     async def disconnect(self) -> None:
         """Close the channel, then report the disconnection (``client.Disconnect``)."""
         await self.close()
-        self._handler.plugin_disconnected(self.resource)
+        self._handler.plugin_disconnected(self.resource, self.socket_path)

@@ -320,7 +320,9 @@ class ManagerImpl:
         if info is None:
             return
         try:
-            await info.endpoint.proposed_call(method, sorted(device_ids), timeout=self._pre_start_timeout)
+            offered = await info.endpoint.proposed_call(
+                method, sorted(device_ids), timeout=self._pre_start_timeout
+            )
         except endpoint_.EndpointCallError as error:
             self._journal.event(
                 model.EventKind.PLUGIN_CALL_FAILED,
@@ -329,6 +331,16 @@ class ManagerImpl:
                 method=str(method),
                 error=str(error),
             )
+            return
+        # Journaled, as a failure is: whoever waits for the outcome of a call sent in the
+        # background (a test, before it stops the plugin) has something to wait for.
+        self._journal.event(
+            model.EventKind.PLUGIN_CALL_ANSWERED,
+            f"{resource}: {method} " + ("answered" if offered else "not offered (UNIMPLEMENTED)"),
+            resource=resource,
+            method=str(method),
+            offered=offered,
+        )
 
     def _spawn(self, coroutine: Coroutine[object, object, None]) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)
@@ -338,7 +350,11 @@ class ManagerImpl:
     # -- plugin callbacks (``PluginConnected``, ``PluginListAndWatchReceiver``, ...) ----
 
     async def plugin_connected(self, resource: str, client: client_.PluginClient) -> None:
-        """Fetch the plugin's options (its reply decides later calls) and install the endpoint."""
+        """Fetch the plugin's options (its reply decides later calls) and install the endpoint.
+
+        From 1.37 an instance whose socket path is connected already is refused
+        here, after the dial and the options call, as upstream refuses it.
+        """
         try:
             options = await client.get_device_plugin_options()
         except grpc.aio.AioRpcError as error:
@@ -346,10 +362,6 @@ class ManagerImpl:
                 f"failed to get device plugin options: {errors.go_rpc_error(error)}"
             ) from None
         client.options = model.PluginOptions.from_proto(options)
-        self._install_endpoint(resource, client)
-        self._node_status.sync()
-
-    def _install_endpoint(self, resource: str, client: client_.PluginClient) -> None:
         endpoint = endpoint_.Endpoint(
             resource=resource,
             socket_path=client.socket_path,
@@ -357,25 +369,11 @@ class ManagerImpl:
             journal=self._journal,
             channel=client.channel,
         )
-        self.books.plugin_connected(resource, endpoint, client.options or model.PluginOptions())
-
-    def plugin_resumed(self, resource: str, client: client_.PluginClient) -> None:
-        """An older live instance takes over again (per-socket): its endpoint and its last list."""
-        self._install_endpoint(resource, client)
-        if client.last_response is not None:
-            self.books.list_and_watch_update(
-                resource, map(manager.DeviceRecord.from_proto, client.last_response.devices)
-            )
-            self.write_checkpoint()
+        if self.replacement == "per-name":
+            self.books.plugin_connected(resource, endpoint, client.options)
+        elif not self.books.instance_connected(resource, endpoint, client.options):
+            raise client_.ConnectError(f"device plugin already connected: {client.socket_path}")
         self._node_status.sync()
-        capacity, allocatable = self._node_status.counts(resource)
-        self._journal.event(
-            model.EventKind.PLUGIN_RESUMED,
-            f"{resource}: the instance at {client.socket_path} serves the resource again "
-            f"(capacity {capacity}, allocatable {allocatable})",
-            resource=resource,
-            endpoint=client.socket_path,
-        )
 
     def plugin_list_and_watch_receiver(self, resource: str, response: api_pb2.ListAndWatchResponse) -> None:
         """Apply one full device list (``genericDeviceUpdateCallback``) and report the new counts."""
@@ -392,12 +390,32 @@ class ManagerImpl:
             devices=len(response.devices),
         )
 
-    def plugin_disconnected(self, resource: str) -> None:
-        """Mark every device unhealthy and stop the endpoint; the grace period starts."""
-        if not self.books.plugin_disconnected(resource, now=self._journal.clock()):
+    def plugin_disconnected(self, resource: str, socket_path: str) -> None:
+        """The plugin at ``socket_path`` is gone.
+
+        Up to 1.35 the resource's endpoint stops and every device turns
+        unhealthy, whichever instance it was; from 1.37 only the last instance
+        does that, and another one's end leaves the resource as it is.
+        """
+        now = self._journal.clock()
+        if self.replacement == "per-name":
+            last: bool | None = True if self.books.plugin_disconnected(resource, now=now) else None
+        else:
+            last = self.books.instance_disconnected(resource, socket_path, now=now)
+        if last is None:
             return
         self._node_status.sync()
         capacity, allocatable = self._node_status.counts(resource)
+        if not last:
+            current = self.books.endpoints[resource].endpoint.socket_path
+            self._journal.event(
+                model.EventKind.PLUGIN_INSTANCE_ENDED,
+                f"{resource}: the instance at {socket_path} ended; the one at {current} serves the resource "
+                f"(capacity {capacity}, allocatable {allocatable})",
+                resource=resource,
+                endpoint=socket_path,
+            )
+            return
         self._journal.event(
             model.EventKind.ENDPOINT_STOPPED,
             f"{resource}: endpoint stopped, all devices unhealthy "

@@ -115,7 +115,7 @@ class Endpoint:
 
     async def proposed_call(
         self, method: model.PluginMethod, device_ids: Iterable[str], *, timeout: float
-    ) -> None:
+    ) -> bool:
         """Call a *proposed* RPC (``PostStopContainer``/``Deallocate``, KEP-20210712 addendum).
 
         No upstream proto defines them; the emulator sends, on
@@ -123,6 +123,7 @@ class Endpoint:
         ``PreStartContainerRequest`` (``repeated string devices_ids = 1``) and
         expects an empty reply. A plugin that does not implement the method
         answers UNIMPLEMENTED, which counts as "not offered" and is not an error.
+        Returns whether the plugin offered the call.
         """
         if self.is_stopped() or self._channel is None:
             raise EndpointCallError(f"endpoint {self.go_repr()} has been stopped")
@@ -136,5 +137,6 @@ class Endpoint:
             await call(api_pb2.PreStartContainerRequest(devices_ids=list(device_ids)), timeout=timeout)
         except grpc.aio.AioRpcError as error:
             if error.code() is grpc.StatusCode.UNIMPLEMENTED:
-                return
+                return False
             raise EndpointCallError(errors.go_rpc_error(error)) from error
+        return True

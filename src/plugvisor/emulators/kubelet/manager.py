@@ -171,6 +171,8 @@ class DeviceManager:
         self.unhealthy: dict[str, set[str]] = {}
         self.all_devices: dict[str, dict[str, DeviceRecord]] = {}
         self.endpoints: dict[str, EndpointInfo] = {}
+        self.endpoint_store: dict[str, dict[str, EndpointInfo]] = {}
+        """From 1.37: every connected instance of a resource, by socket path (``endpointStore``)."""
         self.pod_devices = PodDevices()
         self.allocated_devices: dict[str, set[str]] = {}
         self.devices_to_reuse: dict[str, dict[str, set[str]]] = {}
@@ -182,6 +184,43 @@ class DeviceManager:
     ) -> None:
         """Install a new endpoint; the old one is replaced, not stopped, and devices stay."""
         self.endpoints[resource] = EndpointInfo(endpoint=endpoint, options=options)
+
+    def instance_connected(
+        self, resource: str, endpoint: endpoint_.Endpoint, options: model.PluginOptions
+    ) -> bool:
+        """1.37's ``PluginConnected``: store the instance, make it the endpoint; False if its socket is taken.
+
+        An instance whose socket path is in the store already is refused and the
+        store left as it is: the entry of the running instance stays.
+        """
+        store = self.endpoint_store.setdefault(resource, {})
+        if endpoint.socket_path is None or endpoint.socket_path in store:
+            return False
+        info = EndpointInfo(endpoint=endpoint, options=options)
+        store[endpoint.socket_path] = info
+        self.endpoints[resource] = info
+        return True
+
+    def instance_disconnected(self, resource: str, socket_path: str, *, now: float) -> bool | None:
+        """1.37's ``PluginDisconnected``: stop the instance at ``socket_path``.
+
+        Returns None when the store has no such instance (nothing changes), True
+        when it was the last one (every device unhealthy, as a disconnect before
+        1.37), False when others remain: one of them becomes the endpoint (upstream
+        takes any; here the newest) and the device sets stay as they are.
+        """
+        store = self.endpoint_store.get(resource, {})
+        info = store.get(socket_path)
+        if info is None:
+            return None
+        info.endpoint.set_stop_time(now)
+        if len(store) == 1:
+            del self.endpoint_store[resource]
+            self.mark_resource_unhealthy(resource)
+            return True
+        del store[socket_path]
+        self.endpoints[resource] = list(store.values())[-1]
+        return False
 
     def list_and_watch_update(self, resource: str, devices: Iterable[DeviceRecord]) -> None:
         """Replace the resource's device sets with one full ListAndWatch message."""

@@ -21,23 +21,24 @@ returns a plain error does.
 Two client tables, selectable because plugins must survive both kubelet
 generations (docs/kubelet-contract.md, section 8):
 
-* ``"per-name"`` (v1.31-v1.35, the default): one client per resource name. It
-  keeps upstream's quirks: a new Register replaces the client without closing
-  the old one, so both streams feed the resource; a failed Register removes
+* ``"per-name"`` (v1.31-v1.36): one client per resource name. It keeps
+  upstream's quirks: a new Register replaces the client without closing the
+  old one, so both streams feed the resource; a failed Register removes
   *whatever* client the name had; and when any client's stream ends, the
   *current* client of that name is disconnected - the old plugin's exit zeroes
-  the new plugin's resource (kubernetes#121994).
-* ``"per-socket"`` (kubernetes PR #135437): instances are tracked per socket
-  path. The newest live instance is the resource's endpoint and only its list
-  counts; a failed Register leaves the others alone; when an instance ends, the
-  newest remaining one takes over again (its last list applied, no capacity
-  dip) and only the last one's end disconnects the resource. A second Register
-  from a socket that is connected is refused, as 1.37 refuses it (``device
-  plugin already connected: <path>``), and it makes the kubelet forget that
-  instance while its stream runs on: when the stream ends nothing is
-  disconnected, and the resource keeps the devices it last listed (seen on the
-  real v1.37.2 kubelet; upstream's failed connect deregisters every client of
-  that socket path, the running one included).
+  the new plugin's resource (kubernetes#121994) and closes its stream.
+* ``"per-socket"`` (kubernetes PR #135437, v1.37): a list of clients per name,
+  and the device manager keeps every connected instance by socket path. Every
+  instance's stream still feeds the resource; the newest is the endpoint; a
+  failed Register removes the clients of its own socket path only; when an
+  instance ends, another one becomes the endpoint and the devices stay, and only
+  the last one's end disconnects the resource. A second Register from a socket
+  that is connected is refused after the dial and the options call (``device
+  plugin already connected: <path>``), and the failed connect removes every
+  client of that path, the running one included, while the device manager keeps
+  its entry: when that stream ends nothing is disconnected, and the resource
+  keeps its devices with no plugin behind them (seen on the real v1.37.2
+  kubelet).
 
 At start, every unix socket in the directory is deleted (following symlinks,
 as ``os.Stat`` does) - directories, regular files and the checkpoint stay. That
@@ -68,28 +69,6 @@ SOCKET_DIR_MODE = 0o750
 Replacement: TypeAlias = Literal["per-name", "per-socket"]
 """How a second plugin instance for a registered resource is handled (see the module docstring)."""
 REPLACEMENTS: tuple[Replacement, ...] = ("per-name", "per-socket")
-
-
-class _InstanceHandler:
-    """Stands between one client and the kubelet: drops the lists of instances that are not current."""
-
-    def __init__(self, server: RegistrationServer, handler: client_.ClientHandler) -> None:
-        self._server = server
-        self._handler = handler
-        self.client: client_.PluginClient | None = None
-
-    async def plugin_connected(self, resource: str, client: client_.PluginClient) -> None:
-        await self._handler.plugin_connected(resource, client)
-
-    def plugin_list_and_watch_receiver(self, resource: str, response: api_pb2.ListAndWatchResponse) -> None:
-        if self._server.is_current(resource, self.client):
-            self._handler.plugin_list_and_watch_receiver(resource, response)
-
-    def plugin_disconnected(self, resource: str) -> None:
-        self._handler.plugin_disconnected(resource)
-
-    def plugin_resumed(self, resource: str, client: client_.PluginClient) -> None:
-        self._handler.plugin_resumed(resource, client)
 
 
 def cleanup_plugin_directory(directory: Path, *, keep: frozenset[str] = frozenset()) -> list[Path]:
@@ -142,12 +121,8 @@ class RegistrationServer(api_pb2_grpc.RegistrationServicer):
         self._handler = handler
         self._journal = journal
         self._dial_timeout = dial_timeout
-        self.clients: dict[str, client_.PluginClient] = {}
-        """The current client per resource name (``server.clients``)."""
-        self.instances: dict[str, dict[str, client_.PluginClient]] = {}
-        """Per-socket mode: live instances per resource, by socket path, oldest first."""
-        self.forgotten: set[client_.PluginClient] = set()
-        """Per-socket mode: instances whose socket registered again; their stream's end changes nothing."""
+        self.clients: dict[str, list[client_.PluginClient]] = {}
+        """The clients per resource name (``server.clients``): at most one per name up to 1.36."""
         self.registration_counts: collections.Counter[str] = collections.Counter()
         """Register attempts per resource name, valid or not (the kubelet's metric)."""
         self._server: grpc.aio.Server | None = None
@@ -178,14 +153,6 @@ class RegistrationServer(api_pb2_grpc.RegistrationServicer):
             await plugin_client.close()
         self._runs.clear()
         self.clients.clear()
-        self.instances.clear()
-        self.forgotten.clear()
-
-    def is_current(self, name: str, plugin_client: client_.PluginClient | None) -> bool:
-        """Tell whether a client's ListAndWatch messages count for the resource."""
-        if self.replacement == "per-name":
-            return True  # every stream feeds the resource, as upstream before the fix
-        return self.clients.get(name) is plugin_client
 
     async def Register(
         self,
@@ -265,85 +232,69 @@ class RegistrationServer(api_pb2_grpc.RegistrationServicer):
         await self._connect_client(name, endpoint)
 
     async def deregister_plugin(self, name: str, endpoint: str) -> None:
-        """``DeRegisterPlugin``: disconnect the resource's client (per-socket: the one at ``endpoint``)."""
-        if self.replacement == "per-socket":
-            plugin_client = self.instances.get(name, {}).get(endpoint)
-            if plugin_client is None:
-                return
-            del self.instances[name][endpoint]
-            if self.clients.get(name) is plugin_client:
-                self._restore_current(name, None)
-                if self.instances.get(name):
-                    successor = list(self.instances[name].values())[-1]
-                    self.clients[name] = successor
-                    await plugin_client.close()
-                    self._handler.plugin_resumed(name, successor)
-                    return
-            await plugin_client.disconnect()
-            return
-        plugin_client = self.clients.pop(name, None)
+        """``DeRegisterPlugin``: disconnect the resource's client (from 1.37: the one at ``endpoint``)."""
+        plugin_client = self._get_client(name, endpoint)
         if plugin_client is not None:
-            await plugin_client.disconnect()
+            await self._disconnect_client(name, plugin_client)
+
+    # -- the client table (``registerClient``, ``deregisterClient``, ``getClient``) -------
+
+    def _register_client(self, name: str, plugin_client: client_.PluginClient) -> None:
+        if self.replacement == "per-name":
+            self.clients[name] = [plugin_client]  # the previous one is dropped, not closed
+        else:
+            self.clients.setdefault(name, []).append(plugin_client)
+
+    def _deregister_client(self, name: str, socket_path: str) -> None:
+        """Forget the name's client (from 1.37: every client of ``socket_path``)."""
+        if self.replacement == "per-name":
+            self.clients.pop(name, None)
+            return
+        kept = [c for c in self.clients.get(name, []) if c.socket_path != socket_path]
+        if kept:
+            self.clients[name] = kept
+        else:
+            self.clients.pop(name, None)
+
+    def _get_client(self, name: str, socket_path: str) -> client_.PluginClient | None:
+        """The name's client (from 1.37: the one of ``socket_path``), if any."""
+        for plugin_client in self.clients.get(name, []):
+            if self.replacement == "per-name" or plugin_client.socket_path == socket_path:
+                return plugin_client
+        return None
+
+    async def _disconnect_client(self, name: str, plugin_client: client_.PluginClient) -> None:
+        self._deregister_client(name, plugin_client.socket_path)
+        await plugin_client.disconnect()
 
     async def _connect_client(self, name: str, socket_path: str) -> None:
-        adapter = _InstanceHandler(self, self._handler)
         plugin_client = client_.PluginClient(
             resource=name,
             socket_path=socket_path,
-            handler=adapter,
+            handler=self._handler,
             journal=self._journal,
             dial_timeout=self._dial_timeout,
         )
-        adapter.client = plugin_client
-        per_socket = self.replacement == "per-socket"
-        if per_socket and socket_path in self.instances.get(name, {}):
-            self.forgotten.add(self.instances[name].pop(socket_path))
-            _log.info("failed to connect to new client", resource=name, socket=socket_path)
-            raise client_.ConnectError(f"device plugin already connected: {socket_path}")
-        previous = self.clients.get(name)
-        self.clients[name] = plugin_client
+        self._register_client(name, plugin_client)
         try:
             await plugin_client.connect()
         except client_.ConnectError as error:
-            if per_socket:
-                # The fix: a failed instance leaves the working one in place.
-                self._restore_current(name, previous)
-            else:
-                self.clients.pop(name, None)
-            _log.info("failed to connect to new client", resource=name, err=str(error))
+            self._deregister_client(name, socket_path)
+            _log.info("failed to connect to new client", resource=name, socket=socket_path, err=str(error))
             await plugin_client.close()
             raise
         except BaseException:
             # Cancelled (the kubelet is stopping): leave no channel behind.
-            if self.clients.get(name) is plugin_client:
-                del self.clients[name]
+            if plugin_client in self.clients.get(name, []):
+                self.clients[name].remove(plugin_client)
             await plugin_client.close()
             raise
-        if per_socket:
-            instances = self.instances.setdefault(name, {})
-            replaced = instances.pop(socket_path, None)
-            instances[socket_path] = plugin_client
-            if replaced is not None:
-                await self._drop(replaced)
         task = asyncio.create_task(self._run_client(name, plugin_client), name=f"ListAndWatch {name}")
         self._runs[task] = plugin_client
         task.add_done_callback(lambda done: self._runs.pop(done, None))
 
-    def _restore_current(self, name: str, previous: client_.PluginClient | None) -> None:
-        if previous is not None and previous in self.instances.get(name, {}).values():
-            self.clients[name] = previous
-        else:
-            self.clients.pop(name, None)
-
-    async def _drop(self, plugin_client: client_.PluginClient) -> None:
-        """Forget an instance silently: its stream's end must not count as a disconnect."""
-        for task, owner in list(self._runs.items()):
-            if owner is plugin_client:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-        await plugin_client.close()
-
     async def _run_client(self, name: str, plugin_client: client_.PluginClient) -> None:
+        """Consume the stream; at its end disconnect the name's client (from 1.37: this socket's), if any."""
         await plugin_client.run()
         self._journal.event(
             model.EventKind.STREAM_ENDED,
@@ -352,19 +303,13 @@ class RegistrationServer(api_pb2_grpc.RegistrationServicer):
             endpoint=plugin_client.socket_path,
             error=plugin_client.end_reason,
         )
-        if self.replacement == "per-socket":
-            await self._instance_ended(name, plugin_client)
-            return
-        current = self.clients.get(name)
-        if current is None:
-            return
-        self.clients.pop(name, None)
-        await current.disconnect()
-
-    async def _instance_ended(self, name: str, plugin_client: client_.PluginClient) -> None:
-        if plugin_client in self.forgotten:
-            self.forgotten.discard(plugin_client)
+        current = self._get_client(name, plugin_client.socket_path)
+        forgotten = current is None and self.replacement == "per-socket" and not plugin_client.closed
+        if current is not plugin_client:
             await plugin_client.close()
+        if current is not None:
+            await self._disconnect_client(name, current)
+        elif forgotten:
             self._journal.event(
                 model.EventKind.PLUGIN_INSTANCE_ENDED,
                 f"{name}: the instance at {plugin_client.socket_path} ended after its socket registered "
@@ -372,25 +317,3 @@ class RegistrationServer(api_pb2_grpc.RegistrationServicer):
                 resource=name,
                 endpoint=plugin_client.socket_path,
             )
-            return
-        instances = self.instances.get(name, {})
-        if instances.get(plugin_client.socket_path) is plugin_client:
-            del instances[plugin_client.socket_path]
-        if self.clients.get(name) is not plugin_client:
-            await plugin_client.close()
-            self._journal.event(
-                model.EventKind.PLUGIN_INSTANCE_ENDED,
-                f"{name}: replaced instance at {plugin_client.socket_path} ended; the resource is unaffected",
-                resource=name,
-                endpoint=plugin_client.socket_path,
-            )
-            return
-        if instances:
-            successor = list(instances.values())[-1]
-            self.clients[name] = successor
-            await plugin_client.close()
-            self._handler.plugin_resumed(name, successor)
-            return
-        self.clients.pop(name, None)
-        self.instances.pop(name, None)
-        await plugin_client.disconnect()

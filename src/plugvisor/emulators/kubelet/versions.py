@@ -143,11 +143,14 @@ RULES: Final[tuple[Rule, ...]] = (
         name="replacement_per_socket",
         since="1.37",
         until=None,
-        change="kubernetes#135437 (read in v1.37.2's plugin/v1beta1/handler.go; 1.36 not checked)",
+        change=(
+            "kubernetes#135437 (read in v1.37.2's plugin/v1beta1/handler.go and manager.go; "
+            "v1.35.4 and v1.36.3 still per name)"
+        ),
         what=(
-            "plugin instances are tracked per socket path: a second instance of a resource takes over "
-            "and the first one's end does not zero its allocatable (`--replacement per-socket`); "
-            "before, `per-name`"
+            "plugin instances are tracked per socket path: a second instance of a resource takes over, "
+            "the first one's end does not zero its allocatable, and a second Register from a connected "
+            "socket is refused (`--replacement per-socket`); before, `per-name`"
         ),
     ),
 )

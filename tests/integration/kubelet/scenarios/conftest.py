@@ -138,9 +138,9 @@ async def make_node(
         # PodResources Get where the release has it (1.27 on).
         has_get = "KubeletPodResourcesGet" in versions.rules_for(version).feature_gates
         options.setdefault("gates", FeatureGates(kubelet_pod_resources_get=has_get))
+        options.setdefault("grace_period", GRACE)
         kubelet = EmulatedKubelet(
             node_root / "device-plugins",
-            grace_period=GRACE,
             dial_timeout=2.0,
             pods_dir=node_root / "pods",
             pod_resources_burst=1000,

@@ -198,7 +198,9 @@ class TestDevicePlugin:
         self, make_node, version
     ) -> None:
         """Kubelet 1.29 and 1.35 (kubernetes#116376): the pod fails admission, its devices unhealthy."""
-        async with make_node(kubelet_version=version) as node:
+        # The resource must still be checkpointed when the kubelet restarts: a grace period that could run
+        # out between the plugin's stop and the restart (0.3 s, on a loaded machine) dropped it first.
+        async with make_node(kubelet_version=version, grace_period=60) as node:
             node.start_plugin()
             await node.wait_counts(2, 2)
             await add(node, "pod1")
@@ -217,7 +219,7 @@ class TestDevicePlugin:
 
     async def test_11_before_the_fix_the_pod_starts_without_its_plugin(self, make_node) -> None:
         """Kubelet 1.26 (issue #109595, the bug #116376 fixed): the checkpointed device is reused as is."""
-        async with make_node(kubelet_version="1.26") as node:
+        async with make_node(kubelet_version="1.26", grace_period=60) as node:  # as test_11 above
             node.start_plugin()
             await node.wait_counts(2, 2)
             await add(node, "pod1")
