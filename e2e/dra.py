@@ -72,10 +72,8 @@ def spec_file(driver: str, claim_uid: str) -> Path:
 
 def checkpoint(driver: str) -> dict[str, Any]:
     """The claims a driver has recorded as prepared (its checkpoint beside its socket), by claim UID."""
-    path = KUBELET_ROOT / "plugins" / driver / "prepared-claims.json"
-    document = json.loads(path.read_text())
-    claims = document.get("claims", document)
-    return {c["uid"]: c for c in claims} if isinstance(claims, list) else dict(claims)
+    document = json.loads((KUBELET_ROOT / "plugins" / driver / "prepared-claims.json").read_text())
+    return {claim["uid"]: claim for claim in document["claims"]}
 
 
 def kubelet_log_lines(since: float) -> Iterator[str]:
@@ -87,6 +85,16 @@ def kubelet_log_lines(since: float) -> Iterator[str]:
                     yield line
             except ValueError:
                 continue
+
+
+def kubelet_logged(marker: str, since: float) -> float:
+    """The wall-clock time of the kubelet's first log line with ``marker`` at or after ``since``."""
+    found = wait_until(
+        lambda: next((kubelet_log_time(x) for x in kubelet_log_lines(since) if marker in x), None),
+        timeout=60,
+        what=f"the kubelet's log saying {marker}",
+    )
+    return float(found)
 
 
 def socket_identity(path: Path) -> tuple[int, int]:

@@ -39,7 +39,7 @@ from plugvisor.emulators.lab import Lab
 
 from .backends import Backend, LocalBackend, wait_until
 from .backends.local import LAB_DIR
-from .deployment import LAB_DRA_OVERLAY, Worker, agents
+from .deployment import LAB_DRA_OVERLAY, Worker, agent_selector, agents
 from .dra import (
     CDI_DIR,
     GPU,
@@ -51,7 +51,7 @@ from .dra import (
     expected_devices,
     kill_process,
     kubelet_log_lines,
-    kubelet_log_time,
+    kubelet_logged,
     registration_serving,
     socket_identity,
     spec_file,
@@ -116,10 +116,8 @@ def test_resourceslices_list_every_kinds_devices_with_the_attributes_users_selec
                 assert [(o["kind"], o["name"]) for o in owners] == [("Node", NODE)], owners
             published[driver] = dra.devices(driver)
             expected = expected_devices(drivers[driver], driver)
-            assert published[driver] == expected, (
-                f"{driver} publishes other devices than its kind finds in "
-                + (f"the lab:\n{_difference(published[driver], expected)}")
-            )
+            difference = _difference(published[driver], expected)
+            assert published[driver] == expected, f"{driver} differs from what the kind finds:\n{difference}"
             name, device = next(iter(sorted(published[driver].items())))
             local.progress(f"{driver}: {len(published[driver])} devices; {name}: {json.dumps(device)}")
     assert set(published) == {e["name"] for a in agents(LAB_DRA_OVERLAY) for e in a.config["resources"]}
@@ -216,7 +214,7 @@ def _owners_are_the_pods(
     assert sorted((r.driver_name, r.pool_name, r.device_name) for r in dynamic.claim_resources) == [
         (GPU, NODE, name) for name in chosen
     ]
-    (agent,) = dra.local._running_pods(worker.name, "plugvisor.io/kind=gpu,plugvisor.io/mode=dra")
+    (agent,) = dra.local._running_pods(worker.name, agent_selector("gpu", dra=True))
     address = dra.local.core.read_namespaced_pod(agent, "kube-system").status.pod_ip
 
     def owned() -> list[str]:
@@ -405,7 +403,9 @@ def test_a_killed_driver_is_back_at_once_and_a_pod_deleted_meanwhile_is_unprepar
             timeout=local.timeout,
             what="the agent's new gpu driver registered",
         )
-        registered = _kubelet_registered_after(registration, wall)
+        registered = kubelet_logged(
+            f'"OperationExecutor.RegisterPlugin started" plugin={{"SocketPath":"{registration}"', wall
+        )
         local.progress(
             f"SIGKILL to the gpu driver (pid {child['pid']} in its pod): a new one (pid {new['pid']}) "
             f"answers on {registration.name} {1000 * (serving - killed):.0f} ms later; the kubelet "
@@ -440,23 +440,6 @@ def test_a_killed_driver_is_back_at_once_and_a_pod_deleted_meanwhile_is_unprepar
     finally:
         for pod, claim in claims.items():
             _gone(dra, pod, claim)
-
-
-def _kubelet_registered_after(registration: Path, since: float) -> float:
-    """When the kubelet's log says it registered the plugin at ``registration`` again, after ``since``."""
-    found = wait_until(
-        lambda: next(
-            (
-                kubelet_log_time(line)
-                for line in kubelet_log_lines(since)
-                if "OperationExecutor.RegisterPlugin started" in line and str(registration) in line
-            ),
-            None,
-        ),
-        timeout=60,
-        what=f"the kubelet's log registering {registration} again",
-    )
-    return float(found)
 
 
 def _kubelet_killing(pod: str, since: float) -> bool:
