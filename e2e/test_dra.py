@@ -602,6 +602,14 @@ def test_a_third_party_kind_is_a_dra_driver_from_the_docs_alone(dra: DraLab, npu
             what=f"the {NPU} slice listing the lab's cards {sorted(cards)}",
         )
         local.progress(f"{NPU} from the host agent: {json.dumps(dra.devices(NPU))}")
+        # Ready is registered with the kubelet too: a slice is published before the kubelet's plugin watcher
+        # registers the driver (up to a second later), and a pod prepared in between waits a minute in the
+        # kubelet's back-off (docs/dra.md, "Pods that arrive while the driver is not registered").
+        wait_until(
+            lambda: _host_agent_registered(npu_lab.parent / "run"),
+            timeout=local.timeout,
+            what=f"the kubelet registered {NPU}",
+        )
         dra.create_pod("dra-npu", "one-npu", "npu")
         view = _running(local, "dra-npu")
         claim = dra.claim_of("dra-npu")
@@ -629,6 +637,14 @@ def test_a_third_party_kind_is_a_dra_driver_from_the_docs_alone(dra: DraLab, npu
         local.kubectl("delete", "resourceclaimtemplate/one-npu", f"deviceclass/{NPU}", "--ignore-not-found")
         local.kubectl("delete", "resourceslices", f"--field-selector=spec.driver={NPU}")
         local.progress(f"the npu host agent's log, last lines:\n{log.read_text()[-1500:]}")
+
+
+def _host_agent_registered(runtime_dir: Path) -> bool:
+    status = subprocess.run(
+        [sys.executable, "-m", "plugvisor", "status", "--json", "--runtime-dir", str(runtime_dir)],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    return all(child["registered"] for child in json.loads(status.stdout)["children"])
 
 
 # -- the emulated kubelet held against the real one -----------------------------------------------------
