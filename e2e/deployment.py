@@ -33,14 +33,6 @@ class Agent:
     daemonset: str
     """Its DaemonSet's name: ``plugvisor-<kind>``, or ``plugvisor-<kind>-dra`` for a DRA driver's agent."""
 
-    @property
-    def dra(self) -> bool:
-        return any(entry.get("mode") == "dra" for entry in self.config["resources"])
-
-    @property
-    def pod_selector(self) -> str:
-        return agent_selector(self.kind, dra=self.dra)
-
     def runs_on(self, labels: dict[str, str]) -> bool:
         node = {"kubernetes.io/os": "linux", **labels}
         return all(node.get(key) == value for key, value in self.selector.items())

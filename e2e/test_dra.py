@@ -23,7 +23,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -523,7 +523,6 @@ def npu_lab() -> Iterator[Path]:
     A host process's paths are resolved inside its host root, as a container's under /host: what the
     DaemonSet's hostPath mount of /var/run/cdi is to a container, a bind mount is to the lab.
     """
-
     for module, what in (("plugvisor_npu", "examples/plugvisor-npu"), ("lightkube", "the dra extra")):
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"{what} is not installed (tox -e e2e-local installs it): {module}")
@@ -556,7 +555,6 @@ def test_a_third_party_kind_is_a_dra_driver_from_the_docs_alone(dra: DraLab, npu
     the API server through KUBECONFIG, and a DeviceClass for the driver. Its cards are published by serial
     number, a claim for one gets that card in the container through CDI, deleting the pod unprepares it, and
     SIGTERM stops the agent with 0."""
-
     local = dra.local
     config = npu_lab.parent / "node.yaml"
     config.write_text(
@@ -593,7 +591,6 @@ def test_a_third_party_kind_is_a_dra_driver_from_the_docs_alone(dra: DraLab, npu
             stdin=subprocess.DEVNULL, stdout=out, stderr=out,
             env={**os.environ, "KUBECONFIG": str(local.cluster.kubeconfig)},
         )  # fmt: skip
-    claim: dict[str, Any] = {}
     try:
         cards = {dict(d.attributes)["serial"].lower(): d for d in Lab.open(npu_lab).devices(kind="acme-npu")}
         wait_until(
@@ -613,7 +610,7 @@ def test_a_third_party_kind_is_a_dra_driver_from_the_docs_alone(dra: DraLab, npu
         dra.create_pod("dra-npu", "one-npu", "npu")
         view = _running(local, "dra-npu")
         claim = dra.claim_of("dra-npu")
-        ((result),) = claim["status"]["allocation"]["devices"]["results"]
+        (result,) = claim["status"]["allocation"]["devices"]["results"]
         card = cards[result["device"]]
         given = {node.path for node in card.device_nodes}
         others = {node.path for c in cards.values() if c is not card for node in c.device_nodes}
@@ -662,11 +659,12 @@ REGISTRATIONS: dict[str, list[dict[str, Any]]] = {
     "two plugins of one driver, two endpoints": [{}, {"endpoint": "{root}/plugins/{name}/other.sock"}],
 }
 """Registrations a DRA driver's kubelet plugin could make (GetInfo's answers; none serves its endpoint)."""
+Logged = Callable[[Path], str | None]
+"""What a kubelet logged as a registration socket's first failed registration, if it did."""
 
 
 def _registrars(registry: Path, root: Path) -> list[tuple[str, Any]]:
     """One stub registration socket per registration of REGISTRATIONS, each case with its own driver name."""
-
     stubs = []
     for number, (case, plugins) in enumerate(REGISTRATIONS.items()):
         driver = f"case{number}.parity.plugvisor.io"
@@ -683,10 +681,9 @@ def _registrars(registry: Path, root: Path) -> list[tuple[str, Any]]:
     return stubs
 
 
-async def _register_all(registry: Path, root: Path, logged: Any, timeout: float) -> dict[str, list[Any]]:
+async def _register_all(registry: Path, root: Path, logged: Logged, timeout: float) -> dict[str, list[Any]]:
     """Serve every registrar on ``registry``; per case, what each plugin was told first and what the kubelet
     logged about it (its first failed registration), paths written relative to ``root``."""
-
     stubs = _registrars(registry, root)
     for _, stub in stubs:
         await stub.start()
@@ -715,7 +712,9 @@ async def _register_all(registry: Path, root: Path, logged: Any, timeout: float)
     return {case: sorted(found, key=repr) for case, found in outcomes.items()}
 
 
-def _real_kubelet_failures(since: float) -> Any:
+def _real_kubelet_failures(since: float) -> Logged:
+    """The real kubelet's failed registration of a socket, from its log (goroutinemap's retry line)."""
+
     def logged(socket: Path) -> str | None:
         marker = f'Operation for "{socket}" failed.'
         return next(
@@ -734,7 +733,6 @@ def test_the_emulated_kubelet_registers_dra_plugins_as_the_real_one_does(dra: Dr
     """The same DRA registrations (good ones, bad versions, names, types, duplicate endpoints) made to the
     real kubelet's plugin watcher and to `plugvisor kubelet`'s: each plugin is told the same
     (NotifyRegistrationStatus), and each kubelet logs the same failure for each refused one."""
-
     local = dra.local
     since = time.time()
     real = asyncio.run(_register_all(PLUGINS_REGISTRY, KUBELET_ROOT, _real_kubelet_failures(since), 60))
