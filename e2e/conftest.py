@@ -79,6 +79,15 @@ def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
         _ACTIVE.remove(chosen)
 
 
+LAST = ("test_dra.py",)
+"""Modules that run after the others: the DRA scenarios start on the worker the device-plugin scenarios
+end on, and leave their drivers running (the local node plays one worker at a time: a switch takes time)."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.path.name in LAST)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> Any:
     """On a failure, add what a person needs: the agents' logs, the nodes, the events."""

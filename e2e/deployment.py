@@ -1,7 +1,8 @@
-"""What the repository says the kind cluster runs: workers, their lab profiles, the agents of the lab overlay.
+"""What the repository says the kind cluster runs: workers, their lab profiles, the lab overlays' agents.
 
-Read from kind-config.yaml and deploy/kubernetes/overlays/lab, the files `tox -e e2e` applies, so the
-emulated backend plays the same node layout and configuration as the kind cluster.
+Read from kind-config.yaml and deploy/kubernetes/overlays/lab (device plugins) or lab-dra (DRA drivers), the
+files `tox -e e2e` applies, so the emulated backend plays the same node layout and configuration as the kind
+cluster.
 (tests/integration/deploy checks that these files agree with what `kubectl kustomize` renders.)
 """
 
@@ -17,17 +18,20 @@ from plugvisor.emulators.lab import Profile, load_profile
 
 REPO = Path(__file__).resolve().parent.parent
 LAB_OVERLAY = REPO / "deploy/kubernetes/overlays/lab"
+LAB_DRA_OVERLAY = REPO / "deploy/kubernetes/overlays/lab-dra"
 KIND_CONFIG = REPO / "kind-config.yaml"
 PROFILE_LABEL = "plugvisor.io/lab-profile"
 
 
 @dataclass(frozen=True)
 class Agent:
-    """One agent DaemonSet of the lab overlay: its kind, node selector and node.yaml."""
+    """One agent DaemonSet of a lab overlay: its kind, node selector and node.yaml."""
 
     kind: str
     selector: dict[str, str]
     config: dict[str, Any]
+    daemonset: str
+    """Its DaemonSet's name: ``plugvisor-<kind>``, or ``plugvisor-<kind>-dra`` for a DRA driver's agent."""
 
     def runs_on(self, labels: dict[str, str]) -> bool:
         node = {"kubernetes.io/os": "linux", **labels}
@@ -36,6 +40,12 @@ class Agent:
     @property
     def resources(self) -> list[str]:
         return [entry["name"] for entry in self.config["resources"]]
+
+
+def agent_selector(kind: str, *, dra: bool) -> str:
+    """A label selector for the pods of a kind's device-plugin agent, or of its DRA driver's agent (both
+    carry the kind's label; a DRA overlay's agent also says plugvisor.io/mode=dra)."""
+    return f"plugvisor.io/kind={kind}," + ("plugvisor.io/mode=dra" if dra else "!plugvisor.io/mode")
 
 
 @dataclass(frozen=True)
@@ -65,20 +75,25 @@ def workers() -> list[Worker]:
     return found
 
 
-def agents() -> list[Agent]:
-    kustomization = yaml.safe_load((LAB_OVERLAY / "kustomization.yaml").read_text())
+def agents(overlay: Path = LAB_OVERLAY) -> list[Agent]:
+    """The agents of the lab overlay (device plugins), or of ``LAB_DRA_OVERLAY`` (DRA drivers)."""
+    kustomization = yaml.safe_load((overlay / "kustomization.yaml").read_text())
     files = {}
     for generator in kustomization["configMapGenerator"]:
         (entry,) = generator["files"]
-        files[generator["name"].removeprefix("plugvisor-config-")] = LAB_OVERLAY / entry.split("=", 1)[1]
+        files[generator["name"].replace("plugvisor-config-", "plugvisor-", 1)] = (
+            overlay / entry.split("=", 1)[1]
+        )
     found = []
     for patch in kustomization["patches"]:
-        document = yaml.safe_load((LAB_OVERLAY / patch["path"]).read_text())
-        kind = document["metadata"]["name"].removeprefix("plugvisor-")
+        document = yaml.safe_load((overlay / patch["path"]).read_text())
+        daemonset = document["metadata"]["name"]
+        config = yaml.safe_load(files[daemonset].read_text())
         selector = {
             k: v for k, v in document["spec"]["template"]["spec"]["nodeSelector"].items() if k != "$patch"
         }
-        found.append(Agent(kind, selector, yaml.safe_load(files[kind].read_text())))
+        (kind,) = {entry["kind"] for entry in config["resources"]}
+        found.append(Agent(kind, selector, config, daemonset))
     return found
 
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
+from pathlib import Path
 from typing import Any
 
-from ..deployment import LAB_OVERLAY, Worker, agents, workers
+from ..deployment import LAB_OVERLAY, Worker, agent_selector, agents, workers
 from .common import IMAGE, POD_SCRIPT, PodView, Progress, parse_shell_report, wait_until
 
 
@@ -41,8 +42,8 @@ class ApiBackend:
         self.progress("kubectl apply -k deploy/kubernetes/overlays/lab")
         self.kubectl("apply", "-k", str(LAB_OVERLAY))
 
-    def wait_daemonsets(self) -> None:
-        for name in ["plugvisor-lab", *(f"plugvisor-{a.kind}" for a in agents())]:
+    def wait_daemonsets(self, overlay: Path = LAB_OVERLAY) -> None:
+        for name in ["plugvisor-lab", *(a.daemonset for a in agents(overlay))]:
             self.kubectl(
                 "-n", "kube-system", "rollout", "status", f"ds/{name}", "--timeout=600s", timeout=660
             )
@@ -143,15 +144,16 @@ class ApiBackend:
         pod = self._pod_on(worker, "app.kubernetes.io/name=plugvisor-lab")
         return self.kubectl("-n", "kube-system", "exec", pod, "-c", "watch", "--", "cat", f"/lab/{path}")
 
-    def agent_exec(self, worker: str, kind: str, argv: list[str]) -> str:
-        pod = self._pod_on(worker, f"plugvisor.io/kind={kind}")
+    def agent_exec(self, worker: str, kind: str, argv: list[str], *, dra: bool = False) -> str:
+        pod = self._pod_on(worker, agent_selector(kind, dra=dra))
         return self.kubectl("-n", "kube-system", "exec", pod, "-c", "agent", "--", *argv)
 
     def delete_agent(self, worker: str, kind: str) -> None:
-        pod = self._pod_on(worker, f"plugvisor.io/kind={kind}")
+        selector = agent_selector(kind, dra=False)
+        pod = self._pod_on(worker, selector)
         self.core.delete_namespaced_pod(pod, "kube-system")
         wait_until(  # maxSurge 0: the new pod is made once the old one is gone
-            lambda: set(self._running_pods(worker, f"plugvisor.io/kind={kind}")) - {pod},
+            lambda: set(self._running_pods(worker, selector)) - {pod},
             timeout=self.timeout,
             what=f"the DaemonSet replaced agent pod {pod}",
             interval=1,
@@ -169,6 +171,8 @@ class ApiBackend:
             ["describe", "pods", "-n", "default"],
             ["get", "events", "-A", "--sort-by=.lastTimestamp"],
             ["get", "pods", "-A", "-o", "wide"],
+            ["get", "resourceclaims", "-A", "-o", "yaml"],
+            ["get", "resourceslices", "-o", "yaml"],
         ):  # fmt: skip
             try:
                 parts.append(f"--- kubectl {' '.join(argv)}\n{self.kubectl(*argv, timeout=60)[-6000:]}")

@@ -30,6 +30,8 @@ from .conftest import KUBERNETES_VERSION, OVERLAYS, REPO, kind_config, objects, 
 KUBELET_DEVICE_PLUGINS = "/var/lib/kubelet/device-plugins"
 DRA_CDI_DIR = "/var/run/cdi"
 """Where a DRA driver writes each prepared claim's CDI spec (its --cdi-dir default, inside hostRoot)."""
+PCI_IDS_DIR = "/usr/share"
+"""Where the PCI ID database is (usr/share/hwdata, misc, or share itself, by distribution)."""
 KUBELET_POD_RESOURCES = "/var/lib/kubelet/pod-resources"
 _GLOB = re.compile(r"[*?\[]")
 
@@ -38,7 +40,7 @@ def test_every_kind_has_an_overlay_and_the_readme_names_each() -> None:
     """One overlay per kind, the CDI variant and the lab; the README says which to apply for what."""
     assert set(OVERLAYS) == {
         *("gpu", "gpu-cdi", "nic", "fpga", "generic", "lab"),
-        *("gpu-dra", "nic-dra", "fpga-dra", "generic-dra"),
+        *("gpu-dra", "nic-dra", "fpga-dra", "generic-dra", "lab-dra"),
     }
     readme = (REPO / "README.md").read_text()
     for overlay in OVERLAYS:
@@ -105,6 +107,8 @@ def _needed_host_paths(config: NodeConfig) -> dict[str, bool]:
         options = resource.options
         if resource.dra:
             needs[DRA_CDI_DIR] = True  # each prepared claim's CDI spec
+            if resource.kind in ("gpu", "nic", "fpga"):
+                needs[PCI_IDS_DIR] = False  # the devices' `model` attribute, from pci.ids
         if resource.kind == "gpu":
             needs |= {"/sys": False, "/dev": False, "/proc/driver": False}
             if options.get("cdi"):
@@ -127,6 +131,16 @@ def _needed_host_paths(config: NodeConfig) -> dict[str, bool]:
         else:
             pytest.fail(f"no mount rule for kind {resource.kind!r}: add one to this test")
     return needs
+
+
+def _cdi_dirs(config: NodeConfig) -> set[str]:
+    """The CDI spec directories the configuration writes (DRA claims', the gpu kind's with `cdi: true`)."""
+    found = {DRA_CDI_DIR for resource in config.resources if resource.dra}
+    return found | {
+        resource.options.get("cdiDir", DRA_CDI_DIR)
+        for resource in config.resources
+        if resource.kind == "gpu" and resource.options.get("cdi")
+    }
 
 
 @pytest.mark.parametrize(("overlay", "name"), _agent_ids())
@@ -152,11 +166,15 @@ def test_mounts_are_exactly_what_the_configured_kinds_read_and_write(overlay: st
         mount = under_root[max(candidates, key=len)]
         used.add(mount["mountPath"])
         relative = mount["mountPath"][len(host_root) :]
-        assert volumes[mount["name"]]["hostPath"]["path"] == posixpath.join(
-            spec_root, relative.lstrip("/")
-        ), (
-            f"{name}: {mount['mountPath']} must come from the node's {spec_root}{relative}, "
-            "the path the kubelet is told (specRoot)"
+        # CDI specs are read by the node's container runtime, at the node's own path, whatever specRoot says.
+        source = relative if path in _cdi_dirs(config) else posixpath.join(spec_root, relative.lstrip("/"))
+        assert volumes[mount["name"]]["hostPath"]["path"] == source, (
+            f"{name}: {mount['mountPath']} must come from the node's {source}, "
+            + (
+                "where the container runtime reads CDI specs"
+                if source == relative
+                else "the path the kubelet is told (specRoot)"
+            )
         )
         assert bool(mount.get("readOnly")) is not writable, (
             f"{name}: {mount['mountPath']} must be {'read-write' if writable else 'read-only'}"
@@ -410,7 +428,10 @@ def test_every_attribute_a_class_or_example_selects_on_is_one_its_driver_publish
     assert checked >= 3  # the VF example's pfName and rdma, the GPU pair's pcieRoot
 
 
-# -- the lab overlay and kind-config.yaml ---------------------------------------------------------------
+# -- the lab overlays and kind-config.yaml --------------------------------------------------------------
+
+LAB_OVERLAYS = ("lab", "lab-dra")
+"""The lab's kinds as device plugins, and as DRA drivers."""
 
 
 def _workers() -> list[dict[str, Any]]:
@@ -446,11 +467,15 @@ def test_kind_config_is_a_control_plane_and_two_lab_workers() -> None:
     assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["MKNOD"]}
 
 
-def test_every_lab_agent_reads_the_lab_the_lab_pod_writes() -> None:
-    """The agents' specRoot is the node directory the lab is created in, so the runtime finds the nodes."""
-    lab_dir = _volumes(_daemonset("lab", "plugvisor-lab"))["lab"]["hostPath"]["path"]
-    for ds in _agents("lab"):
-        config, _ = _node_config("lab", ds)
+@pytest.mark.parametrize("overlay", LAB_OVERLAYS)
+def test_every_lab_agent_reads_the_lab_the_lab_pod_writes(overlay: str) -> None:
+    """The agents' specRoot is the node directory the lab is created in, so the runtime finds the nodes;
+    both lab overlays run the same lab."""
+    lab = _daemonset(overlay, "plugvisor-lab")
+    assert lab == _daemonset("lab", "plugvisor-lab")
+    lab_dir = _volumes(lab)["lab"]["hostPath"]["path"]
+    for ds in _agents(overlay):
+        config, _ = _node_config(overlay, ds)
         assert str(config.spec_root) == lab_dir, ds["metadata"]["name"]
 
 
@@ -482,14 +507,15 @@ def _devices(config: NodeConfig, root: str) -> dict[str, int]:
     return found
 
 
+@pytest.mark.parametrize("overlay", LAB_OVERLAYS)
 def test_each_kind_runs_exactly_on_the_workers_whose_lab_has_its_hardware(
-    worker_labs: dict[str, str],
+    worker_labs: dict[str, str], overlay: str
 ) -> None:
     """Scheduled by the worker's labels => its resources find devices in that worker's lab; not scheduled
     => they would find none. Every kind runs somewhere."""
-    for ds in _agents("lab"):
+    for ds in _agents(overlay):
         name = ds["metadata"]["name"]
-        config, _ = _node_config("lab", ds)
+        config, _ = _node_config(overlay, ds)
         placed = []
         for worker in _workers():
             profile = worker["labels"]["plugvisor.io/lab-profile"]
@@ -502,11 +528,14 @@ def test_each_kind_runs_exactly_on_the_workers_whose_lab_has_its_hardware(
         assert placed, f"{name} runs on no worker of kind-config.yaml"
 
 
-def test_lab_agents_differ_from_the_kind_overlays_only_in_where_the_host_is() -> None:
-    """The lab reuses each kind overlay: same resources and kind options, only specRoot differs."""
-    for ds in _agents("lab"):
-        kind = ds["metadata"]["labels"]["plugvisor.io/kind"]
-        _, lab_raw = _node_config("lab", ds)
+@pytest.mark.parametrize("overlay", LAB_OVERLAYS)
+def test_lab_agents_differ_from_the_kind_overlays_only_in_where_the_host_is(overlay: str) -> None:
+    """The lab reuses each kind overlay (lab-dra each kind's DRA overlay): same resources and kind options,
+    only specRoot differs."""
+    for ds in _agents(overlay):
+        labels = ds["metadata"]["labels"]
+        kind = labels["plugvisor.io/kind"] + ("-dra" if labels.get("plugvisor.io/mode") == "dra" else "")
+        _, lab_raw = _node_config(overlay, ds)
         _, real_raw = _node_config(kind, _daemonset(kind, ds["metadata"]["name"]))
         assert {k: v for k, v in lab_raw.items() if k != "specRoot"} == {
             k: v for k, v in real_raw.items() if k != "specRoot"

@@ -152,8 +152,12 @@ class TestHealth:
             )
             assert kubelet.dra.health[(DRIVER, NODE, name)].message
 
-    async def test_without_the_gate_there_is_no_health_stream(self, kubelet, lab_root):
-        async with running(kubelet, lab_root) as gpu:
+    async def test_without_the_gate_there_is_no_health_stream(self, base, lab_root):
+        from plugvisor.emulators.kubelet import FeatureGates
+
+        # Off by hand: 1.36 and later (the emulator's default kubelet is 1.37) have it on by default.
+        kubelet = make_kubelet(base, gates=FeatureGates(resource_health_status=False))
+        async with kubelet, running(kubelet, lab_root) as gpu:
             (plugin,) = kubelet.dra.plugins[DRIVER]
             assert plugin.health_service == "v1.DRAResourceHealth" and plugin.health_task is None
             assert kubelet.dra.health == {} and gpu.runtime.server.open_health_streams == 0

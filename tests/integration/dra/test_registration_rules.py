@@ -72,6 +72,24 @@ class TestAccepted:
             assert kubelet.dra.plugin(DRIVER).endpoint == str(base / "a.sock")
         await kubelet.wait_for(lambda k: DRIVER not in k.dra.plugins, what="a deregistered")
 
+    async def test_a_newer_plugin_nobody_serves_does_not_take_the_calls_of_a_connected_one(
+        self, kubelet, base
+    ):
+        """Upstream's GetPlugin prefers connected plugins: a rolling update's new instance whose endpoint
+        never came up does not take the driver's claims (e2e/test_dra.py shows the real kubelet do it)."""
+        assert kubelet.plugins_registry is not None
+        served = kubelet.plugins_registry / "a-reg.sock"  # the stub serves gRPC on its own socket
+        first = registrar(kubelet, "a-reg.sock", ("v1.DRAPlugin",), endpoint=str(served))
+        second = registrar(kubelet, "b-reg.sock", ("v1.DRAPlugin",), endpoint=str(base / "nobody.sock"))
+        async with first:
+            await statuses(first, 1)
+            async with second:
+                assert await statuses(second, 1) == [(True, "")]
+                await kubelet.wait_for(
+                    lambda k: k.dra.plugin(DRIVER).endpoint == str(served), what="the connected plugin chosen"
+                )
+                assert len(kubelet.dra.plugins[DRIVER]) == 2
+
 
 class TestRefused:
     @pytest.mark.parametrize(
@@ -92,12 +110,22 @@ class TestRefused:
         endpoint = str(base / "dra.sock")
         async with registrar(kubelet, "a-reg.sock", versions, endpoint=endpoint) as stub:
             (status,) = (await statuses(stub, 1))[:1]
-            assert status == (
-                False,
+            told = (
                 "RegisterPlugin error -- plugin validation failed with err: invalid supported gRPC versions "
-                f"of DRA driver plugin {DRIVER} at endpoint {endpoint}: {problem}",
+                f"of DRA driver plugin {DRIVER} at endpoint {endpoint}: {problem}"
             )
+            assert status == (False, told)
             assert DRIVER not in kubelet.dra.plugins
+            # The kubelet logs the refusal it told as an error sending it (upstream's notifyPlugin).
+            await kubelet.wait_for(
+                lambda k: any(
+                    e.message
+                    == f"RegisterPlugin error -- failed to send error at socket {stub.socket_path}, "
+                    f"err: {told}"
+                    for e in k.events
+                ),
+                what="the refusal in the kubelet's events",
+            )
 
     async def test_one_endpoint_cannot_be_registered_twice_for_a_driver(self, kubelet, base):
         endpoint = str(base / "dra.sock")

@@ -107,9 +107,12 @@ class TestValidation:
         async with stub:
             (status,) = await statuses(stub, 1)
             assert status == (False, f"RegisterPlugin error -- plugin validation failed with err: {error}")
+            # What the real kubelet logs for it (its notifyPlugin returns the refusal as an error).
             await node.wait_for(
                 lambda k: any(
-                    e.message == "RegisterPlugin error -- pluginHandler.ValidatePluginFunc failed"
+                    e.message
+                    == f"RegisterPlugin error -- failed to send error at socket {stub.socket_path}, err: "
+                    f"RegisterPlugin error -- plugin validation failed with err: {error}"
                     for e in k.events
                 ),
                 what="the operation's own failure event",

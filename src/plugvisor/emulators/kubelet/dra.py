@@ -10,8 +10,9 @@ of ``pkg/kubelet/cm/dra/manager.go``), rule by rule and text by text:
   kubelet's most recent one the plugin lists (``v1.DRAResourceHealth``, then
   ``v1alpha1.DRAResourceHealth``). The driver name is not checked by the
   kubelet (the API server checks it in the slices). Several plugins of one
-  driver may register (a rolling update); the most recent is called; one
-  endpoint cannot be registered twice for a driver. Deregistration (the
+  driver may register (a rolling update); the most recent one whose
+  connection is up is called, else the most recent; one endpoint cannot be
+  registered twice for a driver. Deregistration (the
   registration socket removed) drops the plugin;
 * **claims**: there is no scheduler and no API server here, so the test states
   the allocation: :meth:`DraManager.prepare` takes a ResourceClaim object with
@@ -197,6 +198,16 @@ class DraPlugin:
             "unix:" + endpoint, options=[("grpc.use_local_subchannel_pool", 1)]
         )
         self.health_task: asyncio.Task[None] | None = None
+        self.channel.get_state(try_to_connect=True)  # as the kubelet's conn.Connect(): know early
+
+    @property
+    def connected(self) -> bool:
+        """Whether the connection to the endpoint is up (the kubelet's ``monitoredPlugin.connected``).
+
+        Asking reconnects a dropped connection, as the kubelet does at every
+        connection end, so a plugin that comes back counts again.
+        """
+        return self.channel.get_state(try_to_connect=True) is grpc.ChannelConnectivity.READY
 
     async def call(self, method: str, request: Any, response_type: Any, timeout: float) -> Any:
         """One unary call of the chosen DRAPlugin version (its messages are v1's, byte for byte)."""
@@ -287,13 +298,18 @@ class DraManager:
         self.health.clear()
 
     def plugin(self, driver: str) -> DraPlugin:
-        """``GetPlugin``: the most recent plugin of ``driver``; :class:`DraCallError` (the kubelet's text)."""
+        """``GetPlugin``: the most recent connected plugin of ``driver``, else the most recent one.
+
+        A rolling update's new instance takes the calls once its endpoint serves,
+        not when it registers; :class:`DraCallError` (the kubelet's text) when
+        there is none.
+        """
         if not driver:
             raise DraCallError("DRA driver name is empty")
         registered = self.plugins.get(driver)
         if not registered:
             raise DraCallError(f"DRA driver {driver} is not registered")
-        return registered[-1]
+        return next((plugin for plugin in reversed(registered) if plugin.connected), registered[-1])
 
     # -- claims ------------------------------------------------------------------------------
 

@@ -21,8 +21,10 @@ and the kubelet dials back. This module follows the upstream parts one by one:
   (``DevicePlugin``, and ``DRAPlugin`` on kubelets with DRA, see :mod:`.dra`),
   an empty endpoint meaning the registry socket itself, ``ValidatePlugin``,
   ``RegisterPlugin``, and ``NotifyRegistrationStatus`` (5 s) telling the plugin
-  the outcome, with upstream's error texts; a plugin that cannot be told it
-  was registered is deregistered again;
+  the outcome, with upstream's error texts, and failing the operation with the
+  texts the kubelet logs (a refusal told is logged as ``failed to send error at
+  socket``, as upstream's ``notifyPlugin`` returns it as an error); a plugin that
+  cannot be told it was registered is deregistered again;
 * **the DevicePlugin handler** (``devicemanager/plugin/v1beta1/handler.go``):
   ``ValidatePlugin`` checks the supported versions and the resource name;
   ``RegisterPlugin`` connects to ``PluginInfo.endpoint`` as a full socket path
@@ -45,7 +47,7 @@ import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, Protocol
+from typing import Final, NoReturn, Protocol
 
 import grpc
 from asyncinotify import Inotify, Mask
@@ -300,26 +302,22 @@ class PluginWatcher:
                 ) from None
             handler = handlers.get(info.type)
             if handler is None:
-                message = (
+                await self._refuse(
+                    plugin,
+                    socket_path,
                     f"RegisterPlugin error -- no handler registered for plugin type: {info.type} "
-                    f"at socket {socket_path}"
+                    f"at socket {socket_path}",
                 )
-                await self._notify(plugin, socket_path, registered=False, error=message)
-                raise RegistrationFailedError(message)
             endpoint = info.endpoint or socket_path
             versions = list(info.supported_versions)
             record = _Record(self._journal, info.name, endpoint, versions, received_at)
             problem = handler.validate_plugin(info.name, endpoint, versions)
             if problem is not None:
                 record.done(problem)
-                await self._notify(
+                await self._refuse(
                     plugin,
                     socket_path,
-                    registered=False,
-                    error=f"RegisterPlugin error -- plugin validation failed with err: {problem}",
-                )
-                raise RegistrationFailedError(
-                    "RegisterPlugin error -- pluginHandler.ValidatePluginFunc failed"
+                    f"RegisterPlugin error -- plugin validation failed with err: {problem}",
                 )
             # Recorded before the handler runs, so that a removal meanwhile becomes a deregistration.
             self.actual[socket_path] = RegisteredPlugin(socket_path, timestamp, info.name, endpoint, handler)
@@ -329,29 +327,47 @@ class PluginWatcher:
                 self.actual.pop(socket_path, None)
                 record.done(str(error))
                 message = f"RegisterPlugin error -- plugin registration failed with err: {error}"
-                await self._notify(plugin, socket_path, registered=False, error=message)
-                raise RegistrationFailedError(message) from None
+                raise RegistrationFailedError(
+                    await self._notify(plugin, registered=False, error=message)
+                ) from None
             record.done(None)
-            try:
-                await self._notify(plugin, socket_path, registered=True, error="")
-            except RegistrationFailedError:
+            failure = await self._notify(plugin, registered=True, error="")
+            if failure is not None:
                 self.actual.pop(socket_path, None)
                 await handler.deregister_plugin(info.name, endpoint)
-                raise
+                raise RegistrationFailedError(
+                    f"RegisterPlugin error -- failed to send registration status at socket {socket_path}, "
+                    f"err: {failure}"
+                )
+
+    async def _refuse(
+        self, plugin: reg_grpc.RegistrationAsyncStub, socket_path: str, message: str
+    ) -> NoReturn:
+        """Tell the plugin why it is refused; the operation fails with upstream's words.
+
+        Upstream's ``notifyPlugin`` returns the refusal as an error even when it was
+        sent, so the kubelet logs every refusal as ``failed to send error at socket``.
+        """
+        failure = await self._notify(plugin, registered=False, error=message)
+        raise RegistrationFailedError(
+            f"RegisterPlugin error -- failed to send error at socket {socket_path}, err: {failure}"
+        )
 
     async def _notify(
-        self, plugin: reg_grpc.RegistrationAsyncStub, socket_path: str, *, registered: bool, error: str
-    ) -> None:
-        """``notifyPlugin``: tell the plugin the outcome; a failure to tell is itself the error."""
+        self, plugin: reg_grpc.RegistrationAsyncStub, *, registered: bool, error: str
+    ) -> str | None:
+        """``notifyPlugin``: tell the plugin the outcome, and return upstream's error for it.
+
+        That is ``error`` itself when there is one, with the RPC's failure after it
+        when telling failed; None for a registration told.
+        """
         try:
             await plugin.NotifyRegistrationStatus(
                 reg_pb2.RegistrationStatus(plugin_registered=registered, error=error), timeout=NOTIFY_TIMEOUT
             )
         except grpc.aio.AioRpcError as failure:
-            raise RegistrationFailedError(
-                f"RegisterPlugin error -- failed to send registration status at socket {socket_path}, "
-                f"err: {error}: {errors.go_rpc_error(failure)}"
-            ) from None
+            return f"{error}: {errors.go_rpc_error(failure)}"
+        return error or None
 
 
 class _Record:
