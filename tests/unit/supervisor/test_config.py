@@ -293,16 +293,16 @@ class TestDraMode:
         [
             (
                 "{name: plugvisor.io/gpu, kind: gpu, mode: dra}",
-                "node.yaml: resources[0].name: Value error, DRA driver name 'plugvisor.io/gpu' is not a DNS "
+                "node.yaml: resources[0].name: DRA driver name 'plugvisor.io/gpu' is not a DNS "
                 "subdomain",
             ),
             (
                 "{name: gpu.plugvisor.io, kind: gpu}",
-                "node.yaml: resources[0].name: Value error, 'gpu.plugvisor.io' has no domain",
+                "node.yaml: resources[0].name: 'gpu.plugvisor.io' has no domain",
             ),
             (
                 "{name: gpu.plugvisor.io, kind: gpu, mode: dra, registration: kubelet-sock}",
-                "node.yaml: resources[0]: Value error, a DRA driver registers through the kubelet's plugin "
+                "node.yaml: resources[0]: a DRA driver registers through the kubelet's plugin "
                 "watcher: leave out registration",
             ),
             (
@@ -365,4 +365,4 @@ class TestDraMode:
             "nodeName: Worker_1\nresources:\n  - {name: gpu.plugvisor.io, kind: gpu, mode: dra}\n"
         )
 
-        assert "node.yaml: nodeName: Value error, 'Worker_1' is not a lowercase DNS-1123 subdomain" in errors
+        assert "node.yaml: nodeName: 'Worker_1' is not a lowercase DNS-1123 subdomain" in errors

@@ -182,7 +182,7 @@ class TestMetrics:
         assert "plugvisor_kubelet_restarts_total 0.0" in text
         assert "plugvisor_ready 0.0" in text
 
-    def test_a_dra_driver_shows_its_mode_and_whether_its_slices_are_synced(
+    async def test_a_dra_driver_shows_its_mode_and_whether_its_slices_are_synced(
         self, running, tmp_path, agent_lock
     ):
         """A DRA child's SLICES= report reaches `plugvisor status` and /metrics."""
@@ -190,7 +190,7 @@ class TestMetrics:
         child.spec = dataclasses.replace(child.spec, mode="dra")
         running.handle_report(child.pid, {"REGISTERED": "1", "DEVICES": "8/8", "SLICES": "failing: HTTP 403"})
 
-        text = Metrics(running.snapshot, multiproc_dir=tmp_path).render().decode()
+        text = (await Metrics(running.snapshot, multiproc_dir=tmp_path).render()).decode()
         document = running.snapshot()
         document["supervisor"]["pid"] = os.getpid()
         status_.write_state(tmp_path, document)
