@@ -11,6 +11,20 @@ import pytest
 STEP = re.compile(r"^─+ (\d+)\. (.+?) ─+$", re.MULTILINE)
 
 
+def in_session(sid: int) -> list[str]:
+    """What still runs in the session ``sid``: orphans keep the session of the demo that made them."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # gone meanwhile
+            continue
+        fields = text.rsplit(")", 1)[1].split()
+        if int(fields[3]) == sid:  # after the name: state, ppid, pgrp, session
+            found.append(text.split(")", 1)[0] + ")")  # "pid (comm)"
+    return found
+
+
 def leftovers() -> set[Path]:
     return {*Path("/tmp").glob("pvdemo-*"), *Path("/dev/shm").glob("pvdemo-*")}
 
@@ -22,16 +36,22 @@ def played():
     A wide terminal, so that the tables' rows are not folded (the content is under test, not the layout).
     """
     before = leftovers()
-    result = subprocess.run(
+    with subprocess.Popen(
         [sys.executable, "-m", "plugvisor", "demo", "--no-live", "--pace", "0.01"],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=180,
-        check=False,
         env={**os.environ, "COLUMNS": "140"},
-    )
+        start_new_session=True,  # its own session: whatever it leaves running is found by it
+    ) as demo:
+        try:
+            stdout, stderr = demo.communicate(timeout=180)
+        finally:
+            if demo.returncode is None:
+                os.killpg(demo.pid, 9)
+    result = subprocess.CompletedProcess(demo.args, demo.returncode, stdout, stderr)
     assert result.returncode == 0, result.stdout + result.stderr
-    return result, before
+    return result, before, demo.pid
 
 
 def steps(out: str) -> dict[str, str]:
@@ -46,7 +66,7 @@ def gpu_row(screen: str, gpu: str) -> str:
 
 
 def test_the_demo_tells_the_whole_story_and_cleans_up(played):
-    result, before = played
+    result, before, session = played
     out = result.stdout
     for pattern in (
         r"8 GPUs on 4 PCIe switches and 2 NUMA nodes",
@@ -66,10 +86,7 @@ def test_the_demo_tells_the_whole_story_and_cleans_up(played):
         assert re.search(pattern, out), f"missing /{pattern}/ in:\n{out}"
     assert "Traceback" not in result.stderr, result.stderr
     assert leftovers() == before
-    no_orphans = subprocess.run(
-        ["pgrep", "-f", "pv-forkserver|pv:plugvisor.io"], capture_output=True, check=False
-    )
-    assert no_orphans.stdout == b"", no_orphans.stdout
+    assert in_session(session) == []  # no fork server, plugin or emulator outlives the demo
 
 
 def test_each_fault_is_on_screen_during_its_pause_and_healed_only_in_the_next_step(played):
