@@ -293,8 +293,7 @@ class TestDraMode:
         [
             (
                 "{name: plugvisor.io/gpu, kind: gpu, mode: dra}",
-                "node.yaml: resources[0].name: DRA driver name 'plugvisor.io/gpu' is not a DNS "
-                "subdomain",
+                "node.yaml: resources[0].name: DRA driver name 'plugvisor.io/gpu' is not a DNS subdomain",
             ),
             (
                 "{name: gpu.plugvisor.io, kind: gpu}",
