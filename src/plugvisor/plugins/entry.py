@@ -202,7 +202,8 @@ class _ModeDispatch(click.Command):
     "--plugins-registry",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
-    help="The kubelet's plugins_registry directory [default: beside --kubelet-dir].",
+    help="The kubelet's plugins_registry directory [default: beside --kubelet-dir: its parent's "
+    "plugins_registry when it is named device-plugins, else <DIR>.plugins_registry].",
 )
 @click.option(
     "--replace",

@@ -27,7 +27,12 @@ import pydantic
 import pydantic_core
 
 from plugvisor.common import constants
-from plugvisor.common.hostpaths import host_root_problem, kubelet_dir_problem, writable_dir_problem
+from plugvisor.common.hostpaths import (
+    beside_kubelet_dir,
+    host_root_problem,
+    kubelet_dir_problem,
+    writable_dir_problem,
+)
 from plugvisor.common.names import dra_driver_name_problem, extended_resource_name_problem, node_name_problem
 from plugvisor.common.sockets import longest_socket_path
 from plugvisor.common.validation import describe, known_keys, shorten, unknown_key
@@ -241,6 +246,11 @@ class NodeConfig(_Model):
         return self.kubelet_dir.parent
 
     @property
+    def plugins_registry(self) -> Path:
+        """Where plugin-watcher children serve their sockets: beside ``kubeletDir``, as the plugins do."""
+        return beside_kubelet_dir(self.kubelet_dir, constants.PLUGINS_REGISTRY_DIR_NAME)
+
+    @property
     def runtime_dir(self) -> Path:
         """Where the state file, the status socket and the metrics files live."""
         if self.supervisor.runtime_dir is not None:
@@ -391,7 +401,7 @@ def load_node_config(path: Path) -> NodeConfig:
         if problem is not None
     ]
     if not problems and any(resource.registration == "plugin-watcher" for resource in config.resources):
-        registry = config.kubelet_dir.parent / constants.PLUGINS_REGISTRY_DIR_NAME
+        registry = config.plugins_registry
         watcher = writable_dir_problem(registry, purpose="plugin-watcher children serve their sockets there")
         if watcher is not None:
             problems.append(f"{path}: kubeletDir: {watcher} (resources with registration: plugin-watcher)")

@@ -97,6 +97,20 @@ class TestParseConfig:
             "resources: [{name: a.com/b, kind: generic, paths: [/x], registration: watcher}]"
         )
 
+    @pytest.mark.parametrize(
+        ("kubelet_dir", "registry"),
+        [
+            ("/var/lib/kubelet/device-plugins", "/var/lib/kubelet/plugins_registry"),  # the kubelet's root
+            ("/tmp/dp", "/tmp/dp.plugins_registry"),  # where `plugvisor kubelet --dir /tmp/dp` watches
+        ],
+    )
+    def test_plugin_watcher_children_serve_where_the_plugins_and_the_emulated_kubelet_look(
+        self, kubelet_dir, registry
+    ):
+        document = f"kubeletDir: {kubelet_dir}\nresources: [{{name: a.com/b, kind: generic, paths: [/x]}}]"
+        config = config_.parse_config(yaml.safe_load(document), source="node.yaml")
+        assert str(config.plugins_registry) == registry
+
     def test_defaults_are_the_kubelets_directory_and_no_metrics(self):
         """Only ``resources`` is required."""
         config = config_.parse_config(

@@ -59,7 +59,7 @@ from plugvisor.emulators.kubelet import pods as pods_
 DEFAULT_GRACE_PERIOD: Final = 300.0
 """``endpointStopGracePeriod``: 5 minutes upstream."""
 
-DEVICE_PLUGINS_DIR_NAME: Final = "device-plugins"
+DEVICE_PLUGINS_DIR_NAME = constants.DEVICE_PLUGINS_DIR_NAME
 
 DEFAULT_POD_UID: Final = "pod-0"
 DEFAULT_CONTAINER: Final = "container-0"
