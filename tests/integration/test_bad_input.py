@@ -255,7 +255,7 @@ class TestAgentStart:
             port = busy.getsockname()[1]
             config = self._config(short_dir, metrics={"listen": f"127.0.0.1:{port}"})
             result = plugvisor("run", "--config", str(config))
-        assert_usage_error(result, f"metrics.listen: cannot listen on 127.0.0.1:{port}: ")
+        assert_usage_error(result, f"{config}: metrics.listen: cannot listen on 127.0.0.1:{port}: ")
         assert not (short_dir / "run" / "supervisor.pid").exists()
 
     def test_export_to_a_file_that_cannot_be_written(self, short_dir, files):
