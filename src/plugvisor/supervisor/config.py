@@ -35,7 +35,7 @@ from plugvisor.common.hostpaths import (
 )
 from plugvisor.common.names import dra_driver_name_problem, extended_resource_name_problem, node_name_problem
 from plugvisor.common.sockets import longest_socket_path
-from plugvisor.common.validation import describe, known_keys, shorten, unknown_key
+from plugvisor.common.validation import describe, known_keys, path_problem, shorten, unknown_key
 from plugvisor.common.yamlfile import YamlFileError, read_yaml
 from plugvisor.plugins import kinds
 
@@ -45,8 +45,6 @@ MAX_RESOURCES: Final = 256
 """Most ``resources`` one node may configure: each is a process, and no node has more device types."""
 MAX_OPTIONS_BYTES: Final = 64 * 1024
 """Largest kind options of one entry (as JSON): they travel on the child's command line."""
-MAX_PATH_BYTES: Final = 4096
-"""Linux's PATH_MAX: no longer path can be opened."""
 _STATUS_SOCKET_NAME: Final = "status.sock"  # plugvisor.supervisor.status.REPORT_SOCKET
 
 
@@ -260,16 +258,9 @@ class NodeConfig(_Model):
 
 def _check_path(value: Path) -> None:
     """An absolute path the kernel can open (no NUL, no control character, at most PATH_MAX bytes)."""
-    text = str(value)
-    if "\x00" in text:
-        raise ValueError(f"{shorten(text)!r} contains a NUL byte")
-    if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in text):
-        # A line break in a path is a mistake, and would break out of an exported supervisord line.
-        raise ValueError(f"{shorten(text)!r} contains a control character (a line break?)")
-    if len(os.fsencode(text)) > MAX_PATH_BYTES:
-        raise ValueError(f"{shorten(text)!r} is longer than {MAX_PATH_BYTES} bytes (PATH_MAX)")
-    if not value.is_absolute():
-        raise ValueError(f"{shorten(text)!r} must be an absolute path")
+    problem = path_problem(str(value))
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def _custom(
