@@ -84,6 +84,13 @@ class TestConfigurationFiles:
         )
         assert_usage_error(result, "--options-json", "nested too deeply")
 
+    def test_options_json_with_a_key_twice(self, short_dir):
+        """Which of two counts was meant? node.yaml refuses a repeated key, and so does its JSON form."""
+        options = '{"paths": ["/dev/null"], "count": 1, "count": 5}'
+        dp = str(short_dir / "dp")
+        result = plugvisor("plugin", "generic", "--kubelet-dir", dp, "--options-json", options)
+        assert_usage_error(result, "--options-json", "duplicate key 'count'")
+
 
 HUGE = "9" * 5000
 """5,000 digits: beyond Python's int-str conversion limit (4300), a bare ValueError in every reader."""
