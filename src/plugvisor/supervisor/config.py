@@ -269,6 +269,20 @@ def _custom(
     return {"type": pydantic_core.PydanticCustomError(kind, message), "loc": loc, "input": value}
 
 
+def _longest_socket_path(config: NodeConfig, resource: ResourceConfig) -> int:
+    """The longest socket path ``resource``'s child serves, in bytes.
+
+    A plugin-watcher child serves in plugins_registry, which may be the longer directory
+    (``D.plugins_registry`` beside a kubeletDir ``D`` not named device-plugins).
+    """
+    if resource.dra:
+        return max(len(os.fsencode(path)) for path in dra_socket_paths(config.kubelet_root, resource.name))
+    directories = [config.kubelet_dir]
+    if resource.registration == "plugin-watcher":
+        directories.append(config.plugins_registry)
+    return max(longest_socket_path(directory, resource.name) for directory in directories)
+
+
 def _entry_errors(config: NodeConfig) -> list[pydantic_core.InitErrorDetails]:
     """Check what spans entries, and each entry's kind keys with the kind's model.
 
@@ -281,11 +295,7 @@ def _entry_errors(config: NodeConfig) -> list[pydantic_core.InitErrorDetails]:
             message = f"{resource.name} is already configured by resources[{seen[resource.name]}]"
             errors.append(_custom("duplicate_resource", message, ("resources", index, "name"), resource.name))
         seen.setdefault(resource.name, index)
-        longest = (
-            max(len(os.fsencode(path)) for path in dra_socket_paths(config.kubelet_root, resource.name))
-            if resource.dra
-            else longest_socket_path(config.kubelet_dir, resource.name)
-        )
+        longest = _longest_socket_path(config, resource)
         if longest > constants.MAX_UNIX_SOCKET_PATH:
             message = (
                 f"too long for the sockets of {resource.name}: {longest} bytes, "
