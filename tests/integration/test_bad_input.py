@@ -84,6 +84,13 @@ class TestConfigurationFiles:
         )
         assert_usage_error(result, "--options-json", "nested too deeply")
 
+    def test_options_json_with_a_key_twice(self, short_dir):
+        """Which of two counts was meant? node.yaml refuses a repeated key, and so does its JSON form."""
+        options = '{"paths": ["/dev/null"], "count": 1, "count": 5}'
+        dp = str(short_dir / "dp")
+        result = plugvisor("plugin", "generic", "--kubelet-dir", dp, "--options-json", options)
+        assert_usage_error(result, "--options-json", "duplicate key 'count'")
+
 
 HUGE = "9" * 5000
 """5,000 digits: beyond Python's int-str conversion limit (4300), a bare ValueError in every reader."""
@@ -255,7 +262,7 @@ class TestAgentStart:
             port = busy.getsockname()[1]
             config = self._config(short_dir, metrics={"listen": f"127.0.0.1:{port}"})
             result = plugvisor("run", "--config", str(config))
-        assert_usage_error(result, f"metrics.listen: cannot listen on 127.0.0.1:{port}: ")
+        assert_usage_error(result, f"{config}: metrics.listen: cannot listen on 127.0.0.1:{port}: ")
         assert not (short_dir / "run" / "supervisor.pid").exists()
 
     def test_export_to_a_file_that_cannot_be_written(self, short_dir, files):

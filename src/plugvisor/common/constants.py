@@ -26,6 +26,11 @@ PRE_START_CONTAINER_TIMEOUT_SECONDS: Final = 30
 KUBELET_DIAL_TIMEOUT_SECONDS: Final = 10
 """The kubelet's blocking dial of a plugin's endpoint during Register."""
 
+KUBELET_MAX_RECEIVE_BYTES: Final = 4 * 1024 * 1024
+"""gRPC's default receive limit, which the kubelet's device-plugin client keeps: a larger ListAndWatch
+message ends the stream on the kubelet's side and the resource loses every device."""
+
+DEVICE_PLUGINS_DIR_NAME: Final = "device-plugins"
 POD_RESOURCES_DIR_NAME: Final = "pod-resources"
 PLUGINS_REGISTRY_DIR_NAME: Final = "plugins_registry"
 DEVICE_PLUGIN_TYPE: Final = "DevicePlugin"

@@ -120,6 +120,19 @@ def _uncreatable(path: Path) -> str | None:
     return None if why is None else f"{path}: cannot create it: {ancestor} is {why}"
 
 
+def beside_kubelet_dir(kubelet_dir: Path, name: str) -> Path:
+    """The kubelet's directory ``name`` (``plugins_registry``, ``pod-resources``) for its device-plugins one.
+
+    ``/var/lib/kubelet/device-plugins`` -> ``/var/lib/kubelet/<name>``, as the kubelet lays out its root;
+    a directory with another name ``D`` -> ``D.<name>``, the emulated kubelet's rule, so that several
+    emulated kubelets in one directory (``/tmp/a``, ``/tmp/b``) do not share one plugins_registry, and a
+    plugin given only ``D`` finds the one the emulated kubelet given ``D`` watches.
+    """
+    if kubelet_dir.name == constants.DEVICE_PLUGINS_DIR_NAME:
+        return kubelet_dir.parent / name
+    return Path(f"{kubelet_dir}.{name}")
+
+
 def kubelet_dir_problem(path: Path) -> str | None:
     """Why no plugin could serve its socket in ``path``, or ``None``.
 

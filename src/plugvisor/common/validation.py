@@ -13,12 +13,14 @@ renders its errors through :func:`problem`.
 from __future__ import annotations
 
 import difflib
+import os
 import sys
 import types
 import typing
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from pathlib import PurePosixPath
+from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:  # only annotations: readers of YAML files (the agent's first lines) need no pydantic
     import pydantic
@@ -38,6 +40,38 @@ def shorten(text: str, limit: int = 80) -> str:
     if len(text) <= limit:
         return text
     return f"{text[:limit]}... ({len(text)} characters)"
+
+
+MAX_PATH_BYTES: Final = 4096
+"""Linux's PATH_MAX: no longer path can be opened."""
+
+
+def path_problem(text: str) -> str | None:
+    """Why ``text`` is no absolute path the kernel can open (NUL, control character, too long), or None.
+
+    Every path a person writes in a configuration goes through this before anything uses it: a NUL
+    would otherwise surface later as a ``ValueError`` from ``os.stat`` or a path that never matches,
+    and a line break is always a slip (and would break out of an exported supervisord line).
+    """
+    if "\x00" in text:
+        return f"{shorten(text)!r} contains a NUL byte"
+    if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in text):
+        return f"{shorten(text)!r} contains a control character (a line break?)"
+    if len(os.fsencode(text)) > MAX_PATH_BYTES:
+        return f"{shorten(text)!r} is longer than {MAX_PATH_BYTES} bytes (PATH_MAX)"
+    if not text.startswith("/"):
+        return f"{shorten(text)!r} must be an absolute path"
+    return None
+
+
+def absolute_path(value: str) -> str:
+    """A kind's absolute path option (a pydantic ``AfterValidator``): :func:`path_problem`, and no ``..``."""
+    problem = path_problem(value)
+    if problem is None and ".." in PurePosixPath(value).parts:
+        problem = f"{shorten(value)!r} must not contain '..'"
+    if problem is not None:
+        raise ValueError(problem)
+    return value
 
 
 def printable(text: str) -> str:

@@ -26,6 +26,7 @@ import grpc
 import structlog
 
 from plugvisor.common import constants, monitoring
+from plugvisor.common.hostpaths import beside_kubelet_dir
 from plugvisor.deviceplugin.cell import SnapshotCell
 from plugvisor.deviceplugin.hooks import ReleaseHandler
 from plugvisor.deviceplugin.owners import MAX_ANSWER_BYTES
@@ -40,10 +41,7 @@ def default_pod_resources_socket(kubelet_dir: Path) -> Path:
     ``/var/lib/kubelet/device-plugins`` -> ``/var/lib/kubelet/pod-resources/kubelet.sock``; a directory
     with another name ``DIR`` -> ``DIR.pod-resources/kubelet.sock`` (the emulated kubelet's rule).
     """
-    socket = constants.KUBELET_SOCKET_NAME
-    if kubelet_dir.name == "device-plugins":
-        return kubelet_dir.parent / constants.POD_RESOURCES_DIR_NAME / socket
-    return Path(f"{kubelet_dir}.{constants.POD_RESOURCES_DIR_NAME}") / socket
+    return beside_kubelet_dir(kubelet_dir, constants.POD_RESOURCES_DIR_NAME) / constants.KUBELET_SOCKET_NAME
 
 
 class ReleaseTracker:

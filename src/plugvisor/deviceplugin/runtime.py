@@ -35,7 +35,7 @@ import uvloop
 from plugvisor.common import constants
 from plugvisor.common import inotify as inotify_
 from plugvisor.common.exitcodes import EXIT_CONFIGURATION, EXIT_FAILURE, EXIT_KUBELET_RESTARTED, EXIT_OK
-from plugvisor.common.hostpaths import HostPaths
+from plugvisor.common.hostpaths import HostPaths, beside_kubelet_dir
 from plugvisor.common.inotify import InotifyLimitError
 from plugvisor.common.monitoring import Owners
 from plugvisor.common.names import extended_resource_name_problem
@@ -96,7 +96,7 @@ class PluginConfig:
     ``registration``: ``"kubelet-sock"`` (default) calls Register on
     ``kubelet.sock`` and handles kubelet restarts as above; ``"plugin-watcher"``
     serves the socket in ``plugins_registry`` (default: beside the kubelet
-    directory, ``<kubelet_dir>/../plugins_registry``) and lets the kubelet dial
+    directory, :func:`~plugvisor.common.hostpaths.beside_kubelet_dir`) and lets the kubelet dial
     back, on its restarts too (see :mod:`.watcherregistration`; the restart policy
     then does not apply).
     """
@@ -115,7 +115,7 @@ class PluginConfig:
         """Where the plugin-watcher socket goes: ``plugins_registry``, or the kubelet's default beside DIR."""
         if self.plugins_registry is not None:
             return self.plugins_registry
-        return self.paths.kubelet_dir.parent / constants.PLUGINS_REGISTRY_DIR_NAME
+        return beside_kubelet_dir(self.paths.kubelet_dir, constants.PLUGINS_REGISTRY_DIR_NAME)
 
     def __post_init__(self) -> None:
         problem = extended_resource_name_problem(self.resource)

@@ -250,7 +250,26 @@ class PluginServer(api_pb2_grpc.DevicePluginServicer):
         if version != self._message_version:
             self._message = device_list_message(devices)
             self._message_version = version
+            self._check_size(self._message, len(devices))
         return self._message
+
+    def _check_size(self, message: api_pb2.ListAndWatchResponse, devices: int) -> None:
+        """Say so when the list is larger than the kubelet accepts.
+
+        Only the kubelet's side sees the failure (RESOURCE_EXHAUSTED, its stream
+        ends, capacity drops to 0); here the stream just closes and the plugin
+        registers again, over and over, without this line nobody can tell why.
+        """
+        size = message.ByteSize()
+        if size > constants.KUBELET_MAX_RECEIVE_BYTES:
+            self._log.error(
+                "device_list_too_large",
+                devices=devices,
+                bytes=size,
+                limit=constants.KUBELET_MAX_RECEIVE_BYTES,
+                effect="the kubelet refuses this list and drops every device of the resource",
+                hint="serve fewer devices (a smaller count or narrower paths), or split them into resources",
+            )
 
     async def GetDevicePluginOptions(
         self, request: api_pb2.Empty, context: Context

@@ -32,7 +32,7 @@ from plugvisor.common.grpcenv import quiet_grpc_core
 from plugvisor.common.hostpaths import HostPaths, host_root_problem, kubelet_dir_problem
 from plugvisor.common.logs import configure_logging, log_options
 from plugvisor.common.sockets import live_instances
-from plugvisor.common.validation import describe, huge_integer_problem, json_integer
+from plugvisor.common.validation import describe, huge_integer_problem, json_integer, shorten
 from plugvisor.plugins.kinds import PluginKind, UnknownKindError, get_kind
 
 # The framework's runtime (and so grpc) is imported when a plugin starts, after this.
@@ -63,9 +63,25 @@ def _load_options_file(path: Path) -> dict[str, Any]:
     return data
 
 
+class _DuplicateKeyError(ValueError):
+    """A JSON object names one key twice (``json`` keeps the last, silently)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook``: refuse a repeated key, as node.yaml's loader does (which count was meant?)."""
+    data: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in data:
+            raise _DuplicateKeyError(f"duplicate key {shorten(key)!r}")
+        data[key] = value
+    return data
+
+
 def _parse_options_json(text: str) -> dict[str, Any]:
     try:
-        data = json.loads(text, parse_int=json_integer)
+        data = json.loads(text, parse_int=json_integer, object_pairs_hook=_unique_keys)
+    except _DuplicateKeyError as exc:
+        raise click.BadParameter(str(exc), param_hint="--options-json") from None
     except json.JSONDecodeError as exc:
         raise click.BadParameter(f"not valid JSON: {exc}", param_hint="--options-json") from exc
     except RecursionError:
@@ -202,7 +218,8 @@ class _ModeDispatch(click.Command):
     "--plugins-registry",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
-    help="The kubelet's plugins_registry directory [default: beside --kubelet-dir].",
+    help="The kubelet's plugins_registry directory [default: beside --kubelet-dir: its parent's "
+    "plugins_registry when it is named device-plugins, else <DIR>.plugins_registry].",
 )
 @click.option(
     "--replace",

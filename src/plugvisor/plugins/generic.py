@@ -27,6 +27,7 @@ import pydantic
 import structlog
 
 from plugvisor.common.hostpaths import HostPaths
+from plugvisor.common.validation import absolute_path
 from plugvisor.deviceplugin.devices import MAX_DEVICE_ID_LENGTH, Device, DeviceSpec, Mount
 from plugvisor.deviceplugin.snapshot import Snapshot
 from plugvisor.plugins.kinds import PluginKind
@@ -46,15 +47,7 @@ class _Model(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
-def _absolute(value: str) -> str:
-    if not value.startswith("/"):
-        raise ValueError(f"{value!r} must be an absolute path such as /dev/fuse")
-    if ".." in PurePosixPath(value).parts:
-        raise ValueError(f"{value!r} must not contain '..'")
-    return value
-
-
-AbsolutePath = Annotated[str, pydantic.AfterValidator(_absolute)]
+AbsolutePath = Annotated[str, pydantic.AfterValidator(absolute_path)]
 
 
 class PathSpec(_Model):

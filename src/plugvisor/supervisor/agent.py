@@ -324,6 +324,7 @@ class Agent:
                     supervisor.readiness,
                     host=self.config.metrics.host,
                     port=self.config.metrics.port,
+                    source=None if self.config_path is None else str(self.config_path),
                 )
                 await http.start()
                 cleanup.push_async_callback(http.close)

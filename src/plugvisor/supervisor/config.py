@@ -27,10 +27,15 @@ import pydantic
 import pydantic_core
 
 from plugvisor.common import constants
-from plugvisor.common.hostpaths import host_root_problem, kubelet_dir_problem, writable_dir_problem
+from plugvisor.common.hostpaths import (
+    beside_kubelet_dir,
+    host_root_problem,
+    kubelet_dir_problem,
+    writable_dir_problem,
+)
 from plugvisor.common.names import dra_driver_name_problem, extended_resource_name_problem, node_name_problem
 from plugvisor.common.sockets import longest_socket_path
-from plugvisor.common.validation import describe, known_keys, shorten, unknown_key
+from plugvisor.common.validation import describe, known_keys, path_problem, shorten, unknown_key
 from plugvisor.common.yamlfile import YamlFileError, read_yaml
 from plugvisor.plugins import kinds
 
@@ -40,8 +45,6 @@ MAX_RESOURCES: Final = 256
 """Most ``resources`` one node may configure: each is a process, and no node has more device types."""
 MAX_OPTIONS_BYTES: Final = 64 * 1024
 """Largest kind options of one entry (as JSON): they travel on the child's command line."""
-MAX_PATH_BYTES: Final = 4096
-"""Linux's PATH_MAX: no longer path can be opened."""
 _STATUS_SOCKET_NAME: Final = "status.sock"  # plugvisor.supervisor.status.REPORT_SOCKET
 
 
@@ -241,6 +244,11 @@ class NodeConfig(_Model):
         return self.kubelet_dir.parent
 
     @property
+    def plugins_registry(self) -> Path:
+        """Where plugin-watcher children serve their sockets: beside ``kubeletDir``, as the plugins do."""
+        return beside_kubelet_dir(self.kubelet_dir, constants.PLUGINS_REGISTRY_DIR_NAME)
+
+    @property
     def runtime_dir(self) -> Path:
         """Where the state file, the status socket and the metrics files live."""
         if self.supervisor.runtime_dir is not None:
@@ -250,22 +258,29 @@ class NodeConfig(_Model):
 
 def _check_path(value: Path) -> None:
     """An absolute path the kernel can open (no NUL, no control character, at most PATH_MAX bytes)."""
-    text = str(value)
-    if "\x00" in text:
-        raise ValueError(f"{shorten(text)!r} contains a NUL byte")
-    if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in text):
-        # A line break in a path is a mistake, and would break out of an exported supervisord line.
-        raise ValueError(f"{shorten(text)!r} contains a control character (a line break?)")
-    if len(os.fsencode(text)) > MAX_PATH_BYTES:
-        raise ValueError(f"{shorten(text)!r} is longer than {MAX_PATH_BYTES} bytes (PATH_MAX)")
-    if not value.is_absolute():
-        raise ValueError(f"{shorten(text)!r} must be an absolute path")
+    problem = path_problem(str(value))
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def _custom(
     kind: str, message: str, loc: tuple[int | str, ...], value: Any
 ) -> pydantic_core.InitErrorDetails:
     return {"type": pydantic_core.PydanticCustomError(kind, message), "loc": loc, "input": value}
+
+
+def _longest_socket_path(config: NodeConfig, resource: ResourceConfig) -> int:
+    """The longest socket path ``resource``'s child serves, in bytes.
+
+    A plugin-watcher child serves in plugins_registry, which may be the longer directory
+    (``D.plugins_registry`` beside a kubeletDir ``D`` not named device-plugins).
+    """
+    if resource.dra:
+        return max(len(os.fsencode(path)) for path in dra_socket_paths(config.kubelet_root, resource.name))
+    directories = [config.kubelet_dir]
+    if resource.registration == "plugin-watcher":
+        directories.append(config.plugins_registry)
+    return max(longest_socket_path(directory, resource.name) for directory in directories)
 
 
 def _entry_errors(config: NodeConfig) -> list[pydantic_core.InitErrorDetails]:
@@ -280,11 +295,7 @@ def _entry_errors(config: NodeConfig) -> list[pydantic_core.InitErrorDetails]:
             message = f"{resource.name} is already configured by resources[{seen[resource.name]}]"
             errors.append(_custom("duplicate_resource", message, ("resources", index, "name"), resource.name))
         seen.setdefault(resource.name, index)
-        longest = (
-            max(len(os.fsencode(path)) for path in dra_socket_paths(config.kubelet_root, resource.name))
-            if resource.dra
-            else longest_socket_path(config.kubelet_dir, resource.name)
-        )
+        longest = _longest_socket_path(config, resource)
         if longest > constants.MAX_UNIX_SOCKET_PATH:
             message = (
                 f"too long for the sockets of {resource.name}: {longest} bytes, "
@@ -391,7 +402,7 @@ def load_node_config(path: Path) -> NodeConfig:
         if problem is not None
     ]
     if not problems and any(resource.registration == "plugin-watcher" for resource in config.resources):
-        registry = config.kubelet_dir.parent / constants.PLUGINS_REGISTRY_DIR_NAME
+        registry = config.plugins_registry
         watcher = writable_dir_problem(registry, purpose="plugin-watcher children serve their sockets there")
         if watcher is not None:
             problems.append(f"{path}: kubeletDir: {watcher} (resources with registration: plugin-watcher)")

@@ -391,8 +391,11 @@ class HttpServer:
     :data:`MAX_REQUEST_LINE` gets a 431, not a traceback.
     """
 
-    def __init__(self, metrics: Metrics, readiness: Readiness, *, host: str, port: int) -> None:
+    def __init__(
+        self, metrics: Metrics, readiness: Readiness, *, host: str, port: int, source: str | None = None
+    ) -> None:
         self._metrics = metrics
+        self._source = source
         self._readiness = readiness
         self._host = host
         self._port = port
@@ -409,14 +412,18 @@ class HttpServer:
         return str(host), int(port)
 
     async def start(self) -> None:
-        """Bind and serve; a port in use or an address not on this host is a :class:`ConfigError`."""
+        """Bind and serve; a port in use or an address not on this host is a :class:`ConfigError`.
+
+        Its message names ``source`` (the configuration file) first, as every other configuration error does.
+        """
         try:
             self._server = await asyncio.start_server(
                 self._handle, self._host, self._port, limit=MAX_REQUEST_LINE
             )
         except OSError as exc:
+            where = f"{self._source}: " if self._source else ""
             raise ConfigError(
-                f"metrics.listen: cannot listen on {self._host}:{self._port}: {exc.strerror or exc}"
+                f"{where}metrics.listen: cannot listen on {self._host}:{self._port}: {exc.strerror or exc}"
             ) from None
         host, port = self.address
         self._log.info("metrics_listening", url=f"http://{host}:{port}/metrics")

@@ -22,7 +22,6 @@ from typing import Any
 
 import structlog
 
-from plugvisor.common import constants
 from plugvisor.common.constants import KUBELET_SOCKET_NAME
 from plugvisor.common.sockets import SOCKET_PREFIX, socket_answers, socket_files, socket_prefix
 from plugvisor.supervisor import states
@@ -230,8 +229,7 @@ class Supervisor:
         """
         removed = remove_stale_sockets(self.config.kubelet_dir, prefix)
         if any(r.registration == "plugin-watcher" for r in self.config.resources):
-            registry = self.config.kubelet_dir.parent / constants.PLUGINS_REGISTRY_DIR_NAME
-            removed += remove_stale_sockets(registry, prefix)
+            removed += remove_stale_sockets(self.config.plugins_registry, prefix)
         return removed
 
     def _sweep_dra_sockets(self, driver: str) -> list[str]:

@@ -142,6 +142,30 @@ async def test_in_process_the_registrations_cell_and_metric_count_the_kubelets_d
     assert not list(registry.glob("plugvisor-*.sock")), "the plugin left its registry socket behind"
 
 
+async def test_a_plugin_watcher_plugin_finds_the_emulated_kubelet_from_the_same_directory(node: Path) -> None:
+    """`plugvisor kubelet --dir D` and `plugvisor plugin --kubelet-dir D --registration plugin-watcher` meet.
+
+    A directory not named ``device-plugins`` has its plugins_registry beside it as ``D.plugins_registry``
+    (as its pod-resources is ``D.pod-resources``), not in D's parent, shared by every such directory there.
+    """
+    kubelet_dir = node / "dp"
+    paths = HostPaths(root=node / "root", kubelet_dir=kubelet_dir)
+    config = PluginConfig(RESOURCE, paths, registration="plugin-watcher")
+    kind = get_kind("generic")
+    source = kind.build(
+        kind.options_model.model_validate({"paths": ["/dev/ttyUSB*"]}), paths, resource=RESOURCE
+    )
+    stop = asyncio.Event()
+    async with EmulatedKubelet(kubelet_dir, grace_period=30) as kubelet:
+        assert config.registry_dir == kubelet.plugins_registry
+        task = asyncio.create_task(DevicePluginRuntime(config, source).run(stop))
+        try:
+            await kubelet.wait_for(counts(2, 2), timeout=20, what="registered through the plugin watcher")
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 15)
+
+
 class TestTheRegistrySocketLost:
     """The kubelet deregisters a plugin whose plugins_registry socket goes, and registers only a new one."""
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from structlog.testing import capture_logs
 
 from plugvisor.api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from plugvisor.deviceplugin.cell import SnapshotCell
@@ -88,6 +89,20 @@ class TestListAndWatch:
         message = await stream.read()
         assert [(d.ID, d.health) for d in message.devices] == [("w0", "Healthy"), ("w1", "Unhealthy")]
         stream.cancel()
+
+    async def test_a_list_too_large_for_the_kubelet_is_an_error_naming_its_size(self, serve):
+        # The kubelet reads ListAndWatch with gRPC's default 4 MiB limit: a larger list ends its stream
+        # with RESOURCE_EXHAUSTED on the kubelet's side only, and every device of the resource is dropped.
+        many = DeviceSet(Device(f"{'x' * 50}-{i}") for i in range(80_000))
+        served = await serve(many)
+        with capture_logs() as logs, pytest.raises(grpc.aio.AioRpcError) as refused:
+            await served.stub.ListAndWatch(api_pb2.Empty()).read()
+        assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED  # as the kubelet sees it
+        errors = [e for e in logs if e["event"] == "device_list_too_large"]
+        assert len(errors) == 1
+        assert errors[0]["log_level"] == "error"
+        assert errors[0]["devices"] == 80_000
+        assert errors[0]["bytes"] > errors[0]["limit"] == 4 * 1024 * 1024
 
     async def test_topology_is_sent_only_for_devices_that_have_one(self, serve):
         served = await serve(DeviceSet([Device("a", numa_nodes=[1]), Device("b")]))

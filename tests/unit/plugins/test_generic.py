@@ -120,6 +120,14 @@ class TestOptions:
                 {"paths": ["/dev/../etc/shadow"]},
                 "paths[0].path: '/dev/../etc/shadow' must not contain '..'",
             ),
+            # A path the kernel cannot open is refused, not a device that never appears.
+            ({"paths": ["/dev/fu\x00se"]}, "paths[0].path: '/dev/fu\\x00se' contains a NUL byte"),
+            ({"paths": ["/dev/fuse\n"]}, "paths[0].path: '/dev/fuse\\n' contains a control character"),
+            ({"paths": ["/" + "d" * 5000]}, "is longer than 4096 bytes (PATH_MAX)"),
+            (
+                {"groups": [{"paths": [{"path": "/dev/x", "mountPath": "/x\ty"}]}]},
+                "contains a control character",
+            ),
             ({"paths": ["/dev/fuse"], "count": 0}, "count: Input should be greater than or equal to 1"),
             ({"paths": ["/dev/fuse"], "colour": "red"}, "colour: unknown key"),
             ({"paths": ["/dev/fuse"], "groups": [{"paths": ["/dev/x"]}]}, "give either 'paths'"),

@@ -179,6 +179,7 @@ class TestOptions:
             ({"allocationPolicy": "random"}, "allocationPolicy: Input should be 'spread' or 'pack'"),
             ({"visibleDevicesEnv": "A-B"}, "visibleDevicesEnv: String should match pattern"),
             ({"cdiDir": "var/run/cdi"}, "cdiDir: 'var/run/cdi' must be an absolute path"),
+            ({"cdiDir": "/var/run/cdi\x00"}, "cdiDir: '/var/run/cdi\\x00' contains a NUL byte"),
             ({"mig": "single"}, "mig: unknown key"),
         ],
     )

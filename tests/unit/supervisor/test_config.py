@@ -97,6 +97,20 @@ class TestParseConfig:
             "resources: [{name: a.com/b, kind: generic, paths: [/x], registration: watcher}]"
         )
 
+    @pytest.mark.parametrize(
+        ("kubelet_dir", "registry"),
+        [
+            ("/var/lib/kubelet/device-plugins", "/var/lib/kubelet/plugins_registry"),  # the kubelet's root
+            ("/tmp/dp", "/tmp/dp.plugins_registry"),  # where `plugvisor kubelet --dir /tmp/dp` watches
+        ],
+    )
+    def test_plugin_watcher_children_serve_where_the_plugins_and_the_emulated_kubelet_look(
+        self, kubelet_dir, registry
+    ):
+        document = f"kubeletDir: {kubelet_dir}\nresources: [{{name: a.com/b, kind: generic, paths: [/x]}}]"
+        config = config_.parse_config(yaml.safe_load(document), source="node.yaml")
+        assert str(config.plugins_registry) == registry
+
     def test_defaults_are_the_kubelets_directory_and_no_metrics(self):
         """Only ``resources`` is required."""
         config = config_.parse_config(
@@ -128,6 +142,8 @@ class TestParseConfig:
             ("resources: [{name: a.com/b, kind: generic, paths: [/x]}, {name: a.com/b, kind: generic, paths: [/y]}]", "resources[1].name: a.com/b is already configured by resources[0]"),  # noqa: E501
             ("kubeletDir: relative\nresources: [{name: a.com/b, kind: generic, paths: [/x]}]", "kubeletDir: 'relative' must be an absolute path"),  # noqa: E501
             (f"kubeletDir: /{'d' * 80}\nresources: [{{name: a.com/b, kind: generic, paths: [/x]}}]", "kubeletDir: too long for the sockets of a.com/b"),  # noqa: E501
+            # Short enough for kubelet.sock's directory; not for plugins_registry beside it, 17 bytes longer.
+            (f"kubeletDir: /{'d' * 70}\nresources: [{{name: a.com/b, kind: generic, paths: [/x], registration: plugin-watcher}}]", "kubeletDir: too long for the sockets of a.com/b"),  # noqa: E501
             ("metrics: {listen: nope}\nresources: [{name: a.com/b, kind: generic, paths: [/x]}]", "metrics.listen: 'nope' must be HOST:PORT"),  # noqa: E501
             ("supervisor: {restart: {initialDelay: 5, maxDelay: 1}}\nresources: [{name: a.com/b, kind: generic, paths: [/x]}]", "supervisor.restart: maxDelay must be at least initialDelay"),  # noqa: E501
             ("supervisor: {spawner: thread}\nresources: [{name: a.com/b, kind: generic, paths: [/x]}]", "supervisor.spawner: Input should be 'forkserver' or 'exec'"),  # noqa: E501
@@ -137,6 +153,7 @@ class TestParseConfig:
         ids=[
             "no-resources", "unknown-top-key", "bad-resource-name", "unknown-kind", "kind-key-range",
             "kind-key-typo", "kind-nested-value", "duplicate-name", "relative-dir", "socket-too-long",
+            "registry-socket-too-long",
             "bad-listen", "restart-order", "spawner-choice", "not-a-mapping", "empty",
         ],
     )  # fmt: skip
@@ -293,8 +310,7 @@ class TestDraMode:
         [
             (
                 "{name: plugvisor.io/gpu, kind: gpu, mode: dra}",
-                "node.yaml: resources[0].name: DRA driver name 'plugvisor.io/gpu' is not a DNS "
-                "subdomain",
+                "node.yaml: resources[0].name: DRA driver name 'plugvisor.io/gpu' is not a DNS subdomain",
             ),
             (
                 "{name: gpu.plugvisor.io, kind: gpu}",

@@ -37,6 +37,7 @@ from types import MappingProxyType, TracebackType
 from typing import Final
 
 from plugvisor.common import constants
+from plugvisor.common.hostpaths import beside_kubelet_dir
 from plugvisor.emulators.kubelet import allocation as allocation_
 from plugvisor.emulators.kubelet import (
     devicemanager,
@@ -58,8 +59,6 @@ from plugvisor.emulators.kubelet import pods as pods_
 
 DEFAULT_GRACE_PERIOD: Final = 300.0
 """``endpointStopGracePeriod``: 5 minutes upstream."""
-
-DEVICE_PLUGINS_DIR_NAME: Final = "device-plugins"
 
 DEFAULT_POD_UID: Final = "pod-0"
 DEFAULT_CONTAINER: Final = "container-0"
@@ -241,18 +240,13 @@ class EmulatedKubelet:
         """``<root>/plugins_registry``; beside DIR (``<DIR>.plugins_registry``) when there is no root."""
         if self.root is not None:
             return self.root / constants.PLUGINS_REGISTRY_DIR_NAME
-        if self.socket_dir.name == DEVICE_PLUGINS_DIR_NAME:
-            return self.socket_dir.parent / constants.PLUGINS_REGISTRY_DIR_NAME
-        return self.socket_dir.with_name(f"{self.socket_dir.name}.{constants.PLUGINS_REGISTRY_DIR_NAME}")
+        return beside_kubelet_dir(self.socket_dir, constants.PLUGINS_REGISTRY_DIR_NAME)
 
     def _default_pod_resources_socket(self) -> Path:
         if self.root is not None:
             return self.root / constants.POD_RESOURCES_DIR_NAME / podresources.SOCKET_NAME
-        if self.socket_dir.name == DEVICE_PLUGINS_DIR_NAME:
-            return self.socket_dir.parent / constants.POD_RESOURCES_DIR_NAME / podresources.SOCKET_NAME
-        return self.socket_dir.with_name(f"{self.socket_dir.name}.{constants.POD_RESOURCES_DIR_NAME}") / (
-            podresources.SOCKET_NAME
-        )
+        directory = beside_kubelet_dir(self.socket_dir, constants.POD_RESOURCES_DIR_NAME)
+        return directory / podresources.SOCKET_NAME
 
     # -- records ---------------------------------------------------------------------
 

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import re
 from enum import StrEnum
-from pathlib import PurePosixPath
 from typing import Annotated, Any, Final, Self
 
 import pydantic
 import structlog
 
+from plugvisor.common.validation import absolute_path
 from plugvisor.plugins.sysfs import AerKind, HexId, PciAddress
 
 _ENV_NAME: Final = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -47,16 +47,10 @@ def _id128(value: str) -> str:
     return value.lower().removeprefix("0x")
 
 
-def _absolute(value: str) -> str:
-    if not value.startswith("/") or ".." in PurePosixPath(value).parts:
-        raise ValueError(f"{value!r} must be an absolute path without '..'")
-    return value
-
-
 Id128 = Annotated[str, pydantic.AfterValidator(_id128)]
 """An AFU or interface ID as sysfs spells it (32 lower-case hex digits; ``0x`` and upper case accepted)."""
 
-AbsolutePath = Annotated[str, pydantic.AfterValidator(_absolute)]
+AbsolutePath = Annotated[str, pydantic.AfterValidator(absolute_path)]
 Argv = Annotated[list[Annotated[str, pydantic.StringConstraints(min_length=1)]], pydantic.Field(min_length=1)]
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import re
 from enum import StrEnum
-from pathlib import PurePosixPath
 from typing import Annotated, Final
 
 import pydantic
 
 from plugvisor.common import constants
+from plugvisor.common.validation import absolute_path
 from plugvisor.plugins.sysfs import AerKind, HexId, PciAddress, hex_ids
 from plugvisor.plugins.topology import Policy
 
@@ -28,13 +28,7 @@ class _Model(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
-def _absolute(value: str) -> str:
-    if not value.startswith("/") or ".." in PurePosixPath(value).parts:
-        raise ValueError(f"{value!r} must be an absolute path without '..'")
-    return value
-
-
-AbsolutePath = Annotated[str, pydantic.AfterValidator(_absolute)]
+AbsolutePath = Annotated[str, pydantic.AfterValidator(absolute_path)]
 
 
 class IdStrategy(StrEnum):
