@@ -114,6 +114,16 @@ class ClaimPreparer:
         self._lock = asyncio.Lock()
         self._log = structlog.get_logger("plugvisor.dra").bind(driver=driver)
 
+    async def reload(self, load: Callable[[], dict[str, PreparedClaim]]) -> None:
+        """Take the prepared claims from ``load`` (the checkpoint), between two calls.
+
+        For a driver that serves again after another process of the same driver
+        served meanwhile: that one prepared and unprepared claims in the same
+        checkpoint.
+        """
+        async with self._lock:
+            self.prepared = await asyncio.to_thread(load)
+
     # -- prepare -----------------------------------------------------------------------
 
     async def prepare(self, claim: ClaimRef, *, budget: float) -> PreparedClaim:
