@@ -32,7 +32,7 @@ import uvloop
 from plugvisor.common import constants
 from plugvisor.common.exitcodes import EXIT_CONFIGURATION, EXIT_FAILURE, EXIT_OK
 from plugvisor.common.hostpaths import HostPaths
-from plugvisor.common.names import dra_driver_name_problem
+from plugvisor.common.names import dra_driver_name_problem, node_name_problem
 from plugvisor.common.notify import STOP_FOR_GOOD_SIGNAL, StatusReporter
 from plugvisor.deviceplugin.cell import CellClosedError, SnapshotCell
 from plugvisor.deviceplugin.device_monitor import DeviceDescriber, DeviceMonitor, MonitorConfig
@@ -81,6 +81,9 @@ class DriverConfig:
             raise ConfigurationError(problem)
         if not self.node_name:
             raise ConfigurationError("the node name is empty: set NODE_NAME or --node-name")
+        problem = node_name_problem(self.node_name)  # the pool's name, and a file name without an API server
+        if problem is not None:
+            raise ConfigurationError(f"node name {problem}")
         if self.rescan_interval <= 0:
             raise ConfigurationError(f"rescan interval must be positive, got {self.rescan_interval}")
         if not self.cdi_dir.startswith("/"):

@@ -219,14 +219,23 @@ class TestBadInput:
             ),
             (("--cdi-dir", "relative"), "Invalid value for --cdi-dir: relative must be an absolute path"),
             (("--options-json", '{"replicas": 0}'), "replicas: Input should be greater than or equal to 1"),
+            (
+                ("--node-name", "x/../../escaped"),
+                "node name 'x/../../escaped' is not a lowercase DNS-1123 subdomain",
+            ),
         ],
-        ids=["driver-name", "cdi-dir", "kind-options"],
+        ids=["driver-name", "cdi-dir", "kind-options", "node-name"],
     )
     async def test_bad_options_exit_2_naming_the_option(self, base, lab_root, extra, message):
         proc = await asyncio.create_subprocess_exec(
             *driver_args(base, lab_root, "gpu", *extra), stderr=asyncio.subprocess.PIPE
         )
-        _, stderr = await asyncio.wait_for(proc.communicate(), 60)
+        try:
+            _, stderr = await asyncio.wait_for(proc.communicate(), 60)
+        finally:
+            if proc.returncode is None:  # it took the bad input and runs: the test fails, leaving nothing
+                proc.kill()
+                await proc.wait()
         assert proc.returncode == 2
         assert message in stderr.decode()
 
