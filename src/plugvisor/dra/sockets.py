@@ -96,12 +96,17 @@ class KeptSocket:
                 f"{self.path} is served by another live process; refusing to take it over "
                 "(stop the other driver, or take over with --replace)"
             )
-        binding = self.path.with_name(f".{self.path.name}.binding")
+        # Hidden (the plugin watcher skips dot files) and no longer than the socket's own name: a path
+        # that fits the unix socket limit must fit while it is bound too.
+        binding = self.path.with_name(f".{self.path.name[:-1]}")
         binding.unlink(missing_ok=True)
         server = grpc.aio.server()
         server.add_generic_rpc_handlers(self._handlers)
-        with owner_only():
-            bound = server.add_insecure_port(f"unix:{binding}")
+        try:
+            with owner_only():
+                bound = server.add_insecure_port(f"unix:{binding}")
+        except RuntimeError:  # grpc.aio raises where grpc returns 0
+            bound = 0
         if not bound:
             raise ConfigurationError(f"could not bind the {self.role} socket {binding}")
         await server.start()

@@ -140,6 +140,15 @@ class TestProcess:
         second = await start_driver()
         assert await asyncio.wait_for(second.proc.wait(), 60) == 2
 
+    async def test_a_driver_name_of_63_characters_serves_where_its_sockets_just_fit(
+        self, kubelet, base, start_driver
+    ):
+        driver = ".".join(("a" * 20, "b" * 20, "c" * 21))
+        assert len(str(base / "plugins_registry" / f"{driver}-reg.sock")) == 107  # the unix socket limit
+        process = await start_driver("--driver", driver)
+        await kubelet.wait_for(registered(driver), what="the driver registered", timeout=60)
+        assert process.proc.returncode is None
+
     async def test_a_driver_taken_over_stands_by_and_serves_again_when_the_other_stops(
         self, kubelet, base, lab_root, start_driver
     ):
