@@ -187,7 +187,7 @@ async def keep(
                     continue
                 was_standing_by = kept.standing_by
                 try:
-                    if await asyncio.to_thread(socket_answers, kept.path):
+                    if await asyncio.to_thread(_served_by_another, kept.path):
                         if not was_standing_by:
                             await kept.stand_by()
                     else:
@@ -202,3 +202,13 @@ async def keep(
                 continue
             if event.mask & (Mask.DELETE_SELF | Mask.MOVE_SELF | Mask.IGNORED) and event.watch is not None:
                 watched.discard(Path(os.fsdecode(event.watch.path)))
+
+
+def _served_by_another(path: Path) -> bool:
+    """Whether a socket (not a link to one elsewhere) is at ``path`` and a live process answers on it."""
+    try:
+        if not stat.S_ISSOCK(path.lstat().st_mode):
+            return False
+    except OSError:
+        return False
+    return socket_answers(path)
