@@ -116,7 +116,7 @@ class PreparedClaim:
         return cls(
             claim=ClaimRef(_string(data["namespace"]), _string(data["name"]), _string(data["uid"])),
             devices=tuple(PreparedDevice.from_json(device) for device in _list(data["devices"])),
-            cdi_spec=None if cdi_spec is None else _string(cdi_spec),
+            cdi_spec=None if cdi_spec is None else _file_name(cdi_spec),
             spec=spec,
         )
 
@@ -125,6 +125,14 @@ def _string(value: object) -> str:
     if not isinstance(value, str):
         raise TypeError(f"expected a string, got {type(value).__name__}")
     return value
+
+
+def _file_name(value: object) -> str:
+    """A spec's name in the CDI directory: the driver writes and removes it, so never a path elsewhere."""
+    name = _string(value)
+    if not name or "/" in name or name.startswith(".") or "\0" in name:
+        raise ValueError(f"{name!r} is not a file name in the CDI directory")
+    return name
 
 
 def _bool(value: object) -> bool:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,7 @@ from typing import Any, TypeVar
 
 import structlog
 
+from plugvisor.common.names import dns_label_problem, node_name_problem
 from plugvisor.common.validation import shorten
 from plugvisor.deviceplugin.allocation import build_allocation
 from plugvisor.deviceplugin.cell import SnapshotCell
@@ -49,6 +51,9 @@ from plugvisor.dra.pool import Pool
 T = TypeVar("T")
 
 _SHOWN_NAMES = 10
+_UID_MAX = 128
+_UID_RE = re.compile(rf"[A-Za-z0-9]([-A-Za-z0-9_.]{{0,{_UID_MAX - 2}}}[A-Za-z0-9])?")
+"""A UID the API server would give (a UUID), and safe as a file name and a CDI device name."""
 _WORK_SHARE = 0.8
 """Of the time the kubelet gives a call, what reading the claim and the kind's hooks may use (the rest is
 for writing the spec and the checkpoint, and the answer)."""
@@ -108,6 +113,16 @@ class ClaimPreparer:
         self._claims = claims
         self._lock = asyncio.Lock()
         self._log = structlog.get_logger("plugvisor.dra").bind(driver=driver)
+
+    async def reload(self, load: Callable[[], dict[str, PreparedClaim]]) -> None:
+        """Take the prepared claims from ``load`` (the checkpoint), between two calls.
+
+        For a driver that serves again after another process of the same driver
+        served meanwhile: that one prepared and unprepared claims in the same
+        checkpoint.
+        """
+        async with self._lock:
+            self.prepared = await asyncio.to_thread(load)
 
     # -- prepare -----------------------------------------------------------------------
 
@@ -361,3 +376,30 @@ def _check_ref(claim: ClaimRef) -> None:
     missing = [name for name in ("namespace", "name", "uid") if not getattr(claim, name)]
     if missing:
         raise PrepareError(f"claim {claim}: the kubelet's request has no {', '.join(missing)}")
+    problem = _ref_problem(claim)
+    if problem is not None:
+        shown = ClaimRef(*(shorten(_escaped(part)) for part in (claim.namespace, claim.name, claim.uid)))
+        raise PrepareError(f"claim {shown}: the kubelet's request is invalid: {problem}")
+
+
+def _ref_problem(claim: ClaimRef) -> str | None:
+    """Why the reference is none an API server makes; the UID matters most, as it names files.
+
+    The UID becomes the spec's file name and its CDI devices' names: a ``/`` or
+    ``..`` in it would write and remove files outside the CDI directory, and a
+    character CDI does not take would fail the container's start rather than
+    the prepare.
+    """
+    if not _UID_RE.fullmatch(claim.uid):
+        return (
+            f"a UID is at most {_UID_MAX} letters, digits, '-', '_' or '.', starting and ending with a "
+            "letter or digit (a UUID)"
+        )
+    if node_name_problem(claim.name) is not None:  # a claim's name is a DNS subdomain, as a node's
+        return "the name is not a DNS subdomain"
+    return None if dns_label_problem(claim.namespace) is None else "the namespace is not a DNS label"
+
+
+def _escaped(text: str) -> str:
+    """``text`` on one line and in ASCII, for an error message."""
+    return text.encode("unicode_escape").decode("ascii")

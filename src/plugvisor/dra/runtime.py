@@ -32,7 +32,7 @@ import uvloop
 from plugvisor.common import constants
 from plugvisor.common.exitcodes import EXIT_CONFIGURATION, EXIT_FAILURE, EXIT_OK
 from plugvisor.common.hostpaths import HostPaths
-from plugvisor.common.names import dra_driver_name_problem
+from plugvisor.common.names import dra_driver_name_problem, node_name_problem
 from plugvisor.common.notify import STOP_FOR_GOOD_SIGNAL, StatusReporter
 from plugvisor.deviceplugin.cell import CellClosedError, SnapshotCell
 from plugvisor.deviceplugin.device_monitor import DeviceDescriber, DeviceMonitor, MonitorConfig
@@ -81,6 +81,9 @@ class DriverConfig:
             raise ConfigurationError(problem)
         if not self.node_name:
             raise ConfigurationError("the node name is empty: set NODE_NAME or --node-name")
+        problem = node_name_problem(self.node_name)  # the pool's name, and a file name without an API server
+        if problem is not None:
+            raise ConfigurationError(f"node name {problem}")
         if self.rescan_interval <= 0:
             raise ConfigurationError(f"rescan interval must be positive, got {self.rescan_interval}")
         if not self.cdi_dir.startswith("/"):
@@ -307,13 +310,29 @@ class DraDriverRuntime:
             kept = {name: d for name, d in previous.devices.items() if previous.ids[name] in snapshot.devices}
             return Pool(snapshot, kept, {name: previous.ids[name] for name in kept})
 
+    async def _taken_over_or_back(self, kept: sockets.KeptSocket) -> None:
+        """Another process of this driver took a socket over, or it is gone and the socket is ours again.
+
+        Back, the claims are read from the checkpoint again: the other process
+        prepared and unprepared claims in it meanwhile. The kubelet registers
+        the driver again then, which clears ``TAKEN_OVER=`` in the agent.
+        """
+        if kept.standing_by:
+            self.status.send(TAKEN_OVER=f"another live process serving {kept.path.name}")
+        else:
+            await self.preparer.reload(self.load_prepared)
+            self._log.info(
+                "serving_again_after_takeover", socket=kept.path.name, claims=len(self.preparer.prepared)
+            )
+
     async def _serve_and_register(self) -> None:
         await self.pool_ready.wait()
         await self.dra_socket.start()
         await self.registration_socket.start()
         self.status.send(ENDPOINT=self.registration_socket.path.name)
         keeper = asyncio.create_task(
-            sockets.keep([self.dra_socket, self.registration_socket]), name="sockets"
+            sockets.keep([self.dra_socket, self.registration_socket], on_change=self._taken_over_or_back),
+            name="sockets",
         )
         try:
             number = 0

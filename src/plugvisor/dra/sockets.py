@@ -18,6 +18,14 @@ per instance, so the rules of the device plugin's sockets apply in this form:
   registration socket that is what makes the kubelet register the driver
   again; without it the driver would stay unregistered until it restarted.
 
+A socket replaced by a live process is not taken back: that is another driver
+of the same name taking over on purpose (``--replace``: the agent's child
+replacing one started by hand, a second agent, a new DaemonSet pod started
+before the old one stops). The socket stops serving (so the kubelet's
+connection moves to the newcomer) and stands by; once nobody answers at the
+path any more, it is served again. Taking it back would make the two take it
+from each other for ever.
+
 Serving again means a fresh gRPC server: stopping the old one deletes the
 socket file at its path (gRPC does), so the old one is stopped first and the
 new one bound after. Calls in flight on the old one are cancelled; the kubelet
@@ -30,7 +38,7 @@ import asyncio
 import contextlib
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Final
 
@@ -67,6 +75,8 @@ class KeptSocket:
         self._inode: tuple[int, int] | None = None
         self.served = 0
         """How many times the socket was bound (1 after start, +1 per re-creation)."""
+        self.standing_by = False
+        """Another live process took the path over; this one does not serve until it is gone."""
         self._log = structlog.get_logger("plugvisor.dra.socket").bind(role=role, socket=str(path))
 
     async def start(self) -> None:
@@ -75,19 +85,28 @@ class KeptSocket:
         if problem is not None:
             raise ConfigurationError(f"{problem}: use a shorter kubelet directory")
         self.path.parent.mkdir(mode=self._directory_mode, parents=True, exist_ok=True)
-        if self.path.exists() or self.path.is_symlink():
-            if not self._replace and await asyncio.to_thread(socket_answers, self.path):
-                raise SocketInUseError(
-                    f"{self.path} is served by another live process; refusing to take it over "
-                    "(stop the other driver, or take over with --replace)"
-                )
-            self.path.unlink(missing_ok=True)
-        binding = self.path.with_name(f".{self.path.name}.binding")
+        # What is at the path stays until the rename below replaces it: never a moment without a
+        # socket there, which another process of the driver would take for its own socket gone.
+        if (
+            (self.path.exists() or self.path.is_symlink())
+            and not self._replace
+            and await asyncio.to_thread(socket_answers, self.path)
+        ):
+            raise SocketInUseError(
+                f"{self.path} is served by another live process; refusing to take it over "
+                "(stop the other driver, or take over with --replace)"
+            )
+        # Hidden (the plugin watcher skips dot files) and no longer than the socket's own name: a path
+        # that fits the unix socket limit must fit while it is bound too.
+        binding = self.path.with_name(f".{self.path.name[:-1]}")
         binding.unlink(missing_ok=True)
         server = grpc.aio.server()
         server.add_generic_rpc_handlers(self._handlers)
-        with owner_only():
-            bound = server.add_insecure_port(f"unix:{binding}")
+        try:
+            with owner_only():
+                bound = server.add_insecure_port(f"unix:{binding}")
+        except RuntimeError:  # grpc.aio raises where grpc returns 0
+            bound = 0
         if not bound:
             raise ConfigurationError(f"could not bind the {self.role} socket {binding}")
         await server.start()
@@ -122,19 +141,38 @@ class KeptSocket:
         self._inode = None
 
     async def serve_again(self) -> None:
-        """The file is gone: stop the old server, then serve a fresh socket at the path."""
+        """The file is gone (or dead): stop the old server, then serve a fresh socket at the path."""
         self._log.warning("socket_gone", meaning="serving it again")
         await self.stop(grace=1.0)
-        self._replace = True  # whatever is at the path now is not a live driver of ours
+        self._replace = True  # whatever is at the path now answers nobody: not a live driver
         await self.start()
+        self.standing_by = False
+
+    async def stand_by(self) -> None:
+        """Another live process serves the path now: stop serving, leave its socket alone."""
+        self._log.warning(
+            "taken_over",
+            meaning="another live process of this driver serves the socket now; this one stands by and "
+            "serves it again when that one is gone",
+        )
+        self.standing_by = True
+        await self.stop(grace=1.0)
 
 
-async def keep(sockets: Sequence[KeptSocket], *, check_interval: float = CHECK_INTERVAL) -> None:
+async def keep(
+    sockets: Sequence[KeptSocket],
+    *,
+    check_interval: float = CHECK_INTERVAL,
+    on_change: Callable[[KeptSocket], Awaitable[None]] | None = None,
+) -> None:
     """Serve every socket again as soon as its file disappears; runs until cancelled.
 
     inotify on each socket's directory wakes this at once; a look every
     ``check_interval`` seconds covers what inotify cannot see (a directory
-    deleted and made again: the watch went with the old one).
+    deleted and made again: the watch went with the old one). A socket another
+    live process now serves is left to it (:meth:`KeptSocket.stand_by`) until
+    nobody answers there. ``on_change`` hears a socket that started or stopped
+    standing by.
     """
     log = structlog.get_logger("plugvisor.dra.socket")
     with Inotify() as inotify:
@@ -145,14 +183,32 @@ async def keep(sockets: Sequence[KeptSocket], *, check_interval: float = CHECK_I
                     inotify.add_watch(directory, _MASK)
                     watched.add(directory)
             for kept in sockets:
-                if not kept.is_ours():
-                    try:
+                if kept.is_ours():
+                    continue
+                was_standing_by = kept.standing_by
+                try:
+                    if await asyncio.to_thread(_served_by_another, kept.path):
+                        if not was_standing_by:
+                            await kept.stand_by()
+                    else:
                         await kept.serve_again()
-                    except (OSError, ConfigurationError, SocketInUseError) as exc:
-                        log.error("socket_not_served", socket=str(kept.path), error=str(exc))
+                except (OSError, ConfigurationError, SocketInUseError) as exc:
+                    log.error("socket_not_served", socket=str(kept.path), error=str(exc))
+                if kept.standing_by != was_standing_by and on_change is not None:
+                    await on_change(kept)
             try:
                 event = await asyncio.wait_for(inotify.get(), check_interval)
             except TimeoutError:
                 continue
             if event.mask & (Mask.DELETE_SELF | Mask.MOVE_SELF | Mask.IGNORED) and event.watch is not None:
                 watched.discard(Path(os.fsdecode(event.watch.path)))
+
+
+def _served_by_another(path: Path) -> bool:
+    """Whether a socket (not a link to one elsewhere) is at ``path`` and a live process answers on it."""
+    try:
+        if not stat.S_ISSOCK(path.lstat().st_mode):
+            return False
+    except OSError:
+        return False
+    return socket_answers(path)

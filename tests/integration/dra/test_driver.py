@@ -182,6 +182,17 @@ class TestSockets:
             await eventually(gpu.runtime.dra_socket.is_ours, what="dra.sock served again")
             await gpu.prepare(next(iter(gpu.devices)))
 
+    async def test_a_link_to_a_live_socket_elsewhere_in_its_place_is_no_takeover(
+        self, kubelet, lab_root, base
+    ):
+        async with running(kubelet, lab_root) as gpu:
+            socket = base / "plugins" / DRIVER / "dra.sock"
+            socket.unlink()
+            socket.symlink_to(base / "device-plugins" / "kubelet.sock")  # the kubelet's, live
+            await eventually(gpu.runtime.dra_socket.is_ours, what="dra.sock served again")
+            assert not gpu.runtime.dra_socket.standing_by
+            await gpu.prepare(next(iter(gpu.devices)))
+
     async def test_a_restarted_kubelet_registers_the_driver_again_with_no_help(self, kubelet, lab_root):
         async with running(kubelet, lab_root) as gpu:
             claim, _ = await gpu.prepare(next(iter(gpu.devices)))

@@ -5,6 +5,7 @@ import json
 import os
 import signal
 import socket
+import struct
 import sys
 
 import pytest
@@ -139,6 +140,61 @@ class TestProcess:
         second = await start_driver()
         assert await asyncio.wait_for(second.proc.wait(), 60) == 2
 
+    async def test_a_driver_name_of_63_characters_serves_where_its_sockets_just_fit(
+        self, kubelet, base, start_driver
+    ):
+        driver = ".".join(("a" * 20, "b" * 20, "c" * 21))
+        assert len(str(base / "plugins_registry" / f"{driver}-reg.sock")) == 107  # the unix socket limit
+        process = await start_driver("--driver", driver)
+        await kubelet.wait_for(registered(driver), what="the driver registered", timeout=60)
+        assert process.proc.returncode is None
+
+    async def test_a_driver_taken_over_stands_by_and_serves_again_when_the_other_stops(
+        self, kubelet, base, lab_root, start_driver
+    ):
+        """A second driver with --replace (the agent's child, a new pod) is left the sockets, not fought."""
+        registration = base / "plugins_registry" / f"{DRIVER}-reg.sock"
+        status_path = base / "status.sock"
+        receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        receiver.bind(str(status_path))
+        receiver.setblocking(False)
+        fields: dict[str, str] = {}
+        try:
+            first = await start_driver(env={notify.STATUS_SOCKET_ENV: str(status_path)})
+            await kubelet.wait_for(registered(), what="the first driver registered", timeout=60)
+            await eventually(lambda: len(slice_devices(base)) == 8, what="the slice")
+            second = await start_driver("--replace")
+            await eventually(
+                lambda: _drain(receiver, fields) and "TAKEN_OVER" in fields, what="the first says TAKEN_OVER="
+            )
+            assert _server_pid(registration) == second.proc.pid
+            assert _server_pid(base / "plugins" / DRIVER / "dra.sock") == second.proc.pid
+            await kubelet.wait_for(registered(times=2), what="the second driver registered", timeout=60)
+            await kubelet.dra.prepare(claim(slice_devices(base)[:1]))
+            assert checkpointed(base) == ["uid-1"]
+            assert await second.stop() == 0
+            await eventually(
+                lambda: _server_pid(registration) == first.proc.pid, what="the first serving again"
+            )
+            await kubelet.wait_for(registered(times=3), what="the first registered again", timeout=60)
+            await kubelet.dra.unprepare("default", "gpus")
+            assert not spec_of(lab_root, "uid-1").exists() and checkpointed(base) == []
+        finally:
+            receiver.close()
+
+
+def _server_pid(path):
+    """The process serving the unix socket at ``path`` (None when nobody does)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+        pid, _, _ = struct.unpack("3i", probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    except OSError:
+        return None
+    finally:
+        probe.close()
+    return pid
+
 
 def _drain(receiver, fields):
     while True:
@@ -172,14 +228,23 @@ class TestBadInput:
             ),
             (("--cdi-dir", "relative"), "Invalid value for --cdi-dir: relative must be an absolute path"),
             (("--options-json", '{"replicas": 0}'), "replicas: Input should be greater than or equal to 1"),
+            (
+                ("--node-name", "x/../../escaped"),
+                "node name 'x/../../escaped' is not a lowercase DNS-1123 subdomain",
+            ),
         ],
-        ids=["driver-name", "cdi-dir", "kind-options"],
+        ids=["driver-name", "cdi-dir", "kind-options", "node-name"],
     )
     async def test_bad_options_exit_2_naming_the_option(self, base, lab_root, extra, message):
         proc = await asyncio.create_subprocess_exec(
             *driver_args(base, lab_root, "gpu", *extra), stderr=asyncio.subprocess.PIPE
         )
-        _, stderr = await asyncio.wait_for(proc.communicate(), 60)
+        try:
+            _, stderr = await asyncio.wait_for(proc.communicate(), 60)
+        finally:
+            if proc.returncode is None:  # it took the bad input and runs: the test fails, leaving nothing
+                proc.kill()
+                await proc.wait()
         assert proc.returncode == 2
         assert message in stderr.decode()
 

@@ -99,6 +99,14 @@ class TestUntrusted:
         with pytest.raises(CheckpointError, match="a claim entry is malformed"):
             checkpoint.load()
 
+    @pytest.mark.parametrize("cdi_spec", ["../../outside.json", "sub/spec.json", "..", ".hidden.json", ""])
+    def test_a_spec_file_name_that_leaves_the_cdi_directory_is_refused(self, checkpoint, cdi_spec):
+        """The checksum is no signature: a forged entry must not name a file to remove elsewhere."""
+        checkpoint.path.parent.mkdir(parents=True)
+        checkpoint.path.write_bytes(checkpoint.render([PreparedClaim(CLAIM.claim, CLAIM.devices, cdi_spec)]))
+        with pytest.raises(CheckpointError, match=r"a claim entry is malformed.*not a file name"):
+            checkpoint.load()
+
     def test_a_huge_file_is_not_read(self, checkpoint, monkeypatch):
         monkeypatch.setattr("plugvisor.dra.checkpoint.MAX_BYTES", 10)
         checkpoint.save([CLAIM])

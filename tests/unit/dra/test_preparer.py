@@ -255,6 +255,35 @@ class TestPrepareRefusals:
         with pytest.raises(PrepareError, match="the kubelet's request has no uid"):
             await node.preparer().prepare(ClaimRef("default", "x", ""), budget=BUDGET)
 
+    @pytest.mark.parametrize(
+        ("namespace", "name", "uid"),
+        [
+            ("default", "c", "x/../../../../escaped"),
+            ("default", "c", ".."),
+            ("default", "c", "\u00fc-\n"),
+            ("default", "c", "a" * 300),
+            ("default", "../c", "uid-3"),
+            ("de/fault", "c", "uid-3"),
+        ],
+    )
+    async def test_a_claim_reference_no_api_server_makes_touches_no_file(self, node, namespace, name, uid):
+        claim = ClaimRef(namespace, name, uid)
+        node.claims.allocate(claim, "gpu-0")
+        preparer = node.preparer()
+        with pytest.raises(PrepareError) as refusal:
+            await preparer.prepare(claim, budget=BUDGET)
+        assert "the kubelet's request is invalid" in str(refusal.value)
+        assert "\n" not in str(refusal.value)
+        assert not node.cdi_dir.exists() and node.checkpoint.load() == {}
+
+    async def test_unprepare_of_a_uid_that_leaves_the_cdi_directory_removes_nothing(self, node, tmp_path):
+        (node.cdi_dir / f"{cdi.vendor(DRIVER)}-claim_x").mkdir(parents=True)
+        outside = tmp_path / "precious.json"
+        outside.write_text("{}")
+        with pytest.raises(PrepareError, match="the kubelet's request is invalid"):
+            await node.preparer().unprepare(ClaimRef("default", "c", "x/../../precious"), budget=BUDGET)
+        assert outside.exists()
+
     async def test_a_failing_reset_fails_the_claim_and_records_nothing(self, node):
         node.claims.allocate(CLAIM, "gpu-0")
         node.kind.fail = "reset"

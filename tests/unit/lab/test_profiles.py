@@ -53,6 +53,16 @@ BAD = [
         {"name": "x", "nics": [{"model": "intel-e810", "count": 3, "portsPerCard": 2}]},
         "nics[0].count",
     ),
+    (
+        "too-many-devices-in-all",
+        {"name": "x", "gpus": [{"model": "nvidia-h100", "count": 4096}] * 4},
+        "16384 PCI functions",
+    ),
+    (
+        "too-many-vfs-in-all",
+        {"name": "x", "nics": [{"model": "intel-e810", "count": 64, "totalVfs": 256, "numVfs": 256}]},
+        "16448 PCI functions",
+    ),
 ]
 
 

@@ -159,6 +159,22 @@ class TestHostRootConfinement:
         written = source.write_cdi_spec(source.scan().data)
         assert written == root / "run/cdi/x.io-gpu.json" and written.is_file()
 
+    def test_no_second_copy_of_the_spec_is_ever_a_file_cdi_reads(self, root, monkeypatch):
+        """CDI reads every *.json of the directory, hidden ones too: a temporary copy would be a conflict."""
+        source = KIND.build(
+            GpuOptions.model_validate({"cdi": True}), HostPaths(root=root), resource="x.io/gpu"
+        )
+        seen: list[list[str]] = []
+        replace = Path.replace
+
+        def spying_replace(self, target):
+            seen.append(sorted(p.name for p in self.parent.iterdir() if p.suffix in (".json", ".yaml")))
+            return replace(self, target)
+
+        monkeypatch.setattr(Path, "replace", spying_replace)
+        written = source.write_cdi_spec(source.scan().data)
+        assert seen == [[]] and sorted(p.name for p in written.parent.iterdir()) == ["x.io-gpu.json"]
+
     def test_a_host_root_whose_dev_links_to_our_own_dev_reads_no_node_of_ours(self, root):
         shutil.rmtree(root / "dev")
         (root / "dev").symlink_to("/dev")  # inside the root this is dev -> dev: a loop, never our /dev

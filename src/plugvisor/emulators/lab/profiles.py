@@ -34,6 +34,11 @@ def _known(table: dict[str, Any], what: str) -> AfterValidator:
     return AfterValidator(check)
 
 
+MAX_PCI_FUNCTIONS: Final = 8192
+"""A lab's PCI functions in all, twice the big profile's: each group's ``count`` is bounded, but a
+profile of many groups is not, and 16,384 GPUs take minutes and gigabytes to write."""
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", alias_generator=to_camel, populate_by_name=True, frozen=True)
 
@@ -170,6 +175,17 @@ def _cross_checks(profile: Profile) -> list[tuple[str, str]]:
         )
     problems += _node_checks(profile)
     total = sum(g.count for _, items in groups for g in items) + len(profile.device_nodes)
+    functions = sum(
+        g.count * (1 + (g.num_vfs if isinstance(g, NicGroup) else 0)) for _, items in groups for g in items
+    )
+    if functions > MAX_PCI_FUNCTIONS:
+        problems.append(
+            (
+                "",
+                f"the profile makes {functions} PCI functions (devices, NIC ports and their VFs); at most "
+                f"{MAX_PCI_FUNCTIONS} in all",
+            )
+        )
     if total == 0:
         sections = ", ".join(section for section, _ in groups)
         problems.append(

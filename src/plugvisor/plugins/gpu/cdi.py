@@ -15,11 +15,12 @@ import contextlib
 import json
 import os
 import re
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
+
+from plugvisor.common.atomicfile import write_atomically
 
 CDI_VERSION: Final = "0.6.0"
 _NAME_UNSAFE: Final = re.compile(r"[^A-Za-z0-9_.:-]")
@@ -75,6 +76,9 @@ def write_if_changed(directory: Path, kind: str, content: bytes) -> bool:
     ``directory`` must already be resolved inside the host root
     (:meth:`~plugvisor.common.hostpaths.HostPaths.host`); the rename then
     replaces whatever is at the file's name, a link included, without following it.
+    The temporary file's name does not end in ``.json``: CDI reads every
+    ``*.json`` of the directory, hidden ones too, and a copy of the spec beside
+    it would make each of its devices a conflict the runtime cannot resolve.
     """
     path = directory / spec_file_name(kind)
     with contextlib.suppress(OSError):
@@ -83,17 +87,5 @@ def write_if_changed(directory: Path, kind: str, content: bytes) -> bool:
         with os.fdopen(fd, "rb") as current:
             if current.read(len(content) + 1) == content:
                 return False
-    directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(content)
-            handle.flush()
-            os.fsync(handle.fileno())
-        Path(tmp).chmod(0o644)
-        Path(tmp).replace(path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            Path(tmp).unlink()
-        raise
+    write_atomically(path, content, mode=0o644)
     return True
