@@ -1,10 +1,10 @@
 {{- /*
 One agent: its node.yaml as a ConfigMap, and a DaemonSet running `plugvisor run` on the nodes with the
 kind's hardware, mounting exactly what the kind reads. Called with a dict: root (the chart's context),
-kind (its name), resources and hostMounts (the agent's), values (kinds.<kind>), dra (true for the kind's
-DRA drivers: named <kind>-dra and labelled plugvisor.io/mode=dra, with what components/dra adds: the
-plugvisor-dra ServiceAccount's token, NODE_NAME, the kubelet's plugin directories and the host's
-/var/run/cdi). A checksum of node.yaml in the pod template does what the overlays' content-hashed
+kind (its name), values (kinds.<kind>), dra (false: the kind's device plugins, its resources; true: its
+DRA drivers, its dra.resources, named <kind>-dra and labelled plugvisor.io/mode=dra, with dra.hostMounts
+and what components/dra adds: the plugvisor-dra ServiceAccount's token, NODE_NAME, the kubelet's plugin
+directories and the host's /var/run/cdi). A checksum of node.yaml in the pod template does what the overlays' content-hashed
 ConfigMap names do: a changed node.yaml rolls the agents, one node at a time.
 */}}
 {{- define "plugvisor.agent" }}
@@ -14,9 +14,14 @@ ConfigMap names do: a changed node.yaml rolls the agents, one node at a time.
 {{- $name := ternary (printf "%s-dra" .kind) .kind $dra }}
 {{- $selector := dict "app.kubernetes.io/name" "plugvisor" "plugvisor.io/kind" .kind }}
 {{- $modeLabel := ternary (dict "plugvisor.io/mode" "dra") dict $dra }}
-{{- $hostMounts := .hostMounts }}
+{{- $resources := $kind.resources }}
+{{- $hostMounts := $kind.hostMounts }}
+{{- if $dra }}
+{{- $resources = $kind.dra.resources }}
+{{- $hostMounts = concat $kind.hostMounts ($kind.dra.hostMounts | default list) }}
+{{- end }}
 {{- $hardware := ternary $.Values.lab.root "" $.Values.lab.enabled }}
-{{- $node := merge (dict "hostRoot" "/host" "specRoot" (ternary $.Values.lab.root "/" $.Values.lab.enabled) "resources" .resources) (deepCopy $.Values.node) }}
+{{- $node := merge (dict "hostRoot" "/host" "specRoot" (ternary $.Values.lab.root "/" $.Values.lab.enabled) "resources" $resources) (deepCopy $.Values.node) }}
 {{- $config := toYaml $node }}
 ---
 apiVersion: v1
