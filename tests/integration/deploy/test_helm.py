@@ -152,5 +152,50 @@ def test_a_changed_node_yaml_rolls_the_agents() -> None:
         ds = next(d for d in chart("generic", *extra) if d["kind"] == "DaemonSet")
         return str(ds["spec"]["template"]["metadata"]["annotations"]["checksum/node.yaml"])
 
-    assert checksum() != checksum("--set", "kinds.generic.resources[0].count=20")
+    # --set on one item of a list would replace the whole list (Helm's way): the resource is given whole.
+    twenty = '[{"name": "plugvisor.io/fuse", "kind": "generic", "paths": ["/dev/fuse"], "count": 20}]'
+    assert checksum() != checksum("--set-json", f"kinds.generic.resources={twenty}")
     assert checksum() == checksum("--set", "image.tag=other")
+
+
+def test_one_release_with_both_lab_values_renders_both_lab_overlays() -> None:
+    """A kind's device plugins and DRA drivers side by side, as `kubectl apply -k` of overlays/lab and
+    overlays/lab-dra together: their objects, each once."""
+    expected = comparable(render("lab"), hashed=True) | comparable(render("lab-dra"), hashed=True)
+    docs = chart("lab-dra", "--values", str(CHART / "ci" / "lab-values.yaml"))
+    rendered = comparable(docs, hashed=False)
+    assert len(docs) == len(rendered), "an object rendered twice"
+    assert sorted(rendered) == sorted(expected)
+    assert rendered == expected
+
+
+NIC_AS_GPU_DRIVER = '[{"name": "gpu.plugvisor.io", "kind": "nic", "mode": "dra"}]'
+
+
+@pytest.mark.parametrize(
+    ("settings", "named"),
+    [
+        (
+            ["--set", "kinds.gpu.dra.enable=true"],
+            "'/kinds/gpu/dra': additional properties 'enable' not allowed",
+        ),
+        (["--set", "kinds.nic.resources[0].mode=dra"], "'/kinds/nic/resources/0/mode': value must be one of"),
+        (["--set", "kinds.gpu.dra.resources[0].name=plugvisor.io/gpu"], "'/kinds/gpu/dra/resources/0/name'"),
+        (["--set", "node.specRoot=/"], "'/node/specRoot'"),
+        (
+            [
+                *("--set", "kinds.gpu.dra.enabled=true,kinds.nic.dra.enabled=true"),
+                *("--set-json", f"kinds.nic.dra.resources={NIC_AS_GPU_DRIVER}"),
+            ],
+            "kinds.nic.dra.resources: the driver gpu.plugvisor.io is already another DRA resource's",
+        ),
+    ],
+)
+def test_values_the_chart_cannot_honour_are_refused_naming_the_key(settings: list[str], named: str) -> None:
+    """values.schema.json: a misspelt key, a DRA resource among the device plugins, a driver name that
+    cannot name a DeviceClass, a node.yaml key the chart sets itself; and one driver name given twice. Never
+    silently ignored, nor left for the cluster to refuse half-way through an install."""
+    args = [helm(), "template", "plugvisor", str(CHART), *KUBE_VERSION, *settings]
+    result = subprocess.run(args, capture_output=True, text=True, check=False, timeout=120)
+    assert result.returncode != 0
+    assert named in result.stderr

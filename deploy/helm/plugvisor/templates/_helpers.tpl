@@ -14,3 +14,13 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end -}}
+
+{{/*
+The labels of what the DRA drivers share (their ServiceAccount, RBAC and admission policy), as
+deploy/kubernetes/components/dra sets them, and Helm's.
+*/}}
+{{- define "plugvisor.draLabels" -}}
+app.kubernetes.io/name: plugvisor
+app.kubernetes.io/component: dra-driver
+{{ include "plugvisor.helmLabels" . }}
+{{- end -}}

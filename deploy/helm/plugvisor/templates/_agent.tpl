@@ -1,0 +1,188 @@
+{{- /*
+One agent: its node.yaml as a ConfigMap, and a DaemonSet running `plugvisor run` on the nodes with the
+kind's hardware, mounting exactly what the kind reads. Called with a dict: root (the chart's context),
+kind (its name), values (kinds.<kind>), dra (false: the kind's device plugins, its resources; true: its
+DRA drivers, its dra.resources, named <kind>-dra and labelled plugvisor.io/mode=dra, with dra.hostMounts
+and what components/dra adds: the plugvisor-dra ServiceAccount's token, NODE_NAME, the kubelet's plugin
+directories and the host's /var/run/cdi). A checksum of node.yaml in the pod template does what the overlays' content-hashed
+ConfigMap names do: a changed node.yaml rolls the agents, one node at a time.
+*/}}
+{{- define "plugvisor.agent" }}
+{{- $ := .root }}
+{{- $kind := .values }}
+{{- $dra := .dra }}
+{{- $name := ternary (printf "%s-dra" .kind) .kind $dra }}
+{{- $selector := dict "app.kubernetes.io/name" "plugvisor" "plugvisor.io/kind" .kind }}
+{{- $modeLabel := ternary (dict "plugvisor.io/mode" "dra") dict $dra }}
+{{- $resources := $kind.resources }}
+{{- $hostMounts := $kind.hostMounts }}
+{{- if $dra }}
+{{- $resources = $kind.dra.resources }}
+{{- $hostMounts = concat $kind.hostMounts ($kind.dra.hostMounts | default list) }}
+{{- end }}
+{{- $hardware := ternary $.Values.lab.root "" $.Values.lab.enabled }}
+{{- $node := merge (dict "hostRoot" "/host" "specRoot" (ternary $.Values.lab.root "/" $.Values.lab.enabled) "resources" $resources) (deepCopy $.Values.node) }}
+{{- $config := toYaml $node }}
+---
+apiVersion: v1
+kind: ConfigMap
+metadata:
+  name: plugvisor-config-{{ $name }}
+  namespace: {{ $.Release.Namespace }}
+  labels:
+    plugvisor.io/kind: {{ .kind }}
+    {{- with $modeLabel }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+    {{- include "plugvisor.helmLabels" $ | nindent 4 }}
+data:
+  node.yaml: |
+    {{- $config | nindent 4 }}
+---
+apiVersion: apps/v1
+kind: DaemonSet
+metadata:
+  name: plugvisor-{{ $name }}
+  namespace: {{ $.Release.Namespace }}
+  labels:
+    app.kubernetes.io/name: plugvisor
+    app.kubernetes.io/component: node-agent
+    app.kubernetes.io/part-of: plugvisor
+    plugvisor.io/kind: {{ .kind }}
+    {{- with $modeLabel }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+    {{- include "plugvisor.helmLabels" $ | nindent 4 }}
+spec:
+  selector:
+    matchLabels:
+      {{- merge (deepCopy $modeLabel) $selector | toYaml | nindent 6 }}
+  updateStrategy:
+    type: RollingUpdate
+    rollingUpdate:
+      # Two agents on one node would register the same resources twice: replace, never surge.
+      maxSurge: 0
+      maxUnavailable: 1
+  template:
+    metadata:
+      labels:
+        app.kubernetes.io/component: node-agent
+        {{- merge (deepCopy $modeLabel) $selector | toYaml | nindent 8 }}
+      annotations:
+        checksum/node.yaml: {{ $config | sha256sum }}
+    spec:
+      priorityClassName: system-node-critical
+      nodeSelector:
+        kubernetes.io/os: linux
+        {{- with (ternary $kind.labNodeSelector $kind.nodeSelector $.Values.lab.enabled) }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      tolerations:
+        # Device plugins must run on tainted nodes too, and stay through node pressure.
+        - operator: Exists
+      {{- if $dra }}
+      # The drivers publish ResourceSlices and read ResourceClaims with the pod's own token.
+      serviceAccountName: plugvisor-dra
+      automountServiceAccountToken: true
+      {{- else }}
+      automountServiceAccountToken: false
+      {{- end }}
+      enableServiceLinks: false
+      # SIGTERM stops the children (stopTimeout, 5 s each, in parallel), then the agent exits 0.
+      terminationGracePeriodSeconds: 30
+      securityContext:
+        seccompProfile:
+          type: RuntimeDefault
+      containers:
+        - name: agent
+          image: {{ include "plugvisor.image" $ }}
+          imagePullPolicy: {{ $.Values.image.pullPolicy }}
+          args:
+            - run
+            - --config=/etc/plugvisor/node.yaml
+            - --log-format=json
+          env:
+            {{- if $dra }}
+            # The node the drivers publish for: their pool's name and the slices' owner.
+            - name: NODE_NAME
+              valueFrom:
+                fieldRef: {fieldPath: spec.nodeName}
+            {{- end }}
+            - name: PLUGVISOR_RUNTIME_DIR
+              value: /run/plugvisor
+          ports:
+            - name: metrics
+              containerPort: 9400
+              protocol: TCP
+          livenessProbe:
+            httpGet: {path: /healthz, port: metrics}
+            initialDelaySeconds: 5
+            periodSeconds: 10
+            timeoutSeconds: 3
+            failureThreshold: 3
+          readinessProbe:
+            httpGet: {path: /readyz, port: metrics}
+            periodSeconds: 5
+            timeoutSeconds: 3
+            failureThreshold: 2
+          resources:
+            {{- toYaml $.Values.resources | nindent 12 }}
+          securityContext:
+            runAsUser: 0
+            runAsGroup: 0
+            runAsNonRoot: false
+            privileged: false
+            allowPrivilegeEscalation: false
+            readOnlyRootFilesystem: true
+            capabilities:
+              drop: [ALL]
+          volumeMounts:
+            {{- range $hostMounts }}
+            - name: {{ .name }}
+              mountPath: {{ .mountPath }}
+              {{- if .readOnly }}
+              readOnly: true
+              {{- end }}
+            {{- end }}
+            - {name: config, mountPath: /etc/plugvisor, readOnly: true}
+            - {name: device-plugins, mountPath: /var/lib/kubelet/device-plugins}
+            # PodResources: who holds which device (monitoring, release cleanup); read-only is enough.
+            - {name: pod-resources, mountPath: /var/lib/kubelet/pod-resources, readOnly: true}
+            - {name: runtime, mountPath: /run/plugvisor}
+            - {name: tmp, mountPath: /tmp}
+            {{- if $dra }}
+            # Where the kubelet finds DRA drivers: <kubelet root>/plugins_registry/<driver>-reg.sock and
+            # plugins/<driver>/dra.sock (their checkpoint beside it); each prepared claim is a CDI spec in
+            # the host's /var/run/cdi, which the container runtime reads.
+            - {name: kubelet-plugins, mountPath: /var/lib/kubelet/plugins}
+            - {name: kubelet-plugins-registry, mountPath: /var/lib/kubelet/plugins_registry}
+            - {name: host-cdi, mountPath: /host/var/run/cdi}
+            {{- end }}
+      volumes:
+        {{- range $hostMounts }}
+        - name: {{ .name }}
+          hostPath:
+            path: {{ printf "%s%s" $hardware .path }}
+            type: {{ .type | default "Directory" }}
+        {{- end }}
+        - name: config
+          configMap:
+            name: plugvisor-config-{{ $name }}
+        - name: device-plugins
+          hostPath: {path: /var/lib/kubelet/device-plugins, type: Directory}
+        - name: pod-resources
+          hostPath: {path: /var/lib/kubelet/pod-resources, type: DirectoryOrCreate}
+        - name: runtime
+          emptyDir: {medium: Memory, sizeLimit: 16Mi}
+        - name: tmp
+          emptyDir: {medium: Memory, sizeLimit: 16Mi}
+        {{- if $dra }}
+        # The node's own paths, in a lab too: the kubelet and the container runtime read them.
+        - name: kubelet-plugins
+          hostPath: {path: /var/lib/kubelet/plugins, type: DirectoryOrCreate}
+        - name: kubelet-plugins-registry
+          hostPath: {path: /var/lib/kubelet/plugins_registry, type: DirectoryOrCreate}
+        - name: host-cdi
+          hostPath: {path: /var/run/cdi, type: DirectoryOrCreate}
+        {{- end }}
+{{- end }}
