@@ -31,7 +31,7 @@ import uvloop
 
 from plugvisor.common import constants
 from plugvisor.common.exitcodes import EXIT_CONFIGURATION, EXIT_FAILURE, EXIT_OK
-from plugvisor.common.hostpaths import HostPaths
+from plugvisor.common.hostpaths import HostPaths, beside_kubelet_dir
 from plugvisor.common.names import dra_driver_name_problem, node_name_problem
 from plugvisor.common.notify import STOP_FOR_GOOD_SIGNAL, StatusReporter
 from plugvisor.deviceplugin.cell import CellClosedError, SnapshotCell
@@ -90,21 +90,21 @@ class DriverConfig:
             raise ConfigurationError(f"the CDI directory {self.cdi_dir!r} must be an absolute path")
 
     @property
-    def kubelet_root(self) -> Path:
-        """The directory ``kubeletDir`` lies in (``/var/lib/kubelet``)."""
-        return self.paths.kubelet_dir.parent
-
-    @property
     def registry_dir(self) -> Path:
         """Where the kubelet's plugin watcher looks for registration sockets."""
         if self.plugins_registry is not None:
             return self.plugins_registry
-        return self.kubelet_root / constants.PLUGINS_REGISTRY_DIR_NAME
+        return beside_kubelet_dir(self.paths.kubelet_dir, constants.PLUGINS_REGISTRY_DIR_NAME)
 
     @property
     def driver_dir(self) -> Path:
-        """The driver's own directory: its DRA socket and its checkpoint."""
-        return self.kubelet_root / constants.DRA_PLUGINS_DIR_NAME / self.driver
+        """The driver's own directory: its DRA socket and its checkpoint.
+
+        ``/var/lib/kubelet/plugins/<driver>`` for the kubelet's ``device-plugins``
+        directory; ``D.plugins/<driver>`` beside an emulated kubelet's ``D``, so
+        that emulated nodes side by side never share a driver's checkpoint.
+        """
+        return beside_kubelet_dir(self.paths.kubelet_dir, constants.DRA_PLUGINS_DIR_NAME) / self.driver
 
     @property
     def dra_socket(self) -> Path:

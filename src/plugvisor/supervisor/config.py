@@ -239,9 +239,9 @@ class NodeConfig(_Model):
         return value
 
     @property
-    def kubelet_root(self) -> Path:
-        """The kubelet's root directory (``/var/lib/kubelet``): where plugins_registry and plugins/ are."""
-        return self.kubelet_dir.parent
+    def dra_plugins_dir(self) -> Path:
+        """Where DRA drivers keep their directories (``/var/lib/kubelet/plugins``): beside ``kubeletDir``."""
+        return beside_kubelet_dir(self.kubelet_dir, constants.DRA_PLUGINS_DIR_NAME)
 
     @property
     def plugins_registry(self) -> Path:
@@ -276,7 +276,7 @@ def _longest_socket_path(config: NodeConfig, resource: ResourceConfig) -> int:
     (``D.plugins_registry`` beside a kubeletDir ``D`` not named device-plugins).
     """
     if resource.dra:
-        return max(len(os.fsencode(path)) for path in dra_socket_paths(config.kubelet_root, resource.name))
+        return max(len(os.fsencode(path)) for path in dra_socket_paths(config.kubelet_dir, resource.name))
     directories = [config.kubelet_dir]
     if resource.registration == "plugin-watcher":
         directories.append(config.plugins_registry)
@@ -416,13 +416,13 @@ def load_node_config(path: Path) -> NodeConfig:
     return config
 
 
-def dra_socket_paths(kubelet_root: Path, driver: str) -> tuple[Path, Path]:
-    """A DRA driver's registration socket and DRA socket, where the kubelet looks for them."""
+def dra_socket_paths(kubelet_dir: Path, driver: str) -> tuple[Path, Path]:
+    """A DRA driver's registration socket and DRA socket, where the kubelet (or the emulated one) looks."""
+    registry = beside_kubelet_dir(kubelet_dir, constants.PLUGINS_REGISTRY_DIR_NAME)
+    plugins = beside_kubelet_dir(kubelet_dir, constants.DRA_PLUGINS_DIR_NAME)
     return (
-        kubelet_root
-        / constants.PLUGINS_REGISTRY_DIR_NAME
-        / f"{driver}{constants.DRA_REGISTRATION_SOCKET_SUFFIX}",
-        kubelet_root / constants.DRA_PLUGINS_DIR_NAME / driver / constants.DRA_SOCKET_NAME,
+        registry / f"{driver}{constants.DRA_REGISTRATION_SOCKET_SUFFIX}",
+        plugins / driver / constants.DRA_SOCKET_NAME,
     )
 
 

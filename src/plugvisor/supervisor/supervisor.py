@@ -238,7 +238,7 @@ class Supervisor:
         The kubelet's plugin watcher would otherwise keep dialling the dead
         registration socket until a new driver process replaces it.
         """
-        paths = dra_socket_paths(self.config.kubelet_root, driver)
+        paths = dra_socket_paths(self.config.kubelet_dir, driver)
         return [str(path) for path in paths if remove_dead_socket(path)]
 
     def _serves_in_kubelet_dir(self, resource: str) -> bool:

@@ -281,8 +281,8 @@ def test_dra_drivers_have_their_sockets_token_and_node_name(overlay: str) -> Non
         config, _ = _node_config(overlay, ds)
         pod, agent, volumes = ds["spec"]["template"]["spec"], _container(ds), _volumes(ds)
         mounts = {m["mountPath"]: m for m in agent["volumeMounts"]}
-        for directory in ("plugins_registry", "plugins"):
-            path = str(config.kubelet_root / directory)
+        for directory in (config.plugins_registry, config.dra_plugins_dir):
+            path = str(directory)
             assert path in mounts and not mounts[path].get("readOnly"), f"{path} must be mounted read-write"
             assert volumes[mounts[path]["name"]]["hostPath"]["path"] == path
         assert pod["serviceAccountName"] == "plugvisor-dra"

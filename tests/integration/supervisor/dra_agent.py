@@ -104,7 +104,6 @@ async def play(
         node_name=world.node_name,
         write_view=False,
         pod_resources=False,
-        plugins_registry=node.kubelet_dir.parent / "plugins_registry",  # where DRA drivers register
     )
     write_config(node, lab_root, world)
     async with kubelet:
@@ -165,7 +164,7 @@ async def play(
             return await world.slice_devices() == []
 
         await eventually(withdrawn, "the slices withdrawn")
-        assert not (node.kubelet_dir.parent / "plugins_registry" / f"{DRIVER}-reg.sock").exists()
+        assert not (kubelet.plugins_registry / f"{DRIVER}-reg.sock").exists()
         assert await agent.stop() == 0
 
 

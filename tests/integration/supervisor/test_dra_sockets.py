@@ -31,7 +31,7 @@ def test_the_dead_sockets_of_a_killed_driver_go_and_a_live_ones_stay(short_dir: 
     spawner = FakeSpawner()
     supervisor = Supervisor(config, spawner=spawner, clock=FakeClock(), rand=lambda: 0.5)
     supervisor.start()
-    registration, dra = dra_socket_paths(short_dir, DRIVER)
+    registration, dra = dra_socket_paths(kubelet_dir, DRIVER)
     bind(registration).close()  # the killed driver's: a socket file nobody answers on
     live = bind(dra)  # one a live process serves (a driver started by hand, say) is never touched
     try:

@@ -2,6 +2,7 @@
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -300,10 +301,17 @@ class TestDraMode:
     def test_the_driver_sockets_are_where_the_kubelet_looks_relative_to_its_root(self):
         config = config_.parse_config(yaml.safe_load(DRA), source="node.yaml")
 
-        registration, dra = config_.dra_socket_paths(config.kubelet_root, "gpu.plugvisor.io")
+        registration, dra = config_.dra_socket_paths(config.kubelet_dir, "gpu.plugvisor.io")
 
         assert str(registration) == "/var/lib/kubelet/plugins_registry/gpu.plugvisor.io-reg.sock"
         assert str(dra) == "/var/lib/kubelet/plugins/gpu.plugvisor.io/dra.sock"
+
+    def test_beside_an_emulated_kubelets_directory_the_driver_sockets_are_where_it_looks(self):
+        """`plugvisor kubelet --dir /tmp/dp` watches /tmp/dp.plugins_registry; nodes share nothing."""
+        registration, dra = config_.dra_socket_paths(Path("/tmp/dp"), "gpu.plugvisor.io")
+
+        assert str(registration) == "/tmp/dp.plugins_registry/gpu.plugvisor.io-reg.sock"
+        assert str(dra) == "/tmp/dp.plugins/gpu.plugvisor.io/dra.sock"
 
     @pytest.mark.parametrize(
         ("entry", "message"),
