@@ -57,8 +57,8 @@ class PathSpec(_Model):
     mount_path: AbsolutePath | None = pydantic.Field(default=None, alias="mountPath")
     type: PathType = PathType.DEVICE
     permissions: Annotated[str, pydantic.StringConstraints(pattern=r"^[rwm]+$")] = "rw"
-    read_only: bool = pydantic.Field(default=False, alias="readOnly")
-    limit: Annotated[int, pydantic.Field(ge=1)] = 1
+    read_only: bool = pydantic.Field(default=False, alias="readOnly", strict=True)
+    limit: Annotated[int, pydantic.Field(ge=1, strict=True)] = 1
 
 
 def _path_spec(value: Any) -> Any:
@@ -71,14 +71,14 @@ class Group(_Model):
     paths: Annotated[
         list[Annotated[PathSpec, pydantic.BeforeValidator(_path_spec)]], pydantic.Field(min_length=1)
     ]
-    count: Annotated[int, pydantic.Field(ge=1, le=100_000)] = 1
+    count: Annotated[int, pydantic.Field(ge=1, le=100_000, strict=True)] = 1
 
 
 class GenericOptions(_Model):
     """The ``generic`` keys of a resource entry: either ``paths`` (+``count``) or ``groups``."""
 
     paths: list[Annotated[PathSpec, pydantic.BeforeValidator(_path_spec)]] | None = None
-    count: Annotated[int, pydantic.Field(ge=1, le=100_000)] | None = None
+    count: Annotated[int, pydantic.Field(ge=1, le=100_000, strict=True)] | None = None
     groups: list[Group] | None = None
 
     @pydantic.model_validator(mode="after")

@@ -129,6 +129,13 @@ class TestOptions:
                 "contains a control character",
             ),
             ({"paths": ["/dev/fuse"], "count": 0}, "count: Input should be greater than or equal to 1"),
+            # YAML's `count: true` or `count: "5"` is a mistake, not the number 1 or 5.
+            ({"paths": ["/dev/fuse"], "count": True}, "count: Input should be a valid integer"),
+            ({"paths": ["/dev/fuse"], "count": "5"}, "count: Input should be a valid integer"),
+            (
+                {"paths": [{"path": "/dev/x", "readOnly": "no"}]},
+                "paths[0].readOnly: Input should be a valid boolean",
+            ),
             ({"paths": ["/dev/fuse"], "colour": "red"}, "colour: unknown key"),
             ({"paths": ["/dev/fuse"], "groups": [{"paths": ["/dev/x"]}]}, "give either 'paths'"),
             (

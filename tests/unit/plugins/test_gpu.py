@@ -192,6 +192,8 @@ class TestOptions:
                 "match.vendors[0]: 'nvidia' is not a 16-bit PCI ID",
             ),
             ({"replicas": 0}, "replicas: Input should be greater than or equal to 1"),
+            ({"replicas": True}, "replicas: Input should be a valid integer"),
+            ({"cdi": "yes"}, "cdi: Input should be a valid boolean"),
             ({"allocationPolicy": "random"}, "allocationPolicy: Input should be 'spread' or 'pack'"),
             ({"visibleDevicesEnv": "A-B"}, "visibleDevicesEnv: String should match pattern"),
             ({"cdiDir": "var/run/cdi"}, "cdiDir: 'var/run/cdi' must be an absolute path"),

@@ -110,7 +110,7 @@ class FpgaOptions(_Model):
     visible_devices_env: Annotated[str, pydantic.StringConstraints(pattern=_ENV_NAME.pattern)] = (
         pydantic.Field(default="FPGA_VISIBLE_DEVICES", alias="visibleDevicesEnv")
     )
-    mgmt_node: bool = pydantic.Field(default=True, alias="mgmtNode")
+    mgmt_node: bool = pydantic.Field(default=True, alias="mgmtNode", strict=True)
     """Xilinx: also hand out ``/dev/xclmgmt<instance>`` (as Xilinx's plugin does)."""
     pre_start_action: PreStartAction = pydantic.Field(
         default=PreStartAction.CLEAR_EVENTS, alias="preStartAction"

@@ -69,14 +69,14 @@ class GpuOptions(_Model):
 
     match: Match = pydantic.Field(default_factory=Match)
     device_id_strategy: IdStrategy = pydantic.Field(default=IdStrategy.UUID, alias="deviceIdStrategy")
-    replicas: Annotated[int, pydantic.Field(ge=1, le=64)] = 1
+    replicas: Annotated[int, pydantic.Field(ge=1, le=64, strict=True)] = 1
     allocation_policy: Policy = pydantic.Field(default=Policy.SPREAD, alias="allocationPolicy")
     visible_devices_env: Annotated[str, pydantic.StringConstraints(pattern=_ENV_NAME.pattern)] = (
         pydantic.Field(default="NVIDIA_VISIBLE_DEVICES", alias="visibleDevicesEnv")
     )
-    cdi: bool = False
+    cdi: bool = pydantic.Field(default=False, strict=True)
     cdi_dir: AbsolutePath = pydantic.Field(default=constants.DEFAULT_CDI_DIR, alias="cdiDir")
-    pass_device_specs: bool | None = pydantic.Field(default=None, alias="passDeviceSpecs")
+    pass_device_specs: bool | None = pydantic.Field(default=None, alias="passDeviceSpecs", strict=True)
     aer_unhealthy: list[AerKind] = pydantic.Field(
         default_factory=lambda: [AerKind.FATAL], alias="aerUnhealthy"
     )

@@ -41,7 +41,7 @@ class NicMatch(_Model):
     pf_names: list[PfName] | None = pydantic.Field(default=None, alias="pfNames")
     root_devices: list[PciAddress] | None = pydantic.Field(default=None, alias="rootDevices")
     pci_addresses: list[PciAddress] | None = pydantic.Field(default=None, alias="pciAddresses")
-    is_rdma: bool | None = pydantic.Field(default=None, alias="isRdma")
+    is_rdma: bool | None = pydantic.Field(default=None, alias="isRdma", strict=True)
     """``true``: only VFs with an RDMA device, handed out with their uverbs node and ``rdma_cm``;
     ``false``: only VFs without one (the SR-IOV network device plugin's ``isRdma`` selector)."""
 
@@ -70,8 +70,8 @@ class NicOptions(_Model):
     """The ``nic`` keys of a resource entry."""
 
     match: NicMatch = pydantic.Field(default_factory=NicMatch)
-    exclude_topology: bool = pydantic.Field(default=False, alias="excludeTopology")
-    vf_link_health: bool = pydantic.Field(default=False, alias="vfLinkHealth")
+    exclude_topology: bool = pydantic.Field(default=False, alias="excludeTopology", strict=True)
+    vf_link_health: bool = pydantic.Field(default=False, alias="vfLinkHealth", strict=True)
     aer_unhealthy: list[AerKind] = pydantic.Field(
         default_factory=lambda: [AerKind.FATAL], alias="aerUnhealthy"
     )
