@@ -349,7 +349,13 @@ def _serve(server: _Server, kinds: Sequence[str]) -> int:
     try:
         _preload(kinds)
     except Exception as exc:
-        server.send(op="ready", pid=os.getpid(), error=f"preload failed: {exc!r}")
+        error = f"preload failed: {exc!r}"
+        if isinstance(exc, ImportError):
+            # Forked from the agent, this process has the agent's modules and imports the rest from
+            # disk: code changed on disk since the agent started (plugvisor upgraded in place) cannot
+            # be mixed with them. Only a new agent process loads it whole.
+            error += "; plugvisor's files changed under the running agent? restart the agent"
+        server.send(op="ready", pid=os.getpid(), error=error)
         return 1
     threads = _thread_count()
     if threads != 1:

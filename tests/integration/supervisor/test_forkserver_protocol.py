@@ -134,3 +134,41 @@ def test_a_command_line_the_plugin_refuses_is_reported_by_the_child_with_its_exi
         "a plugin process takes 'plugin KIND ...', got ['not-a-plugin']",
     ):
         assert expected in result.stderr, result.stderr
+
+
+UPGRADED = textwrap.dedent(
+    """
+    import asyncio, os
+    import plugvisor.plugins.entry as entry
+    from plugvisor.supervisor.spawner import ForkServerSpawner, SpawnError
+
+    def preload():  # what importing changed files beside the agent's old modules does
+        raise ImportError("cannot import name 'beside_kubelet_dir' from 'plugvisor.common.hostpaths'")
+
+    entry.preload = preload  # forked with this process's memory: the fork server has it too
+
+    async def main():
+        spawner = ForkServerSpawner(dict(os.environ))
+        try:
+            await spawner.open(lambda: None)
+        except SpawnError as exc:
+            print(exc)
+        else:
+            print("started")
+        await spawner.close()
+
+    asyncio.run(main())
+    """
+)
+
+
+def test_a_fork_server_that_cannot_load_code_changed_under_the_agent_says_to_restart_it():
+    """plugvisor upgraded in place: a new fork server, forked from the agent's old modules, cannot import the
+    new files; the error says what happened and what to do, not only the ImportError."""
+    result = subprocess.run(
+        [sys.executable, "-c", UPGRADED], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    said = result.stdout.strip()
+    assert "preload failed: ImportError(\"cannot import name 'beside_kubelet_dir'" in said, said
+    assert "plugvisor's files changed under the running agent? restart the agent" in said, said
