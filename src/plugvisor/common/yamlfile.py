@@ -23,7 +23,7 @@ from typing import Any, Final
 
 import yaml
 
-from plugvisor.common.validation import HugeInteger, huge_integer_problem, shorten
+from plugvisor.common.validation import HugeInteger, huge_integer_problem, printable, shorten
 
 MAX_FILE_BYTES: Final = 1 << 20
 """Largest file read (1 MiB): a node configuration of hundreds of resources is tens of kilobytes."""
@@ -164,26 +164,27 @@ def parse_yaml(text: str, *, source: str) -> Any:
 
 def read_yaml(path: Path) -> Any:
     """Read and parse the YAML file at ``path``: a regular file of at most 1 MiB of UTF-8 text."""
+    shown = shorten(printable(str(path)), 200)  # input too: no escape reaches a terminal
     try:
         # O_NONBLOCK: a FIFO given by mistake must be refused, not block the reader forever.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
-        raise YamlFileError(f"{path}: cannot read: {exc.strerror or exc}") from None
+        raise YamlFileError(f"{shown}: cannot read: {exc.strerror or exc}") from None
     except ValueError as exc:  # an embedded NUL
-        raise YamlFileError(f"{shorten(str(path))}: cannot read: {exc}") from None
+        raise YamlFileError(f"{shown}: cannot read: {exc}") from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             kind = "a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file"
-            raise YamlFileError(f"{path}: cannot read: {kind}; expected a YAML file")
+            raise YamlFileError(f"{shown}: cannot read: {kind}; expected a YAML file")
         with os.fdopen(os.dup(fd), "rb") as handle:
             raw = handle.read(MAX_FILE_BYTES + 1)
     except OSError as exc:
-        raise YamlFileError(f"{path}: cannot read: {exc.strerror or exc}") from None
+        raise YamlFileError(f"{shown}: cannot read: {exc.strerror or exc}") from None
     finally:
         os.close(fd)
     if len(raw) > MAX_FILE_BYTES:
-        raise YamlFileError(f"{path}: larger than {MAX_FILE_BYTES // 1024} KiB; expected a YAML file")
+        raise YamlFileError(f"{shown}: larger than {MAX_FILE_BYTES // 1024} KiB; expected a YAML file")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -191,6 +192,6 @@ def read_yaml(path: Path) -> Any:
         column = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
         byte = raw[exc.start]
         raise YamlFileError(
-            f"{path}: line {line}, column {column}: byte 0x{byte:02x} is not UTF-8; expected UTF-8 YAML text"
+            f"{shown}: line {line}, column {column}: byte 0x{byte:02x} is not UTF-8; expected UTF-8 YAML text"
         ) from None
-    return parse_yaml(text, source=str(path))
+    return parse_yaml(text, source=shown)

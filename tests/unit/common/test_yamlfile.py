@@ -18,6 +18,13 @@ class TestReadYaml:
         (tmp_path / "f.yaml").write_text("a: 1\nb: [x, y]\n")
         assert read_yaml(tmp_path / "f.yaml") == {"a": 1, "b": ["x", "y"]}
 
+    @pytest.mark.parametrize("name", ["no\nde.yaml", "\x1b[2Jnode.yaml", "node\u202e.yaml"])
+    def test_a_path_is_echoed_with_what_a_terminal_would_act_on_escaped(self, tmp_path, name):
+        """`--config` is input too: a newline or an escape sequence in it must not reach the terminal."""
+        said = error_of(tmp_path / name)
+        assert said.isprintable(), said
+        assert said.endswith(": cannot read: No such file or directory"), said
+
     def test_a_byte_that_is_not_utf8_is_named_with_its_line_and_column(self, tmp_path):
         (tmp_path / "f.yaml").write_bytes(b"a: 1\nname: ab\xffc\n")
         assert error_of(tmp_path / "f.yaml") == (
