@@ -386,8 +386,9 @@ class HttpServer:
     a scrape renders in slices and streams its body :data:`CHUNK` bytes at a time
     (so a slow reader costs a socket buffer, not a copy of the body), at most
     :data:`MAX_SCRAPES` at once (others wait for their turn), each within
-    :data:`SEND_DEADLINE`; beyond :data:`MAX_CONNECTIONS` open connections, new ones
-    are closed at once. A request whose line or headers exceed
+    :data:`SEND_DEADLINE`; beyond :data:`MAX_CONNECTIONS` open connections, the one
+    that has been silent the longest is closed for a new one (a new one is closed at
+    once when none is silent). A request whose line or headers exceed
     :data:`MAX_REQUEST_LINE` gets a 431, not a traceback.
     """
 
@@ -402,6 +403,8 @@ class HttpServer:
         self._server: asyncio.Server | None = None
         self._scrapes = asyncio.Semaphore(MAX_SCRAPES)
         self._connections = 0
+        self._silent: dict[asyncio.StreamWriter, None] = {}
+        """Connections that have not sent their whole request yet, oldest first."""
         self._log = structlog.get_logger("plugvisor.supervisor.metrics")
 
     @property
@@ -431,10 +434,17 @@ class HttpServer:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self._connections >= MAX_CONNECTIONS:
             # Each connection is a descriptor: thousands held open would leave the agent none
-            # to restart a child with.
-            writer.transport.abort()
-            return
+            # to restart a child with. The one silent the longest gives way, so that connections
+            # that never ask cannot keep the kubelet's probe out (a liveness failure restarts the
+            # agent); when every one is being answered, the new one is closed.
+            if not self._silent:
+                writer.transport.abort()
+                return
+            oldest = next(iter(self._silent))
+            del self._silent[oldest]
+            oldest.transport.abort()
         self._connections += 1
+        self._silent[writer] = None
         try:
             await self._serve_one(reader, writer)
         except asyncio.CancelledError:
@@ -443,10 +453,12 @@ class HttpServer:
             writer.transport.abort()
         finally:
             self._connections -= 1
+            self._silent.pop(writer, None)
 
     async def _serve_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             method, path = await self._read_request(reader)
+            self._silent.pop(writer, None)
             if method in {"GET", "HEAD"}:
                 if path == "/metrics":
                     await self._scrape(writer, head_only=method == "HEAD")

@@ -82,27 +82,28 @@ async def test_scrapes_that_never_read_do_not_hold_health_or_other_scrapes(node,
     assert await agent.stop() == 0
 
 
-async def test_connections_beyond_the_cap_are_closed_at_once(monkeypatch):
-    """Each held connection is a descriptor the agent needs to restart children: they are bounded."""
+async def test_beyond_the_cap_the_longest_silent_connection_gives_way_to_a_new_one(monkeypatch):
+    """Held connections are bounded (each is a descriptor the agent needs to restart children), and those
+    that never send a request cannot keep the kubelet's liveness probe out: the oldest silent one goes."""
     from plugvisor.supervisor import metrics as metrics_
 
     monkeypatch.setattr(metrics_, "MAX_CONNECTIONS", 5)
+    monkeypatch.setattr(metrics_, "REQUEST_DEADLINE", 120.0)  # silent ones are not closed for being slow
     metrics = metrics_.Metrics(lambda: {"supervisor": {}, "children": []}, multiproc_dir=None)
     server = metrics_.HttpServer(metrics, lambda: (True, "ready"), host="127.0.0.1", port=0)
     await server.start()
     try:
         _, port = server.address
-        idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(5)]
-        await asyncio.sleep(0.2)  # let the server take them (they say nothing)
-        assert await request(port, b"GET /healthz HTTP/1.0\r\n\r\n") == b""  # closed at once
+        idle = []
+        for _ in range(5):
+            idle.append(await asyncio.open_connection("127.0.0.1", port))
+            await asyncio.sleep(0.05)  # taken by the server in this order (they say nothing)
+        assert (await request(port, b"GET /healthz HTTP/1.0\r\n\r\n")).endswith(b"ok\n")
+        assert await asyncio.wait_for(idle[0][0].read(), 60) == b""  # the oldest gave way
+        for reader, writer in idle[1:]:  # the others are still served
+            writer.write(b"GET /healthz HTTP/1.0\r\n\r\n")
+            assert (await asyncio.wait_for(reader.read(), 60)).endswith(b"ok\n")
         for _, writer in idle:
             writer.close()
-        answer = b""
-        for _ in range(100):  # the server notices the closes as it reads
-            answer = await request(port, b"GET /healthz HTTP/1.0\r\n\r\n")
-            if answer:
-                break
-            await asyncio.sleep(0.05)
-        assert answer.endswith(b"ok\n")
     finally:
         await server.close()
