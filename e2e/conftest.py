@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from grpc import aio as _grpc_aio
 
 from .backends import (
     Backend,
@@ -20,6 +21,13 @@ from .backends import (
     kind_unavailable,
     local_unavailable,
 )
+
+# gRPC's asyncio engine shuts down when its last channel or server is collected, and starts again with the
+# next one. A test process makes and drops hundreds, and one such shutdown can hang for good joining the
+# engine's poller thread (grpc/grpc#40989: the loop stops reading the wake-up socket while the poller is
+# blocked writing to it): seen as a 180 s timeout in an unrelated test's teardown. Started once here, the
+# engine stays up for the whole session, as it does in a plugvisor process, whose server lives as long as it.
+_grpc_aio.init_grpc_aio()
 
 _ACTIVE: list[Backend] = []
 _STEPS: list[Progress] = []
