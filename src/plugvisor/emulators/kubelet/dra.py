@@ -198,6 +198,8 @@ class DraPlugin:
             "unix:" + endpoint, options=[("grpc.use_local_subchannel_pool", 1)]
         )
         self.health_task: asyncio.Task[None] | None = None
+        self.closed = False
+        """Set by :meth:`close`: the health stream is not opened again."""
         self.channel.get_state(try_to_connect=True)  # as the kubelet's conn.Connect(): know early
 
     @property
@@ -220,6 +222,9 @@ class DraPlugin:
 
     async def close(self) -> None:
         """Stop the health stream and drop the connection."""
+        # The flag, not only the cancellation: a cancel that lands while the stream is ending surfaces
+        # from gRPC as the call's CANCELLED status, and the watch would open a new stream for ever.
+        self.closed = True
         if self.health_task is not None:
             self.health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -420,7 +425,7 @@ class DraManager:
     async def _watch_health(self, plugin: DraPlugin) -> None:
         assert plugin.health_service is not None
         path = f"/{_HEALTH_SERVICES[plugin.health_service]}/NodeWatchResources"
-        while True:
+        while not plugin.closed:
             stream = plugin.channel.unary_stream(
                 path,
                 request_serializer=health_pb2.NodeWatchResourcesRequest.SerializeToString,
@@ -434,7 +439,8 @@ class DraManager:
                     return  # the driver lists the service but reports no health: the kubelet stops watching
             finally:
                 self._clear_health(plugin.driver)
-            await asyncio.sleep(HEALTH_RETRY)
+            if not plugin.closed:
+                await asyncio.sleep(HEALTH_RETRY)
 
     def _health_report(self, driver: str, response: health_pb2.NodeWatchResourcesResponse) -> None:
         now = time.time()

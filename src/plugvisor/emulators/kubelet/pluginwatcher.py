@@ -132,6 +132,8 @@ class PluginWatcher:
         self._backoff: dict[str, _Backoff] = {}
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = False
+        """Set by :meth:`stop`: the reconciler ends even if gRPC turned its cancellation into a call error."""
         self._inotify: Inotify | None = None
         self._watches: dict[str, object] = {}
 
@@ -140,6 +142,7 @@ class PluginWatcher:
     async def start(self) -> None:
         """Create the directory, walk it, watch it, and start reconciling."""
         self.directory.mkdir(mode=DIRECTORY_MODE, parents=True, exist_ok=True)
+        self._stopping = False
         self._inotify = Inotify()
         self._traverse(self.directory)
         loop = asyncio.get_running_loop()
@@ -148,8 +151,13 @@ class PluginWatcher:
             loop.create_task(self._reconcile_loop(), name="plugin reconciler"),
         ]
 
+    def stopping(self) -> bool:
+        """Whether :meth:`stop` was called (read again after every await)."""
+        return self._stopping
+
     async def stop(self) -> None:
         """Stop watching and reconciling; registered plugins are left to the device manager's stop."""
+        self._stopping = True
         tasks, self._tasks = self._tasks, []
         for task in tasks:
             task.cancel()
@@ -229,9 +237,11 @@ class PluginWatcher:
     # -- the reconciler ----------------------------------------------------------------
 
     async def _reconcile_loop(self) -> None:
-        while True:
+        while not self.stopping():
             self._wake.clear()
             await self.reconcile()
+            if self.stopping():
+                return
             # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancellation.
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self._reconcile_period):
