@@ -37,7 +37,10 @@ async def test_a_standalone_plugin_serves_device_metrics_with_owners(make_lab, k
         deadline = time.monotonic() + 30
         while True:
             text = await asyncio.to_thread(scrape, port)
-            if pod is None and text.count("plugvisor_device_healthy{") == 8:
+            view = kubelet.resource(GPU)
+            # Scanned is not yet registered: a pod sent before the kubelet has the devices is refused.
+            registered = view is not None and view.allocatable == 8
+            if pod is None and text.count("plugvisor_device_healthy{") == 8 and registered:
                 pod = await kubelet.add_pod(
                     {
                         "apiVersion": "v1",
