@@ -74,6 +74,8 @@ class PluginEndpoint:
         """ListAndWatch streams open on this socket now (the kubelet holds one per registration)."""
         self.drops: SnapshotCell[int] = SnapshotCell(0)
         """How often the other side ended a stream here and left none open (see the module docstring)."""
+        self.streamed = asyncio.Event()
+        """Set once the kubelet opened a ListAndWatch stream here (a registration it kept)."""
         self._log = structlog.get_logger("plugvisor.endpoint").bind(resource=resource, socket=self.path.name)
 
     @property
@@ -122,6 +124,7 @@ class PluginEndpoint:
 
         async def list_and_watch(request: object, context: Context) -> AsyncIterator[object]:
             streams.publish(streams.value + 1)
+            self.streamed.set()
             stream = handler(request, context)
             cut = False
             try:

@@ -72,6 +72,16 @@ class SocketIdentity:
 
 SIBLING_STOPPED: Final = "another plugin of this resource stopped"
 """:meth:`Registrar.wait_for_restart`'s reason when a plugin that may have superseded us went away."""
+SIBLING_CUT_WAIT: Final = 3.0
+"""Seconds a plugin waits, when only plugins older than its registration stopped, before it registers again.
+
+It took the resource over from them, so the kubelet follows it: up to 1.36 the
+kubelet cuts its stream for their end (through ``kubelet.sock`` at once, through
+the plugin watcher within its one-second reconcile), and the cut is what makes
+it register again, from a socket the kubelet has no stale hold on. Registering
+at once instead raced that cut, which could then land on the fresh registration
+before its stream was even open, unseen. Only if no cut comes does it register
+again anyway (the older one may have registered last after all)."""
 SIBLING_STARTED: Final = "another plugin of this resource started"
 """:meth:`Registrar.wait_for_restart`'s reason when a socket of our resource that we never served appeared
 (:attr:`KubeletDirState.last_sibling`): another plugin, which the kubelet follows once it registers."""

@@ -20,6 +20,7 @@ the plugin the kubelet follows (kubernetes#121994).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import signal
 import time
@@ -50,6 +51,7 @@ from plugvisor.deviceplugin.errors import ConfigurationError, RegistrationReject
 from plugvisor.deviceplugin.hooks import DeviceSource, Hooks, resolve_hooks
 from plugvisor.deviceplugin.lifetime import Work, kind_lifecycle, run_until_stopped
 from plugvisor.deviceplugin.registration import (
+    SIBLING_CUT_WAIT,
     SIBLING_STARTED,
     SIBLING_STOPPED,
     EndpointLostError,
@@ -72,6 +74,8 @@ CUT_PAUSE_MAX: Final = 30.0
 """Seconds, at most, between registrations whose streams the kubelet cut at once (:class:`CutPacing`)."""
 TAKER_CHECK_INTERVAL: Final = 1.0
 """Seconds between two looks at the plugin that took our resource over (one killed leaves its socket)."""
+STREAM_OPEN_TIMEOUT: Final = 10.0
+"""Seconds the kubelet has, after a registration, to open ListAndWatch before the plugin registers again."""
 STREAM_CUT: Final = "the kubelet ended this plugin's ListAndWatch stream"
 """Why a plugin registers again when the kubelet, still running, closed the stream it held on our socket."""
 
@@ -158,6 +162,41 @@ class CutPacing:
         delay: float = min(0.5 * 2.0 ** (self.in_a_row - 2), CUT_PAUSE_MAX)
         await self._sleep(delay)
         return delay
+
+
+@dataclass(slots=True)
+class _Siblings:
+    """What one registration has seen of the other plugins of its resource, and what it waits for."""
+
+    started: bool = False
+    """One started since we registered: the kubelet follows it once it registers."""
+    taken_over_by: str | None = None
+    """The one that started and answers: we stand by and look at it now and then."""
+    settle_until: float | None = None
+    """Only older ones (taken over by us) stopped: their cut is awaited until then (SIBLING_CUT_WAIT)."""
+
+    def timeout(self, now: float) -> float | None:
+        """How long the next wait may last before :meth:`timed_out` has something to look at."""
+        if self.settle_until is not None:
+            return max(0.0, self.settle_until - now)
+        return TAKER_CHECK_INTERVAL if self.taken_over_by is not None else None
+
+    def stopped(self, now: float) -> bool:
+        """One stopped: whether to look for live ones now, or first give its cut time to come."""
+        if self.started:
+            return True
+        if self.settle_until is None:
+            self.settle_until = now + SIBLING_CUT_WAIT
+        return False
+
+    def timed_out(self, now: float) -> bool:
+        """A wait ran out: whether to look for live ones now."""
+        if self.settle_until is not None:
+            if now < self.settle_until:
+                return False
+            self.settle_until = None
+            return True
+        return self.taken_over_by is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -411,58 +450,90 @@ class DevicePluginRuntime:
         A kubelet restart returns its reason. Two reasons mean the same kubelet
         should get a Register again: :data:`STREAM_CUT`, the kubelet closed our
         stream while it runs on (up to 1.36 it does so to the plugin it follows
-        when another plugin of the resource ends); and :data:`SIBLING_STOPPED`,
-        another plugin of this resource (one started by hand with ``--replace``,
-        a second agent on the node) stopped and none is left: if it had taken the
-        resource over, the kubelet up to 1.36 marked every device unhealthy.
+        when another plugin of the resource ends), or never opened one
+        (:meth:`_until_stream_opened`); and :data:`SIBLING_STOPPED`, another
+        plugin of this resource (one started by hand with ``--replace``, a second
+        agent on the node) stopped and none is left: if it had taken the resource
+        over, the kubelet up to 1.36 marked every device unhealthy. One that was
+        there before we registered, and so was taken over by us, is given
+        :data:`SIBLING_CUT_WAIT` seconds first, for the cut its end brings.
 
         When another plugin starts and answers, we say so and stand by:
         registering back would take the resource from it, and two agents would
         take it from each other for ever. While standing by we look at it every
         :data:`TAKER_CHECK_INTERVAL` seconds, since a killed one leaves its socket.
         """
-        taken_over_by: list[str] = []
+        loop = asyncio.get_running_loop()
+        siblings = _Siblings()
         checks: set[asyncio.Task[None]] = set()
 
         async def check(sibling: str) -> None:
             # Apart from the wait below: a socket that never answers must not delay a restart.
-            if await wait_until_answers(endpoint.path.parent / sibling) and not taken_over_by:
-                taken_over_by.append(sibling)
+            if await wait_until_answers(endpoint.path.parent / sibling) and siblings.taken_over_by is None:
+                siblings.taken_over_by = sibling
                 self._taken_over(sibling)
 
         restart: asyncio.Future[str] | None = None
         cut = asyncio.ensure_future(self._until_stream_cut(endpoint))
+        unopened = asyncio.ensure_future(self._until_stream_opened(endpoint))
         try:
             while True:
                 if restart is None:
                     restart = asyncio.ensure_future(registrar.wait_for_restart())
                 done, _ = await asyncio.wait(
-                    {restart, cut},
-                    timeout=TAKER_CHECK_INTERVAL if taken_over_by else None,
+                    {restart, cut, unopened},
+                    timeout=siblings.timeout(loop.time()),
                     return_when=asyncio.FIRST_COMPLETED,
                 )
-                if cut in done:
+                if cut in done or unopened in done:
                     self._log.info("registering_again", reason=STREAM_CUT, endpoint=endpoint.name)
                     return STREAM_CUT
                 if restart in done:
                     reason, restart = restart.result(), None
                     if reason == SIBLING_STARTED:
+                        siblings.started = True
                         sibling = registrar.dir_state.last_sibling
-                        if sibling and not taken_over_by:
+                        if sibling and siblings.taken_over_by is None:
                             task = asyncio.create_task(check(sibling))
                             checks.add(task)
                             task.add_done_callback(checks.discard)
                         continue
                     if reason != SIBLING_STOPPED:
                         return reason
-                elif not taken_over_by:
-                    continue
-                if not await asyncio.to_thread(registrar.dir_state.live_siblings):
+                    look = siblings.stopped(loop.time())
+                else:
+                    look = siblings.timed_out(loop.time())
+                if look and not await asyncio.to_thread(registrar.dir_state.live_siblings):
                     self._log.info("registering_again", reason=SIBLING_STOPPED, endpoint=endpoint.name)
                     return SIBLING_STOPPED
         finally:
-            for task in (*checks, cut, *((restart,) if restart is not None else ())):
+            for task in (*checks, cut, unopened, *((restart,) if restart is not None else ())):
                 task.cancel()
+
+    async def _until_stream_opened(self, endpoint: PluginEndpoint) -> str:
+        """:data:`STREAM_CUT` if the running kubelet opens no stream on ``endpoint`` in time, else nothing.
+
+        Called once ``endpoint`` is registered: the kubelet dials back and opens
+        ListAndWatch at once. When it dropped the connection first (up to 1.36,
+        another plugin's end arriving just after our registration), no stream is
+        ever opened and none can be seen to end: only this timeout notices that
+        the kubelet no longer follows us. A kubelet that went away is a restart,
+        which the registration's own watch reports.
+        """
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(STREAM_OPEN_TIMEOUT):
+                await endpoint.streamed.wait()
+        if not endpoint.streamed.is_set() and await asyncio.to_thread(self._kubelet_runs):
+            self._log.warning(
+                "no_stream_after_registration",
+                endpoint=endpoint.name,
+                waited=STREAM_OPEN_TIMEOUT,
+                meaning="the kubelet accepted the registration but never opened ListAndWatch on this "
+                "socket; registering again from a fresh one",
+            )
+            return STREAM_CUT
+        never: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        return await never  # the other waits decide
 
     async def _until_stream_cut(self, endpoint: PluginEndpoint) -> str:
         """Return :data:`STREAM_CUT` once the kubelet closed every stream it held on ``endpoint`` and runs on.
@@ -519,12 +590,13 @@ class DevicePluginRuntime:
                 served.add(endpoint.name)
                 served_at = time.monotonic()
                 lost = asyncio.create_task(self._until_watcher_registration_lost(socket_watch, endpoint))
+                unopened: asyncio.Task[str] | None = None  # from the first registration on
                 said = False
                 try:
                     while True:
                         verdict = asyncio.ensure_future(registrar.wait_registered())
                         done, _ = await asyncio.wait(
-                            {verdict, lost},
+                            {verdict, lost, *((unopened,) if unopened is not None else ())},
                             timeout=None if said else WATCHER_SILENCE,
                             return_when=asyncio.FIRST_COMPLETED,
                         )
@@ -537,6 +609,8 @@ class DevicePluginRuntime:
                         if not verdict.done():
                             verdict.cancel()
                             break
+                        if unopened is None:
+                            unopened = asyncio.create_task(self._until_stream_opened(endpoint))
                         said = True
                         number += 1
                         self._registered(
@@ -551,7 +625,9 @@ class DevicePluginRuntime:
                         reason = "kubelet dialled back"
                 finally:
                     lost.cancel()
-                reason = lost.result()
+                    if unopened is not None:
+                        unopened.cancel()
+                reason = lost.result() if lost.done() and not lost.cancelled() else STREAM_CUT
                 self._log.warning("registration_lost", reason=reason, action="serving a fresh socket")
                 self.status.send(UNREGISTERED=printable(reason))
                 if reason == STREAM_CUT:

@@ -41,7 +41,7 @@ from plugvisor.common import constants
 from plugvisor.common import inotify as inotify_
 from plugvisor.common.sockets import is_instance_name, socket_answers, socket_files
 from plugvisor.common.validation import shorten
-from plugvisor.deviceplugin.registration import SIBLING_STOPPED, SocketIdentity
+from plugvisor.deviceplugin.registration import SIBLING_CUT_WAIT, SIBLING_STOPPED, SocketIdentity
 
 MAX_ERROR_LENGTH: Final = 400
 """A NotifyRegistrationStatus error is logged cut to this many characters (a 1 MB error was a 1 MB line)."""
@@ -125,8 +125,11 @@ class RegistrySocketWatch:
     is left (:data:`SIBLING_STOPPED`): if it had taken the resource over
     (reported through ``on_taken_over``), a kubelet up to 1.36 marked every device
     unhealthy at its end, and a fresh socket is what the kubelet registers again.
-    While taken over, the other plugin is looked at every ``interval`` seconds:
-    one that was killed leaves its socket behind.
+    When only plugins older than our socket stopped (we took the resource over
+    from them), that answer waits :data:`SIBLING_CUT_WAIT` seconds, for the stream
+    cut their end brings up to 1.36, which the runtime sees first. While taken
+    over, the other plugin is looked at every ``interval`` seconds: one that was
+    killed leaves its socket behind.
     """
 
     def __init__(
@@ -158,9 +161,14 @@ class RegistrySocketWatch:
         # The plugins of our resource that may take (or have taken) it over: those serving now, and
         # those that start. A removal of any other (gone before we served) is old news.
         known = set(await asyncio.to_thread(self._live_siblings, directory))
+        # One created since ours may register after us, and take the resource over. Those from
+        # before were taken over by us: their end, up to 1.36, cuts our stream (SIBLING_CUT_WAIT).
+        started = any(newer_than(directory / name, identity) for name in known)
+        settle_until: float | None = None
         taken_over_by: str | None = None
         created: str | None = None  # a sibling socket just created (the newest plugin wins)
         removed = looked = False
+        loop = asyncio.get_running_loop()
         while True:
             current = SocketIdentity.of(path)
             if current is None:
@@ -169,16 +177,24 @@ class RegistrySocketWatch:
                 return f"its socket {path.name} in {directory} was replaced by another file"
             if created is not None:
                 known.add(created)
+                started = True
                 if taken_over_by is None and await wait_until_answers(directory / created):
                     taken_over_by = created
                     self._on_taken_over(created)
+            elif settle_until is not None and loop.time() >= settle_until:
+                settle_until = None
+                if not await asyncio.to_thread(self._live_siblings, directory):
+                    return SIBLING_STOPPED
             elif known and (removed or looked):
                 known = set(await asyncio.to_thread(self._live_siblings, directory))
                 if not known:
-                    return SIBLING_STOPPED
+                    if started:
+                        return SIBLING_STOPPED
+                    settle_until = loop.time() + SIBLING_CUT_WAIT
             created, removed, looked = None, False, False
+            wait = self._interval if settle_until is None else max(0.0, settle_until - loop.time())
             try:
-                async with asyncio.timeout(self._interval):
+                async with asyncio.timeout(wait):
                     event = await self._watches.get()
             except TimeoutError:
                 looked = taken_over_by is not None
@@ -194,6 +210,12 @@ class RegistrySocketWatch:
             for path in socket_files(directory, self._prefix + "-")
             if path.name not in self._served and socket_answers(path)
         ]
+
+
+def newer_than(path: Path, identity: SocketIdentity | None) -> bool:
+    """Whether the file at ``path`` was made after the one ``identity`` names (False if either is gone)."""
+    other = SocketIdentity.of(path)
+    return identity is not None and other is not None and other.ctime_ns > identity.ctime_ns
 
 
 async def wait_until_answers(path: Path, timeout: float = 2.0) -> bool:

@@ -8,10 +8,13 @@ import asyncio
 import contextlib
 from pathlib import Path
 
+import grpc
 import pytest
 from structlog.testing import capture_logs
 
+from plugvisor.api.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from plugvisor.common.hostpaths import HostPaths
+from plugvisor.deviceplugin import runtime as runtime_module
 from plugvisor.deviceplugin.devices import Device, DeviceSpec, Health
 from plugvisor.deviceplugin.runtime import DevicePluginRuntime, PluginConfig
 from plugvisor.deviceplugin.snapshot import Snapshot
@@ -406,3 +409,43 @@ async def test_a_kubelet_that_cuts_every_stream_at_once_is_not_registered_with_i
     waits = [e["waited"] for e in logs if e["event"] == "stream_cut_again"]
     assert waits[:1] == [0.5], logs
     assert "Received message larger than max" in str(kubelet.events), "not the 4 MiB limit"
+
+
+class KubeletThatNeverDialsBack(api_pb2_grpc.RegistrationServicer):
+    """Accepts every Register and never opens ListAndWatch: what a plugin sees when the kubelet dropped its
+    connection before the stream opened (up to 1.36, another plugin's end just after our registration)."""
+
+    def __init__(self) -> None:
+        self.endpoints: list[str] = []
+
+    async def Register(self, request, context):
+        self.endpoints.append(request.endpoint)
+        return api_pb2.Empty()
+
+
+async def test_a_registration_the_kubelet_never_opens_a_stream_on_is_made_again_from_a_fresh_socket(
+    short_dir, state_dir, monkeypatch
+):
+    """Nothing ends that was never opened, so only the missing stream says the kubelet does not follow us."""
+    monkeypatch.setattr(runtime_module, "STREAM_OPEN_TIMEOUT", 0.2)
+    kubelet_dir = short_dir / "dp"
+    kubelet_dir.mkdir()
+    fake = KubeletThatNeverDialsBack()
+    server = grpc.aio.server()
+    api_pb2_grpc.add_RegistrationServicer_to_server(fake, server)
+    server.add_insecure_port(f"unix:{kubelet_dir / 'kubelet.sock'}")
+    await server.start()
+    paths = HostPaths(root=Path("/"), kubelet_dir=kubelet_dir)
+    runtime = DevicePluginRuntime(PluginConfig(RESOURCE, paths), FileBackedWidgets(state_dir))
+    try:
+        with capture_logs() as logs:
+            async with running(runtime):
+                async with asyncio.timeout(20):
+                    while len(fake.endpoints) < 3:
+                        await asyncio.sleep(0.05)
+    finally:
+        await server.stop(0)
+    assert len(set(fake.endpoints)) == len(fake.endpoints), "a socket was registered twice"
+    unopened = [e for e in logs if e["event"] == "no_stream_after_registration"]
+    assert unopened and unopened[0]["endpoint"] == fake.endpoints[0], logs
+    assert [e["waited"] for e in logs if e["event"] == "stream_cut_again"][:1] == [0.5], "not paced"

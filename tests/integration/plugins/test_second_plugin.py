@@ -179,6 +179,14 @@ async def plugins(node, kubelet, mode):
 
     try:
         yield start
+    except BaseException as failure:  # what each plugin said tells why the kubelet saw what it saw
+        for number, proc in enumerate(started, 1):
+            if proc.returncode is None:
+                proc.kill()
+            with contextlib.suppress(Exception):
+                _, stderr = await asyncio.wait_for(proc.communicate(), 10)
+                failure.add_note(f"plugin {number} (exit {proc.returncode}) said:\n{stderr.decode()[-6000:]}")
+        raise
     finally:
         for proc in started:
             if proc.returncode is None:
