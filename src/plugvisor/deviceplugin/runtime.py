@@ -57,6 +57,7 @@ from plugvisor.deviceplugin.registration import (
     EndpointLostError,
     KubeletDirState,
     Registrar,
+    SocketIdentity,
 )
 from plugvisor.deviceplugin.release import PodResourcesWatch, Releases, default_pod_resources_socket
 from plugvisor.deviceplugin.server import PluginServer
@@ -539,13 +540,25 @@ class DevicePluginRuntime:
         """Return :data:`STREAM_CUT` once the kubelet closed every stream it held on ``endpoint`` and runs on.
 
         A kubelet going away closes them too: that is a restart, seen in its
-        directory (or, with the plugin watcher, the new kubelet dials back).
+        directory (or, with the plugin watcher, the new kubelet dials back). So
+        is a ``kubelet.sock`` that is another file than when we began: a quick
+        restart has the new kubelet answering by the time we look. (The file is
+        noted whenever a stream opens: the kubelet that holds it.)
         """
-        seen = endpoint.drops.version
+        drops, changes = endpoint.drops.version, endpoint.streams.version
+        kubelet_socket = self.config.paths.kubelet_dir / constants.KUBELET_SOCKET_NAME
+        kubelet = SocketIdentity.of(kubelet_socket)
         while True:
-            seen, _ = await endpoint.drops.wait_newer(seen)
-            if await asyncio.to_thread(self._kubelet_runs):
+            changes, open_now = await endpoint.streams.wait_newer(changes)
+            if endpoint.drops.version == drops:
+                if open_now:
+                    kubelet = SocketIdentity.of(kubelet_socket)
+                continue
+            drops = endpoint.drops.version
+            now = SocketIdentity.of(kubelet_socket)
+            if now == kubelet and await asyncio.to_thread(self._kubelet_runs):
                 return STREAM_CUT
+            kubelet = now
             self._log.info("stream_ended_by_a_stopping_kubelet", endpoint=endpoint.name)
 
     def _kubelet_runs(self) -> bool:
