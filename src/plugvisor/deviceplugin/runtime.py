@@ -46,7 +46,7 @@ from plugvisor.common.validation import printable
 from plugvisor.deviceplugin import metrics
 from plugvisor.deviceplugin.cell import SnapshotCell
 from plugvisor.deviceplugin.device_monitor import DeviceDescriber, DeviceMonitor, MonitorConfig
-from plugvisor.deviceplugin.endpoint import PluginEndpoint
+from plugvisor.deviceplugin.endpoint import PluginEndpoint, remove_dead_instances
 from plugvisor.deviceplugin.errors import ConfigurationError, RegistrationRejectedError, SocketInUseError
 from plugvisor.deviceplugin.hooks import DeviceSource, Hooks, resolve_hooks
 from plugvisor.deviceplugin.lifetime import Work, kind_lifecycle, run_until_stopped
@@ -304,6 +304,7 @@ class DevicePluginRuntime:
             self._log.info("stopped")
 
     async def _serve_and_register(self, registrar: Registrar) -> None:
+        await self._remove_dead_sockets()
         await self.watcher.first_scan_done.wait()
         if self.config.registration == "plugin-watcher":
             await self._serve_for_plugin_watcher()
@@ -338,6 +339,24 @@ class DevicePluginRuntime:
             self.status.send(KUBELET_RESTART=reason)
             if self.config.on_kubelet_restart == "exit":
                 raise KubeletRestartedError(reason)
+
+    async def _remove_dead_sockets(self) -> None:
+        """Before the first socket is served: remove what killed plugins of this resource left where it goes.
+
+        Before, not after: a kubelet up to 1.36 disconnects the plugin it follows
+        when a registered socket of the resource disappears (see :meth:`_serve`).
+        """
+        watcher = self.config.registration == "plugin-watcher"
+        directory = self.config.registry_dir if watcher else self.config.paths.kubelet_dir
+        removed = await remove_dead_instances(directory, self.config.resource)
+        if removed:
+            self._log.info(
+                "dead_sockets_removed",
+                directory=str(directory),
+                sockets=removed,
+                why="no process answers on them: left by an earlier plugin of this resource that was killed"
+                + ("; the kubelet's plugin watcher would retry them for ever" if watcher else ""),
+            )
 
     async def _serve(
         self,
