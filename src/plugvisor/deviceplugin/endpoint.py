@@ -56,13 +56,14 @@ async def socket_is_live(path: Path, timeout: float = 0.5) -> bool:
     return True
 
 
-BIND_TO_LISTEN: Final = 5.0
+BIND_TO_LISTEN: Final = 2.0
 """Seconds a socket file may exist and not answer before it counts as dead.
 
 A server's file exists from its bind, a moment before it listens: another plugin
 of the resource starting at the same time has a socket that does not answer yet
-and must not be taken for a dead one. Generous for a loaded machine; only a
-socket younger than this is waited for.
+and must not be taken for a dead one. gRPC binds and listens in one call, so
+this is generous even on a loaded machine (as :mod:`.watcherregistration` gives a
+new socket); only a socket younger than this is waited for.
 """
 
 

@@ -49,7 +49,7 @@ from plugvisor.deviceplugin.device_monitor import DeviceDescriber, DeviceMonitor
 from plugvisor.deviceplugin.endpoint import PluginEndpoint, remove_dead_instances
 from plugvisor.deviceplugin.errors import ConfigurationError, RegistrationRejectedError, SocketInUseError
 from plugvisor.deviceplugin.hooks import DeviceSource, Hooks, resolve_hooks
-from plugvisor.deviceplugin.lifetime import Work, kind_lifecycle, run_until_stopped
+from plugvisor.deviceplugin.lifetime import Work, cancel_all, kind_lifecycle, run_until_stopped
 from plugvisor.deviceplugin.registration import (
     SIBLING_CUT_WAIT,
     SIBLING_STARTED,
@@ -259,6 +259,8 @@ class DevicePluginRuntime:
         """Set once the first endpoint serves: the first scan is done and the server has started."""
         self.retained: dict[PluginEndpoint, asyncio.Task[None]] = {}
         """Older sockets the kubelet still holds a stream on, each with the task that stops it at the end."""
+        self._sweep: asyncio.Task[None] | None = None
+        """Removing dead sockets beside ``kubelet.sock`` (see :meth:`_remove_dead_sockets`)."""
         self._log = structlog.get_logger("plugvisor.plugin").bind(resource=config.resource)
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -299,12 +301,18 @@ class DevicePluginRuntime:
             for endpoint in [*self.retained, *([self.endpoint] if self.endpoint is not None else [])]:
                 await endpoint.stop(grace=0.5)
             await asyncio.gather(*self.retained.values(), return_exceptions=True)
+            if self._sweep is not None:
+                await cancel_all([self._sweep])
             dir_watch.close()
             self.status.close()
             self._log.info("stopped")
 
     async def _serve_and_register(self, registrar: Registrar) -> None:
-        await self._remove_dead_sockets()
+        sweep = self._remove_dead_sockets()
+        if self.config.registration == "plugin-watcher":
+            await sweep
+        else:  # dead files beside kubelet.sock are clutter only: removed meanwhile, never a delay
+            self._sweep = asyncio.create_task(sweep, name="dead-sockets")
         await self.watcher.first_scan_done.wait()
         if self.config.registration == "plugin-watcher":
             await self._serve_for_plugin_watcher()
@@ -341,10 +349,13 @@ class DevicePluginRuntime:
                 raise KubeletRestartedError(reason)
 
     async def _remove_dead_sockets(self) -> None:
-        """Before the first socket is served: remove what killed plugins of this resource left where it goes.
+        """Remove the sockets killed plugins of this resource left where this one serves.
 
-        Before, not after: a kubelet up to 1.36 disconnects the plugin it follows
-        when a registered socket of the resource disappears (see :meth:`_serve`).
+        In ``plugins_registry`` the kubelet tries to register each for ever, and
+        they go before the first socket of ours is served: a kubelet up to 1.36
+        disconnects the plugin it follows when a registered socket of the
+        resource disappears (see :meth:`_serve`). Beside ``kubelet.sock`` the
+        kubelet dials nothing by itself: they are only clutter there.
         """
         watcher = self.config.registration == "plugin-watcher"
         directory = self.config.registry_dir if watcher else self.config.paths.kubelet_dir
