@@ -442,7 +442,8 @@ class ForkServerSpawner:
     input refused (it exited), its start failed, or it answered nothing for
     ``spawn_timeout`` seconds while requests waited (hung). A slow helper working
     through a long queue is not hung. A request whose helper was lost is sent once
-    more to a new one; failures reach ``done``, never the caller.
+    more to a new one (lost twice, it is started by fork+exec); failures reach
+    ``done``, never the caller.
 
     The fork server is unavailable when a new one cannot start (it failed its
     preload, died or hung before it was ready, or could not be forked) or its
