@@ -5,6 +5,8 @@ for every server instance (a kubelet that tracks instances per socket path can
 then hand over between an old and a new plugin without a gap, and a stale socket
 can never be mistaken for ours); never bind over a socket another live process
 serves (grpc would silently steal it); and never leave the socket world-accessible.
+A plugin starting up also removes the dead sockets of its resource that an earlier
+plugin, killed, left behind (:func:`remove_dead_instances`).
 
 Each endpoint also counts the ListAndWatch streams open on its own socket, and
 the times the other side (the kubelet) ended one and left none open: a kubelet
@@ -20,14 +22,23 @@ import asyncio
 import contextlib
 import os
 import stat
-from collections.abc import AsyncGenerator, AsyncIterator
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
+from typing import Final
 
 import grpc
 import structlog
 
 from plugvisor.api.deviceplugin.v1beta1 import api_pb2_grpc
-from plugvisor.common.sockets import owner_only, socket_name, socket_path_problem
+from plugvisor.common.sockets import (
+    owner_only,
+    socket_answers,
+    socket_files,
+    socket_name,
+    socket_path_problem,
+    socket_prefix,
+)
 from plugvisor.deviceplugin.cell import SnapshotCell
 from plugvisor.deviceplugin.errors import ConfigurationError, SocketInUseError
 from plugvisor.deviceplugin.server import Context, StreamHandler, add_plugin_servicer
@@ -42,6 +53,71 @@ async def socket_is_live(path: Path, timeout: float = 0.5) -> bool:
     writer.close()
     with contextlib.suppress(OSError):
         await writer.wait_closed()
+    return True
+
+
+BIND_TO_LISTEN: Final = 2.0
+"""Seconds a socket file may exist and not answer before it counts as dead.
+
+A server's file exists from its bind, a moment before it listens: another plugin
+of the resource starting at the same time has a socket that does not answer yet
+and must not be taken for a dead one. gRPC binds and listens in one call, so
+this is generous even on a loaded machine (as :mod:`.watcherregistration` gives a
+new socket); only a socket younger than this is waited for.
+"""
+
+
+async def remove_dead_instances(
+    directory: Path, resource: str, *, answers: Callable[[Path], bool] = socket_answers
+) -> list[str]:
+    """Delete the sockets of ``resource`` in ``directory`` that no process serves; returns their names.
+
+    A plugin killed (SIGKILL, OOM) leaves its socket file behind, and nothing else
+    removes it when no agent supervises the plugin: in ``plugins_registry`` the
+    kubelet's plugin watcher then tries to register it again and again (on every
+    kubelet start, for ever); in the device-plugin directory the files pile up
+    until the kubelet restarts. Only unix sockets named as this resource's
+    instances are candidates; one that answers (or is slow to: a live plugin) is
+    kept, and one that does not is given until :data:`BIND_TO_LISTEN` seconds
+    after it was made, so that a plugin binding right now keeps its socket.
+    ``answers``: the probe (tests count its calls).
+    """
+    candidates = await asyncio.to_thread(socket_files, directory, socket_prefix(resource) + "-")
+    removed = await asyncio.gather(*(_remove_if_dead(path, answers) for path in candidates))
+    return [path.name for path, gone in zip(candidates, removed, strict=True) if gone]
+
+
+async def _remove_if_dead(path: Path, answers: Callable[[Path], bool]) -> bool:
+    latest = time.time() + BIND_TO_LISTEN  # a file's time in the future (a clock set back) waits no longer
+    while True:
+        info = await asyncio.to_thread(_unanswered, path, answers)
+        if info is None:
+            return False
+        # ctime: its bind, or its chmod once served, whichever came last.
+        wait = min(info.st_ctime_ns / 1e9 + BIND_TO_LISTEN, latest) - time.time()
+        if wait <= 0:
+            return await asyncio.to_thread(_unlink_if_unchanged, path, info)
+        await asyncio.sleep(min(wait, 0.05))
+
+
+def _unanswered(path: Path, answers: Callable[[Path], bool]) -> os.stat_result | None:
+    """The file's status if it is a socket nobody answers on; None if it is gone, not a socket, or served."""
+    try:
+        info = path.lstat()
+    except OSError:
+        return None
+    return None if not stat.S_ISSOCK(info.st_mode) or answers(path) else info
+
+
+def _unlink_if_unchanged(path: Path, info: os.stat_result) -> bool:
+    """Delete ``path`` if it is still the file ``info`` describes; whether it did."""
+    try:
+        again = path.lstat()
+        if (again.st_ino, again.st_ctime_ns) != (info.st_ino, info.st_ctime_ns):
+            return False  # replaced since it was probed: not the file found dead
+        path.unlink()
+    except OSError:  # gone already, or the directory is read-only: nothing removed
+        return False
     return True
 
 

@@ -46,10 +46,10 @@ from plugvisor.common.validation import printable
 from plugvisor.deviceplugin import metrics
 from plugvisor.deviceplugin.cell import SnapshotCell
 from plugvisor.deviceplugin.device_monitor import DeviceDescriber, DeviceMonitor, MonitorConfig
-from plugvisor.deviceplugin.endpoint import PluginEndpoint
+from plugvisor.deviceplugin.endpoint import PluginEndpoint, remove_dead_instances
 from plugvisor.deviceplugin.errors import ConfigurationError, RegistrationRejectedError, SocketInUseError
 from plugvisor.deviceplugin.hooks import DeviceSource, Hooks, resolve_hooks
-from plugvisor.deviceplugin.lifetime import Work, kind_lifecycle, run_until_stopped
+from plugvisor.deviceplugin.lifetime import Work, cancel_all, kind_lifecycle, run_until_stopped
 from plugvisor.deviceplugin.registration import (
     SIBLING_CUT_WAIT,
     SIBLING_STARTED,
@@ -260,6 +260,8 @@ class DevicePluginRuntime:
         """Set once the first endpoint serves: the first scan is done and the server has started."""
         self.retained: dict[PluginEndpoint, asyncio.Task[None]] = {}
         """Older sockets the kubelet still holds a stream on, each with the task that stops it at the end."""
+        self._sweep: asyncio.Task[None] | None = None
+        """Removing dead sockets beside ``kubelet.sock`` (see :meth:`_remove_dead_sockets`)."""
         self._log = structlog.get_logger("plugvisor.plugin").bind(resource=config.resource)
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -300,11 +302,18 @@ class DevicePluginRuntime:
             for endpoint in [*self.retained, *([self.endpoint] if self.endpoint is not None else [])]:
                 await endpoint.stop(grace=0.5)
             await asyncio.gather(*self.retained.values(), return_exceptions=True)
+            if self._sweep is not None:
+                await cancel_all([self._sweep])
             dir_watch.close()
             self.status.close()
             self._log.info("stopped")
 
     async def _serve_and_register(self, registrar: Registrar) -> None:
+        sweep = self._remove_dead_sockets()
+        if self.config.registration == "plugin-watcher":
+            await sweep
+        else:  # dead files beside kubelet.sock are clutter only: removed meanwhile, never a delay
+            self._sweep = asyncio.create_task(sweep, name="dead-sockets")
         await self.watcher.first_scan_done.wait()
         if self.config.registration == "plugin-watcher":
             await self._serve_for_plugin_watcher()
@@ -339,6 +348,27 @@ class DevicePluginRuntime:
             self.status.send(KUBELET_RESTART=reason)
             if self.config.on_kubelet_restart == "exit":
                 raise KubeletRestartedError(reason)
+
+    async def _remove_dead_sockets(self) -> None:
+        """Remove the sockets killed plugins of this resource left where this one serves.
+
+        In ``plugins_registry`` the kubelet tries to register each for ever, and
+        they go before the first socket of ours is served: a kubelet up to 1.36
+        disconnects the plugin it follows when a registered socket of the
+        resource disappears (see :meth:`_serve`). Beside ``kubelet.sock`` the
+        kubelet dials nothing by itself: they are only clutter there.
+        """
+        watcher = self.config.registration == "plugin-watcher"
+        directory = self.config.registry_dir if watcher else self.config.paths.kubelet_dir
+        removed = await remove_dead_instances(directory, self.config.resource)
+        if removed:
+            self._log.info(
+                "dead_sockets_removed",
+                directory=str(directory),
+                sockets=removed,
+                why="no process answers on them: left by an earlier plugin of this resource that was killed"
+                + ("; the kubelet's plugin watcher would retry them for ever" if watcher else ""),
+            )
 
     async def _serve(
         self,

@@ -46,7 +46,6 @@ from plugvisor.supervisor.spawner import (
     Spawner,
     SpawnError,
     StartLimiter,
-    start_slots,
 )
 from plugvisor.supervisor.supervisor import Supervisor, remove_stale_sockets
 from plugvisor.supervisor.systemd import SYSTEMD_ENV, Notifier
@@ -232,9 +231,9 @@ class Agent:
                 return None
         except SpawnError as exc:
             _log.warning("forkserver_unavailable", error=str(exc), fallback="exec")
-            spawner = ExecSpawner(env)
+            spawner = ExecSpawner(env, fallback=str(exc))
             await spawner.open(self.wake)
-        self._limiter = StartLimiter(spawner, start_slots(spawner))
+        self._limiter = StartLimiter(spawner)
         return self._limiter
 
     async def _open_unless_stopped(self, spawner: Spawner) -> bool:

@@ -152,6 +152,12 @@ class SupervisorCollector(Collector):
             "Whether every configured resource is registered.",
             value=1.0 if supervisor["ready"] else 0.0,
         )
+        yield GaugeMetricFamily(
+            "plugvisor_spawner_fallback",
+            "1 while children are started by exec because the fork server is unavailable (see the log's "
+            "forkserver_unavailable; a restart of the agent brings it back).",
+            value=1.0 if supervisor.get("spawner_fallback") else 0.0,
+        )
 
 
 class ScrapeGate:

@@ -16,9 +16,11 @@ supervisor's loop. Two real implementations:
   supervisor is a child subreaper and the helper forks through an intermediate
   that exits at once, so every plugin is the supervisor's own child: the
   supervisor reaps it, and the helper can die (and be replaced) without taking
-  any plugin with it.
+  any plugin with it. While no fork server can start, it starts children by
+  fork+exec itself (the same reaper collects them), so a crashed child is always
+  restarted.
 - :class:`ExecSpawner`: plain fork+exec of ``python -m plugvisor plugin ...``; the
-  fallback when the fork server cannot start, and a configuration choice.
+  fallback when the fork server cannot start with the agent, and a configuration choice.
 
 Reaping is :class:`Reaper`'s alone: one ``waitpid(-1)`` loop for every child of
 the supervisor (plugins, the helper, orphans it adopted), so that no exit status
@@ -97,6 +99,11 @@ class Spawner(Protocol):
     exits since the last call, each only after its ``done`` was called. ``open``
     receives a callback to call whenever ``reap`` has something new.
     """
+
+    @property
+    def fallback(self) -> str | None:
+        """Why children are started by fork+exec although the fork server was chosen (None: they are not)."""
+        ...
 
     async def open(self, wake: Wake) -> None:
         """Get ready to spawn; call ``wake`` when exits are waiting."""
@@ -191,14 +198,39 @@ class Reaper:
         return None if found is None else Exit(pid, found[0])
 
 
+def _exec(spec: ChildSpec, env: Mapping[str, str], reaper: Reaper) -> int | SpawnError:
+    """fork+exec the child's command line, its exit left to ``reaper``; its PID or why there is none."""
+    parent = os.getpid()
+
+    def in_child() -> None:
+        os.setpgid(0, 0)
+        prctl.die_with_parent(CHILD_DEATH_SIGNAL, parent)
+
+    try:
+        proc = subprocess.Popen(
+            spec.argv(),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=in_child,  # noqa: PLW1509 - the supervisor runs no threads
+            close_fds=True,
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        return SpawnError(f"cannot start {spec.argv()[0]}: {exc}")
+    # The reaper, not Popen, waits for it: one waitpid(-1) loop owns every status.
+    reaper.track(proc, report=True)
+    return proc.pid
+
+
 class ExecSpawner:
     """fork+exec of ``python -m plugvisor plugin ...`` per child; reaped on SIGCHLD."""
 
-    def __init__(self, env: Mapping[str, str]) -> None:
+    def __init__(self, env: Mapping[str, str], *, fallback: str | None = None) -> None:
+        """``fallback``: why this spawner replaces the fork server that was chosen (it could not start)."""
         self._env = dict(env)
         self._children: set[int] = set()
         self._reaper = Reaper()
         self._wake: Wake | None = None
+        self.fallback = fallback
 
     async def open(self, wake: Wake) -> None:
         """Reap on SIGCHLD (no thread: preexec_fn must not fork a threaded process)."""
@@ -207,27 +239,10 @@ class ExecSpawner:
 
     def spawn(self, spec: ChildSpec, done: SpawnDone) -> None:
         """fork+exec the child's command line; answers before returning."""
-        parent = os.getpid()
-
-        def in_child() -> None:
-            os.setpgid(0, 0)
-            prctl.die_with_parent(CHILD_DEATH_SIGNAL, parent)
-
-        try:
-            proc = subprocess.Popen(
-                spec.argv(),
-                env=self._env,
-                stdin=subprocess.DEVNULL,
-                preexec_fn=in_child,  # noqa: PLW1509 - the supervisor runs no threads
-                close_fds=True,
-            )
-        except (OSError, subprocess.SubprocessError) as exc:
-            done(SpawnError(f"cannot start {spec.argv()[0]}: {exc}"))
-            return
-        # The reaper, not Popen, waits for it: one waitpid(-1) loop owns every status.
-        self._reaper.track(proc, report=True)
-        self._children.add(proc.pid)
-        done(proc.pid)
+        result = _exec(spec, self._env, self._reaper)
+        if isinstance(result, int):
+            self._children.add(result)
+        done(result)
 
     def kill(self, pid: int, sig: int) -> None:
         """Signal the child's process group."""
@@ -427,7 +442,18 @@ class ForkServerSpawner:
     input refused (it exited), its start failed, or it answered nothing for
     ``spawn_timeout`` seconds while requests waited (hung). A slow helper working
     through a long queue is not hung. A request whose helper was lost is sent once
-    more to a new one; failures reach ``done``, never the caller.
+    more to a new one (lost twice, it is started by fork+exec); failures reach
+    ``done``, never the caller.
+
+    The fork server is unavailable when a new one cannot start (it failed its
+    preload, died or hung before it was ready, or could not be forked) or its
+    replacement is held back (they keep dying young). Children are then started
+    by fork+exec from here, as :class:`ExecSpawner` does, until a fork server is
+    ready again: said once, and shown as :attr:`fallback`. A fork server that
+    reported it cannot load the code (plugvisor upgraded in place: it is forked
+    from the agent's modules, older than the files beside them) would fail the
+    same way every time, so none is started again until :meth:`refresh`; only a
+    new agent process loads the new code whole.
     """
 
     def __init__(
@@ -452,11 +478,18 @@ class ForkServerSpawner:
         self._next_id = 0
         self._closing = False
         self._opened = False
-        self._queued: list[tuple[ChildSpec, SpawnDone, tuple[str, ...]]] = []
         self._young_deaths = 0
         self._replacement: asyncio.TimerHandle | None = None
         self._retired: set[_Helper] = set()
+        self._fallback: str | None = None
+        self._gave_up = False
+        """A fork server said it cannot load the code: none is started again until :meth:`refresh`."""
         self.helpers_started = 0
+
+    @property
+    def fallback(self) -> str | None:
+        """Why children are started by fork+exec now (no fork server is ready), or None."""
+        return self._fallback
 
     async def open(self, wake: Wake) -> None:
         """Become a subreaper, start the helper and wait until it is ready (raises SpawnError if not)."""
@@ -497,8 +530,6 @@ class ForkServerSpawner:
             reason = "" if not ready.get("error") else f"it did not start: {ready['error']}"
         if reason:
             self._helper_lost(helper, reason, quiet=True)
-            if self._opened and not self._closing and self._helper is None and self._replacement is None:
-                self._schedule_replacement(helper)
             raise SpawnError(helper_fault=True, message=f"the fork server is unavailable: {reason}")
         helper.ready_at = helper.progress_at = time.monotonic()
         self._arm_watchdog(helper)
@@ -508,6 +539,10 @@ class ForkServerSpawner:
             seconds=round(helper.ready_at - started, 3),
             n=self.helpers_started,
         )
+        if self._fallback is not None and helper is self._helper:
+            self._fallback = None
+            self._gave_up = False
+            _log.info("forkserver_available", pid=helper.proc.pid, note="children are forked from it again")
 
     def _on_readable(self, helper: _Helper) -> None:
         for message in helper.channel.read_available():
@@ -565,7 +600,11 @@ class ForkServerSpawner:
         self._helper_lost(helper, f"it answered nothing for {self._spawn_timeout:g} s")
 
     def _helper_lost(self, helper: _Helper, reason: str, *, quiet: bool = False) -> None:
-        """The helper exited, hung or failed to start: forget it; its requests go to a new one, once."""
+        """The helper exited, hung or failed to start: forget it; its requests go to a new one, once.
+
+        ``quiet``: expected (retired, or before :meth:`open` returned, whose caller
+        hears of it): not logged.
+        """
         if helper.lost:
             # Once only: the second call would act on fd numbers that a newer helper may own by now.
             return
@@ -578,10 +617,17 @@ class ForkServerSpawner:
             # Its whole group: intermediates that have not answered yet go with it.
             _signal_group(helper.proc.pid, signal.SIGKILL)
         helper.close_pipes()
-        if not helper.ready.done():
+        refused = _start_refused(helper.ready)
+        if refused is not None:
+            reason = refused  # what it said before it exited, rather than that it exited
+        elif not helper.ready.done():
             helper.ready.set_exception(SpawnError(helper_fault=True, message=reason))
             helper.ready.exception()  # retrieved: whoever awaits it gets it through the shield
-        if not quiet:
+        replace = self._opened and not self._closing and not helper.retired
+        if replace and helper.ready_at is None:
+            # A replacement that never became ready: no fork server to send children to.
+            self._fall_back(f"a new fork server did not start: {reason}", for_good=refused is not None)
+        elif not quiet:
             _log.warning(
                 "forkserver_lost",
                 pid=helper.proc.pid,
@@ -592,49 +638,77 @@ class ForkServerSpawner:
         retry = [(i, p) for i, p in self._pending.items() if p.helper is helper]
         for ident, pending in retry:
             del self._pending[ident]
-            if pending.losses:
-                lost = f"{pending.losses[0]}, then {reason}"
-                pending.done(SpawnError(helper_fault=True, message=f"the fork server was lost twice: {lost}"))
+            if pending.losses or self._fallback is not None:
+                self._exec(pending.spec, pending.done)
             else:
                 self._request(pending.spec, pending.done, losses=(reason,))
-        if not quiet and not self._closing and self._helper is None:
-            self._schedule_replacement(helper)
+        if replace and self._helper is None and self._replacement is None and not self._gave_up:
+            young = helper.ready_at is None or time.monotonic() - helper.ready_at < 1.0
+            self._schedule_replacement(young=young)
 
-    def _schedule_replacement(self, lost: _Helper) -> None:
+    def _fall_back(self, reason: str, *, for_good: bool) -> None:
+        """No fork server is ready: children are started by fork+exec until one is (said once).
+
+        ``for_good``: it cannot load the code, and never will in this process.
+        """
+        self._gave_up = self._gave_up or for_good
+        if self._fallback is not None:
+            return
+        self._fallback = reason
+        if for_good:
+            until = "until the agent is restarted (a restart of the agent brings the fork server back)"
+        else:
+            until = "until a new fork server is ready (a restart of the agent brings it back too)"
+        _log.warning(
+            "forkserver_unavailable",
+            error=reason,
+            fallback="exec",
+            note=f"children are started by exec, slower to start, {until}",
+        )
+
+    def _exec(self, spec: ChildSpec, done: SpawnDone) -> None:
+        """Start the child by fork+exec, without the fork server; reaped here like every other child."""
+        result = _exec(spec, self._env, self._reaper)
+        if isinstance(result, int):
+            self._children.add(result)
+        done(result)
+
+    def _schedule_replacement(self, *, young: bool) -> None:
         """Start the next helper ahead of need, so that the next crash is restarted as fast as ever.
 
-        A helper that dies young (before it was ready, or within a second of it: a
-        broken preload, an OOM loop) is replaced after a growing delay instead of in
-        a tight loop.
+        Helpers that keep dying young (before they were ready, or within a second of
+        it: an OOM loop) are replaced after a growing delay instead of in a tight
+        loop; children are started by fork+exec meanwhile.
         """
-        if lost.ready_at is None or time.monotonic() - lost.ready_at < 1.0:
-            self._young_deaths += 1
-        else:
-            self._young_deaths = 0
-        delay = 0.0 if self._young_deaths == 0 else min(30.0, 0.5 * 2 ** (self._young_deaths - 1))
-        if self._replacement is not None:
-            self._replacement.cancel()
+        self._young_deaths = self._young_deaths + 1 if young else 0
+        if self._young_deaths <= 1:
+            self._start_in_background()
+            return
+        delay = min(30.0, 0.5 * 2 ** (self._young_deaths - 2))
+        self._fall_back(
+            f"{self._young_deaths} fork server(s) in a row ended within a second of starting; "
+            f"the next one starts in {delay:g} s",
+            for_good=False,
+        )
         self._replacement = asyncio.get_running_loop().call_later(delay, self._replace)
 
     def _replace(self) -> None:
         self._replacement = None
-        queued, self._queued = self._queued, []
-        if self._closing or self._helper is not None:
-            for spec, done, losses in queued:
-                self._request(spec, done, losses=losses)
-            return
+        if not self._closing and self._helper is None and not self._gave_up:
+            self._start_in_background()
+
+    def _start_in_background(self) -> _Helper | None:
+        """A new helper, its readiness awaited by nobody (a failure is logged, and handled, when it comes)."""
         try:
             helper = self._start_helper()
         except SpawnError as exc:
-            _log.error("forkserver_unavailable", error=str(exc))
-            for _, done, _ in queued:
-                done(SpawnError(str(exc), helper_fault=True))
-            return
+            self._fall_back(str(exc), for_good=False)
+            if self._replacement is None:
+                self._schedule_replacement(young=True)
+            return None
         assert helper.started is not None
-        # Failures are logged (and the helper dropped) by _await_ready; nothing awaits this one.
         helper.started.add_done_callback(lambda task: task.cancelled() or task.exception())
-        for spec, done, losses in queued:
-            self._request(spec, done, losses=losses)
+        return helper
 
     def refresh(self, preload_kinds: Sequence[str]) -> None:
         """From now on fork children from a new fork server, forked now (with the code this process has now).
@@ -654,15 +728,10 @@ class ForkServerSpawner:
             helper.outbox.finish()
         if self._replacement is not None:
             return  # a replacement is due (fork servers keep dying young): it will have the new code
-        try:
-            fresh = self._start_helper()
-        except SpawnError as exc:
-            _log.error("forkserver_unavailable", error=str(exc))
-            return
-        assert fresh.started is not None
-        fresh.started.add_done_callback(lambda task: task.cancelled() or task.exception())
-        retired = None if helper is None else helper.proc.pid
-        _log.info("forkserver_refreshed", kinds=self._preload, retired=retired)
+        self._gave_up = False  # the new code may load where the old could not: worth one more try
+        if self._start_in_background() is not None:
+            retired = None if helper is None else helper.proc.pid
+            _log.info("forkserver_refreshed", kinds=self._preload, retired=retired)
 
     def spawn(self, spec: ChildSpec, done: SpawnDone) -> None:
         """Ask the helper (started now if there is none) to fork a child running ``plugvisor <args>``."""
@@ -670,19 +739,12 @@ class ForkServerSpawner:
 
     def _request(self, spec: ChildSpec, done: SpawnDone, *, losses: tuple[str, ...]) -> None:
         helper = self._helper
-        if helper is None and self._replacement is not None:
-            # A replacement is due after a delay (helpers keep dying young): wait for it
-            # rather than start helpers as fast as children ask.
-            self._queued.append((spec, done, losses))
-            return
+        if helper is None and self._replacement is None and not self._gave_up:
+            helper = self._start_in_background()
         if helper is None:
-            try:
-                helper = self._start_helper()
-            except SpawnError as exc:
-                done(exc)
-                return
-            assert helper.started is not None
-            helper.started.add_done_callback(lambda task: task.cancelled() or task.exception())
+            # None can start now (a replacement is held back, or none can load the code).
+            self._exec(spec, done)
+            return
         self._next_id += 1
         ident = self._next_id
         self._pending[ident] = _Pending(spec, done, helper, losses)
@@ -735,9 +797,6 @@ class ForkServerSpawner:
         for pending in self._pending.values():
             pending.done(SpawnError("the agent is stopping"))
         self._pending.clear()
-        for _, done, _ in self._queued:
-            done(SpawnError("the agent is stopping"))
-        self._queued.clear()
         helpers = [*self._retired, *([self._helper] if self._helper is not None else [])]
         self._helper = None
         self._retired.clear()
@@ -761,10 +820,18 @@ def _input_refused(exc: OSError) -> str:
     return f"its input was closed ({exc.strerror or exc}): it exited"
 
 
+def _start_refused(ready: asyncio.Future[dict[str, Any]]) -> str | None:
+    """What a fork server said when it could not start (a failed preload), if it said so."""
+    if not ready.done() or ready.cancelled() or ready.exception() is not None:
+        return None
+    error = ready.result().get("error")
+    return None if not error else str(error)
+
+
 def start_slots(spawner: Spawner) -> int:
     """How many children may start at once: a few per core, fewer when each start is a fresh interpreter."""
     cores = len(os.sched_getaffinity(0))
-    return cores * (2 if isinstance(spawner, ExecSpawner) else 8)
+    return cores * (2 if isinstance(spawner, ExecSpawner) or spawner.fallback is not None else 8)
 
 
 class StartLimiter:
@@ -781,12 +848,23 @@ class StartLimiter:
     yet, so nothing is blamed on it (the child is STARTING without a PID).
     """
 
-    def __init__(self, inner: Spawner, slots: int) -> None:
+    def __init__(self, inner: Spawner, slots: int | None = None) -> None:
+        """``slots``: a fixed number; by default :func:`start_slots` of how ``inner`` starts children now."""
         self.inner = inner
-        self.slots = max(1, slots)
+        self._slots = slots
         self._waiting: collections.deque[tuple[ChildSpec, SpawnDone]] = collections.deque()
         self._in_flight = 0
         self._starting: set[int] = set()
+
+    @property
+    def slots(self) -> int:
+        """How many children may be starting now (fewer while the fork server is unavailable)."""
+        return max(1, self._slots if self._slots is not None else start_slots(self.inner))
+
+    @property
+    def fallback(self) -> str | None:
+        """The inner spawner's."""
+        return self.inner.fallback
 
     async def open(self, wake: Wake) -> None:
         """Open the inner spawner."""
@@ -804,7 +882,8 @@ class StartLimiter:
             self._admit()
 
     def _admit(self) -> None:
-        while self._waiting and self._in_flight + len(self._starting) < self.slots:
+        slots = self.slots
+        while self._waiting and self._in_flight + len(self._starting) < slots:
             spec, done = self._waiting.popleft()
             self._in_flight += 1
             self.inner.spawn(spec, functools.partial(self._answered, done))
@@ -861,6 +940,7 @@ class FakeSpawner:
     deferred: bool = False
     waiting: list[tuple[ChildSpec, SpawnDone]] = field(default_factory=list)
     refreshed: list[list[str]] = field(default_factory=list)
+    fallback: str | None = None
     _exits: list[Exit] = field(default_factory=list)
     _wake: Wake | None = None
 

@@ -307,6 +307,14 @@ def render(document: dict[str, Any]) -> str:
             f"config {supervisor.get('config')}"
         )
     ]
+    fallback = supervisor.get("spawner_fallback")
+    if fallback:
+        lines.append(
+            printable(
+                f"fork server unavailable ({shorten(str(fallback), 300)}): children are started by exec, "
+                "slower to start; restart the agent to bring the fork server back"
+            )
+        )
     stale = document.get("stale")
     if stale is not None:
         written = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stale["written_at"]))

@@ -388,6 +388,7 @@ class Supervisor:
                 "kubelet_dir": str(self.config.kubelet_dir),
                 "on_kubelet_restart": self.config.supervisor.on_kubelet_restart,
                 "config": self.config_source,
+                "spawner_fallback": self.spawner.fallback,
             },
             "children": [child.snapshot() for child in self.all_children()],
         }

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,9 +19,10 @@ from pathlib import Path
 import pytest
 
 from plugvisor.common.hostpaths import HostPaths
+from plugvisor.common.sockets import socket_files, socket_name, socket_prefix
 from plugvisor.deviceplugin import metrics
 from plugvisor.deviceplugin.runtime import DevicePluginRuntime, PluginConfig
-from plugvisor.emulators.kubelet import EmulatedKubelet
+from plugvisor.emulators.kubelet import EmulatedKubelet, EventKind
 from plugvisor.plugins.kinds import get_kind
 
 RESOURCE = "example.com/serial"
@@ -111,6 +113,70 @@ async def test_a_killed_plugin_process_comes_back_registered(node: Path, mode) -
             second.send_signal(signal.SIGTERM)
             _, stderr = await asyncio.wait_for(second.communicate(), 15)
         assert second.returncode == 0, stderr.decode()
+
+
+def dead_socket(path: Path) -> Path:
+    """A socket file whose process is gone, as a SIGKILL leaves it."""
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.close()
+    return path
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_plugin_removes_the_dead_socket_a_killed_plugin_of_its_resource_left(node: Path, mode):
+    """No agent sweeps a standalone plugin's socket: the next plugin of the resource removes it, and only it.
+
+    plugin-watcher: the kubelet, restarted, finds the dead socket and tries to register
+    it again and again; the new plugin's start ends that.
+    """
+    kubelet_dir, registry = registry_paths(node)
+    directory = registry if mode == "plugin-watcher" else kubelet_dir
+    argv = [
+        sys.executable, "-m", "plugvisor", "plugin", "generic",
+        "--host-root", str(node / "root"), "--kubelet-dir", str(kubelet_dir),
+        "--resource", RESOURCE, "--path", "/dev/ttyUSB*", "--registration", mode,
+    ]  # fmt: skip
+    async with EmulatedKubelet(kubelet_dir, grace_period=30, dial_timeout=2) as kubelet:
+        first = await asyncio.create_subprocess_exec(*argv, stderr=asyncio.subprocess.DEVNULL)
+        await kubelet.wait_for(counts(2, 2), timeout=20)
+        first.send_signal(signal.SIGKILL)
+        await first.wait()
+        (left,) = socket_files(directory, socket_prefix(RESOURCE) + "-")
+        kept = [
+            dead_socket(directory / socket_name("example.com/fuse")),  # another resource's
+            directory / socket_name(RESOURCE),  # not a socket
+        ]
+        kept[1].write_text("")
+        if mode == "plugin-watcher":
+            await kubelet.restart()
+            await kubelet.wait_for(
+                lambda k: any(
+                    e.kind == EventKind.REGISTRATION_FAILED and e.fields.get("path") == str(left)
+                    for e in k.events
+                ),
+                timeout=60,
+                what="the kubelet trying to register the dead socket",
+            )
+        second = await asyncio.create_subprocess_exec(*argv, stderr=asyncio.subprocess.PIPE)
+        try:
+            await kubelet.wait_for(
+                lambda k: counts(2, 2)(k) and k.resource(RESOURCE).registered,
+                timeout=30,
+                what="the new process registered",
+            )
+            async with asyncio.timeout(30):  # beside kubelet.sock it may go after the registration
+                while os.path.lexists(left):
+                    await asyncio.sleep(0.02)
+            assert all(path.exists() for path in kept)
+            (serving,) = socket_files(directory, socket_prefix(RESOURCE) + "-")
+            assert serving != left
+        finally:
+            second.send_signal(signal.SIGTERM)
+            _, stderr = await asyncio.wait_for(second.communicate(), 15)
+        assert second.returncode == 0, stderr.decode()
+        said = [line for line in stderr.decode().splitlines() if "dead_sockets_removed" in line]
+        assert len(said) == 1 and left.name in said[0] and "killed" in said[0], stderr.decode()
 
 
 async def test_in_process_the_registrations_cell_and_metric_count_the_kubelets_dial_backs(node: Path) -> None:

@@ -8,8 +8,13 @@ server, and the supervisor reaps them and knows how each one ended.
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
+import subprocess
+import sys
 from pathlib import Path
+
+import plugvisor
 
 from .conftest import EXPECTED, SERIAL, processes_of, registered_all, running_registered, start_registered
 
@@ -137,4 +142,74 @@ async def test_a_fork_server_killed_before_it_is_ready_does_not_stall_spawning(n
     await agent.wait_state(
         lambda c: running_registered(c) and c[SERIAL]["pid"] != before[SERIAL]["pid"], timeout=60
     )
+    assert await agent.stop() == 0
+
+
+def installed_copy(node) -> Path:
+    """plugvisor's files as an installation the test can upgrade in place: a copy, first on the path."""
+    site = node.base / "site"
+    source = Path(plugvisor.__file__).parent
+    shutil.copytree(source, site / "plugvisor", ignore=shutil.ignore_patterns("__pycache__"))
+    return site
+
+
+def upgrade_in_place(site: Path) -> None:
+    """The next release, installed over the running one: consistent with itself, not with the agent's memory.
+
+    A module the agent has loaded gains a name that a module only plugins load (the
+    plugin entry) now imports. A fresh interpreter loads both new files; a process
+    forked from the agent has the old module already and cannot import the name.
+    """
+    old = site / "plugvisor" / "common" / "proctitle.py"
+    old.write_text(old.read_text() + '\n\ndef next_release() -> None:\n    """New in the upgrade."""\n')
+    entry = site / "plugvisor" / "plugins" / "entry.py"
+    entry.write_text(entry.read_text() + "\nfrom plugvisor.common.proctitle import next_release  # noqa\n")
+
+
+async def test_after_an_in_place_upgrade_children_are_restarted_by_exec_when_no_fork_server_can_start(
+    node, kubelet, agents
+):
+    """plugvisor upgraded under the running agent, then its fork server dies: no new one can load the code.
+
+    Killed children still come back (started by exec, which loads the new files
+    whole), every time; the agent says once that the fork server is unavailable and
+    that a restart brings it back, and `plugvisor status` shows it.
+    """
+    site = installed_copy(node)
+    node.write_config()
+    agent = await agents({"PYTHONPATH": str(site)})
+    await agent.wait_state(running_registered)
+    await kubelet.wait_for(registered_all(EXPECTED))
+    upgrade_in_place(site)
+    os.kill(fork_server_of(node), signal.SIGKILL)
+    for _ in range(2):
+        before = agent.children()[SERIAL]
+        endpoint = kubelet.resource(SERIAL).endpoint
+        os.kill(before["pid"], signal.SIGKILL)
+        await agent.wait_state(
+            lambda c, old=before["pid"]: running_registered(c) and c[SERIAL]["pid"] != old, timeout=60
+        )
+        await kubelet.wait_for(
+            lambda k, old=endpoint: k.resource(SERIAL).registered and k.resource(SERIAL).endpoint != old,
+            timeout=30,
+        )
+    await kubelet.wait_for(registered_all(EXPECTED))
+    log = agent.log()
+    assert log.count("event='forkserver_unavailable'") == 1, log[-3000:]
+    assert "cannot import name \\'next_release\\'" in log, log[-3000:]
+    assert "restart the agent" in log
+    assert not [
+        pid for pid in processes_of(node) if Path(f"/proc/{pid}/comm").read_text().strip() == "pv-forkserver"
+    ], "the upgrade leaves no fork server running"
+    assert parent_of(agent.children()[SERIAL]["pid"]) == agent.pid
+    assert agent.children()[SERIAL]["restarts_by_cause"] == {"killed": 2}
+    status = subprocess.run(
+        [sys.executable, "-m", "plugvisor", "status", "--runtime-dir", str(node.runtime_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert "children are started by exec" in status.stdout, status.stdout + status.stderr
+    assert "restart the agent" in status.stdout
     assert await agent.stop() == 0

@@ -172,3 +172,83 @@ def test_a_fork_server_that_cannot_load_code_changed_under_the_agent_says_to_res
     said = result.stdout.strip()
     assert "preload failed: ImportError(\"cannot import name 'beside_kubelet_dir'" in said, said
     assert "plugvisor's files changed under the running agent? restart the agent" in said, said
+
+
+UNAVAILABLE = textwrap.dedent(
+    """
+    import asyncio, json, os
+    import plugvisor.plugins.entry as entry
+    from plugvisor.supervisor.config import ChildSpec
+    from plugvisor.supervisor.spawner import ForkServerSpawner
+
+    working = entry.preload
+
+    def broken():  # what importing changed files beside the agent's old modules does
+        raise ImportError("cannot import name 'beside_kubelet_dir' from 'plugvisor.common.hostpaths'")
+
+    # A forked child exits 7; an exec'd one runs the real command, which refuses the unknown kind (2).
+    entry.prepare = lambda args: lambda: 7
+    SPEC = ChildSpec("example.com/x", "no-such-kind", ("plugin", "no-such-kind"))
+
+    async def until(condition):
+        for _ in range(60_000):
+            if condition():
+                return
+            await asyncio.sleep(0.002)
+        raise AssertionError("never")
+
+    async def main():
+        woken = asyncio.Event()
+        spawner = ForkServerSpawner(dict(os.environ))
+        await spawner.open(woken.set)
+        exits = {}
+
+        async def exit_of_a_spawn():
+            answers = []
+            spawner.spawn(SPEC, answers.append)
+            await until(lambda: answers)
+            assert isinstance(answers[0], int), answers
+            def reaped():
+                exits.update((e.pid, e.returncode) for e in spawner.reap())
+                return answers[0] in exits
+            await until(reaped)
+            return exits[answers[0]]
+
+        outcome = {"forked": await exit_of_a_spawn()}
+        entry.preload = broken  # every fork server forked from now on fails its preload
+        spawner.refresh([])
+        await until(lambda: spawner.fallback is not None)
+        outcome["fallback"] = spawner.fallback
+        outcome["while_unavailable"] = [await exit_of_a_spawn(), await exit_of_a_spawn()]
+        entry.preload = working
+        spawner.refresh([])  # what a reload onto loadable code does
+        await until(lambda: spawner.fallback is None)
+        outcome["available_again"] = await exit_of_a_spawn()
+        outcome["helpers"] = spawner.helpers_started
+        await spawner.close()
+        print(json.dumps(outcome))
+
+    asyncio.run(main())
+    """
+)
+
+
+def test_while_no_fork_server_can_start_children_are_started_by_exec_until_one_can():
+    """No request fails and none waits for a fork server that cannot come: exec starts it; said once."""
+    result = subprocess.run(
+        [sys.executable, "-c", UNAVAILABLE], capture_output=True, text=True, timeout=170, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    *logs, last = result.stdout.splitlines()
+    outcome = json.loads(last)
+    assert outcome == {
+        "forked": 7,
+        "fallback": outcome["fallback"],
+        "while_unavailable": [2, 2],
+        "available_again": 7,
+        "helpers": 3,
+    }
+    assert outcome["fallback"].startswith("a new fork server did not start: preload failed: ImportError(")
+    events = [word for line in logs for word in line.split()]
+    assert events.count("forkserver_unavailable") == 1, logs
+    assert events.count("forkserver_available") == 1, logs

@@ -162,6 +162,16 @@ class TestStatusCommand:
         assert "example.com/nic (taken over by plugvisor-nic-123456-0badc0de.sock)" in why
         assert "waiting for a kubelet: /dp/kubelet.sock does not exist" in supervisor.summary()
 
+    def test_children_started_by_exec_without_the_fork_server_are_said_so(self, running, spawner):
+        """The agent supervises on without its fork server: the status says why, and what brings it back."""
+        assert "fork server unavailable" not in status_.render(running.snapshot())
+        spawner.fallback = "a new fork server did not start: preload failed: ImportError('x')"
+        lines = status_.render(running.snapshot()).splitlines()
+        assert lines[1] == (
+            "fork server unavailable (a new fork server did not start: preload failed: ImportError('x')): "
+            "children are started by exec, slower to start; restart the agent to bring the fork server back"
+        )
+
     def test_an_agent_that_could_not_write_any_state_is_not_said_to_be_missing(self, tmp_path, agent_lock):
         """A full runtime directory at start: no state file, but the agent runs (it holds the lock)."""
         result = CliRunner().invoke(status_command, ["--runtime-dir", str(tmp_path)])
@@ -181,6 +191,14 @@ class TestMetrics:
         assert 'plugvisor_child_restarts_total{cause="killed",resource="example.com/gpu"} 0.0' in text
         assert "plugvisor_kubelet_restarts_total 0.0" in text
         assert "plugvisor_ready 0.0" in text
+        assert "plugvisor_spawner_fallback 0.0" in text
+
+    async def test_children_started_by_exec_without_the_fork_server_show_in_a_gauge(
+        self, running, spawner, tmp_path
+    ):
+        spawner.fallback = "a new fork server did not start: it exited"
+        text = (await Metrics(running.snapshot, multiproc_dir=tmp_path).render()).decode()
+        assert "plugvisor_spawner_fallback 1.0" in text
 
     async def test_a_dra_driver_shows_its_mode_and_whether_its_slices_are_synced(
         self, running, tmp_path, agent_lock

@@ -1,6 +1,7 @@
 """At most N children start at once; the others wait their turn, without a process to blame."""
 
 import asyncio
+import os
 
 from plugvisor.supervisor.config import ChildSpec
 from plugvisor.supervisor.spawner import FakeSpawner, SpawnError, StartLimiter
@@ -76,3 +77,17 @@ def test_the_registration_timeout_counts_from_the_process_not_from_the_wait_for_
     clock.advance(2)
     supervisor.tick()
     assert (pid, 15) in fake.signals
+
+
+def test_fewer_children_start_at_once_while_they_are_started_by_exec_instead_of_the_fork_server():
+    """A fresh interpreter's start costs ~10 times a fork's CPU: the slots shrink with the fallback."""
+    fake = FakeSpawner()
+    limiter = StartLimiter(fake)
+    cores = len(os.sched_getaffinity(0))
+    assert limiter.slots == 8 * cores
+    fake.fallback = "a new fork server did not start: it exited"
+    answers = spawn_all(limiter, 2 * cores + 1)
+    assert limiter.slots == 2 * cores
+    assert answers.count(None) == 1
+    fake.fallback = None
+    assert limiter.slots == 8 * cores
