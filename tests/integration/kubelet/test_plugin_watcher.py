@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -201,6 +202,18 @@ class TestLifecycle:
             await node.wait_for(counts(GPU, 1, 1))
         finally:
             await stub.stop()
+
+    async def test_a_dead_socket_being_dialled_holds_up_no_other_plugin(self, node) -> None:
+        """A killed plugin's socket takes the whole dial timeout to fail; the kubelet registers each socket
+        on its own (one operation per socket), so a live plugin beside it is registered meanwhile."""
+        dead = socket.socket(socket.AF_UNIX)
+        dead.bind(os.fspath(registry(node) / "dead.sock"))  # bound, never listening: what a SIGKILL leaves
+        dead.close()
+        await node.wait_for(lambda k: "dead.sock found" in str(k.events))
+        async with StubDevicePlugin(registry(node) / "gpu.sock", GPU, devices=devices("a")) as stub:
+            assert await statuses(stub, 1) == [(True, "")]
+            failed = [e for e in node.events if e.kind is EventKind.REGISTRATION_FAILED]
+            assert not failed, "the live plugin waited for the dead socket's dial to fail"
 
     @pytest.mark.parametrize("version", ["1.26", "1.29", "1.35"])
     async def test_a_restarted_kubelet_dials_back_with_no_help_from_the_plugin(

@@ -16,6 +16,9 @@ and the kubelet dials back. This module follows the upstream parts one by one:
   desired, or desired with a newer timestamp (re-created), then registers the
   desired ones not registered with their timestamp; a failed registration is
   retried with exponential back-off (0.5 s doubling to 2 min 2 s, goroutinemap's);
+  each registration runs on its own, at most one per socket at a time
+  (``nestedpendingoperations``), so a socket that takes the whole dial timeout
+  (a dead one left by a killed plugin) holds up no other;
 * **the register operation** (``operationexecutor/operation_generator.go``):
   blocking dial (10 s), ``GetInfo`` (1 s), the handler for ``PluginInfo.type``
   (``DevicePlugin``, and ``DRAPlugin`` on kubelets with DRA, see :mod:`.dra`),
@@ -132,6 +135,8 @@ class PluginWatcher:
         self._backoff: dict[str, _Backoff] = {}
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self._pending: dict[str, asyncio.Task[None]] = {}
+        """Socket path -> its registration in flight (one per socket, as upstream's operation executor)."""
         self._stopping = False
         """Set by :meth:`stop`: the reconciler ends even if gRPC turned its cancellation into a call error."""
         self._inotify: Inotify | None = None
@@ -158,7 +163,8 @@ class PluginWatcher:
     async def stop(self) -> None:
         """Stop watching and reconciling; registered plugins are left to the device manager's stop."""
         self._stopping = True
-        tasks, self._tasks = self._tasks, []
+        tasks, self._tasks = [*self._tasks, *self._pending.values()], []
+        self._pending.clear()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -263,27 +269,50 @@ class PluginWatcher:
                     resource=registered.name,
                     path=socket_path,
                 )
-        now = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        now = loop.time()
         for socket_path, timestamp in list(self.desired.items()):
             current = self.actual.get(socket_path)
             if current is not None and current.timestamp == timestamp:
                 continue
+            if socket_path in self._pending:
+                continue  # upstream: "operation already exists", the next pass looks again
             backoff = self._backoff.get(socket_path)
             if backoff is not None and now < backoff.not_before:
                 continue
-            try:
-                await self._register(handlers, socket_path, timestamp)
-            except RegistrationFailedError as failure:
-                delay = INITIAL_BACKOFF if backoff is None else min(backoff.delay * 2, MAX_BACKOFF)
-                self._backoff[socket_path] = _Backoff(not_before=now + delay, delay=delay)
-                self._journal.event(
-                    model.EventKind.REGISTRATION_FAILED,
-                    str(failure),
-                    path=socket_path,
-                    retry_in=delay,
-                )
-            else:
-                self._backoff.pop(socket_path, None)
+            self._pending[socket_path] = loop.create_task(
+                self._operation(handlers, socket_path, timestamp, backoff),
+                name=f"register {socket_path}",
+            )
+
+    async def _operation(
+        self,
+        handlers: Mapping[str, PluginHandler],
+        socket_path: str,
+        timestamp: int,
+        backoff: _Backoff | None,
+    ) -> None:
+        """One register operation, on its own; a failure sets the socket's next try (exponential back-off)."""
+        try:
+            await self._register(handlers, socket_path, timestamp)
+        except RegistrationFailedError as failure:
+            if self.stopping():
+                return
+            delay = INITIAL_BACKOFF if backoff is None else min(backoff.delay * 2, MAX_BACKOFF)
+            self._backoff[socket_path] = _Backoff(
+                not_before=asyncio.get_running_loop().time() + delay, delay=delay
+            )
+            self._journal.event(
+                model.EventKind.REGISTRATION_FAILED,
+                str(failure),
+                path=socket_path,
+                retry_in=delay,
+            )
+        else:
+            self._backoff.pop(socket_path, None)
+        finally:
+            if self._pending.get(socket_path) is asyncio.current_task():
+                del self._pending[socket_path]
 
     # -- the register operation ----------------------------------------------------------
 
