@@ -302,3 +302,20 @@ class TestSupervisordExport:
         result = CliRunner().invoke(export_group, ["supervisord", "--config", str(bad)])
         assert result.exit_code == 2
         assert f"{bad}: resources[0].name" in result.output
+
+    @pytest.mark.parametrize("planted", ["symlink", "fifo"])
+    def test_an_output_name_that_is_a_link_or_not_a_file_is_refused_and_left_alone(self, tmp_path, planted):
+        """`-o /tmp/x.conf` as root: a symlink someone left at that name must not redirect the write to its
+        target (another file of the system), nor may a FIFO or device there be replaced or block us."""
+        good = tmp_path / "node.yaml"
+        good.write_text("resources: [{name: a.example/x, kind: generic, paths: [/dev/x]}]\n")
+        victim = tmp_path / "victim"
+        victim.write_text("precious\n")
+        out = tmp_path / "out.conf"
+        out.symlink_to(victim) if planted == "symlink" else os.mkfifo(out)
+        result = CliRunner().invoke(export_group, ["supervisord", "--config", str(good), "-o", str(out)])
+        assert result.exit_code == 2
+        what = "a symbolic link" if planted == "symlink" else "not a regular file"
+        assert f"--output: {out} is {what}; expected a regular file's name" in result.output
+        assert victim.read_text() == "precious\n"
+        assert out.is_symlink() == (planted == "symlink")
