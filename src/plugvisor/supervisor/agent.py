@@ -89,8 +89,8 @@ class RuntimeDirLock:
         self._file: IO[str] | None = None
 
     def acquire(self) -> None:
-        """Lock, or raise RuntimeError naming the agent that holds the lock."""
-        handle = self.path.open("a+")
+        """Lock, or raise RuntimeError naming the agent holding the lock, or what is wrong with the file."""
+        handle = os.fdopen(status_.open_pid_file(self.path, os.O_RDWR | os.O_CREAT), "r+")
         # `plugvisor status` probes the lock with a shared one for an instant: try for a
         # moment before concluding that another agent holds it.
         for attempt in range(50):

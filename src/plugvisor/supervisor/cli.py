@@ -126,8 +126,21 @@ def export_supervisord_command(*, config_path: Path, output: Path | None) -> Non
     if output is None:
         click.echo(text, nl=False)
         return
+    if output.is_symlink() or (output.exists() and not output.is_file()):
+        # Root writing through a link someone planted at a /tmp name would overwrite the link's target;
+        # renaming over a device or a FIFO (/dev/stdout) would replace a system file.
+        what = "a symbolic link" if output.is_symlink() else "not a regular file"
+        click.echo(
+            f"plugvisor export supervisord: --output: {output} is {what}; expected a regular file's name "
+            "(or no --output, for standard output)",
+            err=True,
+        )
+        sys.exit(EXIT_USAGE)
     try:
-        output.write_text(text)
+        # O_NOFOLLOW too: a link planted between the check above and this open is refused, not followed.
+        fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
     except OSError as exc:
         click.echo(f"plugvisor export supervisord: --output: cannot write {output}: {exc.strerror}", err=True)
         sys.exit(EXIT_FAILURE)

@@ -12,9 +12,11 @@ from the start times, so the file need not be rewritten as time passes.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
+import stat
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -113,6 +115,24 @@ def remove_state(runtime_dir: Path) -> None:
             (runtime_dir / name).unlink()
 
 
+def open_pid_file(path: Path, flags: int) -> int:
+    """Open ``supervisor.pid`` with ``flags``; a link or anything but a regular file is a RuntimeError.
+
+    Never blocking (a FIFO there would hang the agent's start and ``plugvisor
+    status``) and never through a link (root would write its PID into its target).
+    """
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        why = "a symbolic link" if exc.errno == errno.ELOOP else exc.strerror
+        raise RuntimeError(f"{path}: cannot open it ({why}); expected a regular file") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise RuntimeError(f"{path}: not a regular file; expected a regular file (remove it)")
+    os.set_blocking(fd, True)
+    return fd
+
+
 def lock_holder(runtime_dir: Path) -> str | None:
     """The PID (as written, possibly empty) of the live agent that owns ``runtime_dir``, or None.
 
@@ -123,13 +143,13 @@ def lock_holder(runtime_dir: Path) -> str | None:
     disk); the lock still says it runs.
     """
     try:
-        with (runtime_dir / PID_FILE).open() as handle:
+        with os.fdopen(open_pid_file(runtime_dir / PID_FILE, os.O_RDONLY)) as handle:
             try:
                 fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:
                 return handle.read(64).strip()
             fcntl.flock(handle, fcntl.LOCK_UN)
-    except OSError:
+    except (OSError, RuntimeError):  # missing, or not the agent's file: no agent holds it
         pass
     return None
 

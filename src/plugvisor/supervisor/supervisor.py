@@ -52,6 +52,11 @@ def backoff_policy(config: NodeConfig) -> BackoffPolicy:
     )
 
 
+def _listen(config: NodeConfig) -> str | None:
+    """Where the agent serves /metrics under ``config`` (None: not at all)."""
+    return None if config.metrics is None else config.metrics.listen
+
+
 class Supervisor:
     """The children and the rules that keep them up; no I/O of its own beyond the spawner."""
 
@@ -69,6 +74,8 @@ class Supervisor:
         sweep_sockets: Callable[[str], list[str]] | None = None,
     ) -> None:
         self.config = config
+        self._started_with = config
+        """The configuration at start: its runtime directory, spawner and metrics listener stay in force."""
         self._socket_exists = socket_exists or (lambda name: (self.config.kubelet_dir / name).exists())
         self._sweep_sockets = sweep_sockets or self._sweep_dead_sockets
         self.spawner = spawner
@@ -135,7 +142,7 @@ class Supervisor:
 
         Returns the resources in each group (for the log).
         """
-        old_config, self.config = self.config, config
+        self.config = config
         policy = backoff_policy(config)
         specs = self.specs(config)
         summary: dict[str, list[str]] = {"added": [], "removed": [], "changed": [], "unchanged": []}
@@ -163,11 +170,16 @@ class Supervisor:
             else:
                 summary["unchanged"].append(resource)
         self.children = children
-        for setting in ("spawner", "runtime_dir"):
-            if getattr(old_config.supervisor, setting) != getattr(config.supervisor, setting):
-                _log.warning("reload_setting_needs_restart", setting=setting)
-        if old_config.metrics != config.metrics:
-            _log.warning("reload_setting_needs_restart", setting="metrics")
+        started = self._started_with
+        for setting, running, wanted in (
+            ("spawner", started.supervisor.spawner, config.supervisor.spawner),
+            ("runtime_dir", str(started.runtime_dir), str(config.runtime_dir)),
+            ("metrics", _listen(started), _listen(config)),
+        ):
+            if running != wanted:
+                _log.warning(
+                    "reload_setting_needs_restart", setting=setting, running=running, configured=wanted
+                )
         self.dirty = True
         return summary
 

@@ -169,6 +169,8 @@ def test_one_release_with_both_lab_values_renders_both_lab_overlays() -> None:
     assert rendered == expected
 
 
+_MOUNT_NAMED_CONFIG = '[{"name": "config", "path": "/etc", "mountPath": "/host/etc", "readOnly": true}]'
+_MOUNT_OVER_RUNTIME = '[{"name": "host-run", "path": "/run", "mountPath": "/run/plugvisor"}]'
 NIC_AS_GPU_DRIVER = '[{"name": "gpu.plugvisor.io", "kind": "nic", "mode": "dra"}]'
 
 
@@ -189,13 +191,62 @@ NIC_AS_GPU_DRIVER = '[{"name": "gpu.plugvisor.io", "kind": "nic", "mode": "dra"}
             ],
             "kinds.nic.dra.resources: the driver gpu.plugvisor.io is already another DRA resource's",
         ),
+        (["--set", "kinds.My_Kind.enabled=true"], "invalid propertyName 'My_Kind'"),
+        (
+            ["--set-json", f"kinds.generic.hostMounts={_MOUNT_NAMED_CONFIG}"],
+            "'/kinds/generic/hostMounts/0/name'",
+        ),
+        (
+            ["--set-json", f"kinds.generic.hostMounts={_MOUNT_OVER_RUNTIME}"],
+            "'/kinds/generic/hostMounts/0/mountPath'",
+        ),
+        (["--set", "node.metrics.listen=0.0.0.0:9999"], "'/node/metrics/listen'"),
+        (["--set", "node.kubeletDir=/var/lib/k0s/kubelet/device-plugins"], "'/node/kubeletDir'"),
     ],
 )
 def test_values_the_chart_cannot_honour_are_refused_naming_the_key(settings: list[str], named: str) -> None:
     """values.schema.json: a misspelt key, a DRA resource among the device plugins, a driver name that
     cannot name a DeviceClass, a node.yaml key the chart sets itself; and one driver name given twice. Never
-    silently ignored, nor left for the cluster to refuse half-way through an install."""
+    silently ignored, nor left for the cluster to refuse half-way through an install. Nor are values the
+    objects would contradict: a kind name that cannot name a DaemonSet, a host mount whose name or path is
+    one the chart's own volumes use, a metrics port or kubelet directory other than those the probes and
+    mounts are for."""
     args = [helm(), "template", "plugvisor", str(CHART), *KUBE_VERSION, *settings]
     result = subprocess.run(args, capture_output=True, text=True, check=False, timeout=120)
     assert result.returncode != 0
     assert named in result.stderr
+
+
+def test_values_are_rendered_as_values_never_as_yaml() -> None:
+    """An image tag or a host path with a newline or a colon in it stays one string in one field: it cannot
+    add a field to the pod (a securityContext, a command) nor break the document."""
+    hostile = "x\n          workingDir: /injected"
+    mounts = '[{"name": "host-dev", "path": "/dev: x", "mountPath": "/host/dev\\n  hostPID: true"}]'
+    docs = chart(
+        "generic",
+        *("--set-string", f"image.tag={hostile}"),
+        *("--set-json", f"kinds.generic.hostMounts={mounts}"),
+    )
+    pod = next(d for d in docs if d["kind"] == "DaemonSet")["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert "workingDir" not in container
+    assert "hostPID" not in pod
+    assert container["image"].endswith(f":{hostile}")
+    assert {"name": "host-dev", "hostPath": {"path": "/dev: x", "type": "Directory"}} in pod["volumes"]
+    assert any(m["mountPath"] == "/host/dev\n  hostPID: true" for m in container["volumeMounts"])
+
+
+def test_the_gpu_dra_driver_beside_cdi_device_plugins_mounts_the_cdi_directory_once() -> None:
+    """ci/gpu-cdi's gpu agent mounts the host's /var/run/cdi as host-cdi; the gpu DRA agent, which inherits
+    the kind's mounts and mounts that directory itself, must not get it twice (an invalid DaemonSet)."""
+    docs = chart("gpu-cdi", "--set", "kinds.gpu.dra.enabled=true")
+    for doc in docs:
+        if doc["kind"] != "DaemonSet":
+            continue
+        pod = doc["spec"]["template"]["spec"]
+        volumes = [v["name"] for v in pod["volumes"]]
+        mounts = [m["mountPath"] for m in pod["containers"][0]["volumeMounts"]]
+        assert len(set(volumes)) == len(volumes), doc["metadata"]["name"]
+        assert len(set(mounts)) == len(mounts), doc["metadata"]["name"]
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+        assert "host-cdi" in volumes

@@ -107,6 +107,12 @@ class TestKubeletCommand:
                 ),
                 "unrecognized feature gate: ResourceHealthStatus (kubelet 1.26",
             ),
+            (("--dir", "/tmp/x", "--grace-period", "nan"), "--grace-period"),
+            (
+                ("--dir", "/tmp/x", "--view", "/proc/self/nope/view.json"),
+                "'--view': /proc/self/nope/view.json",
+            ),
+            (("--dir", "/tmp/x", "--pods-view", "/proc/self/nope/pods.json"), "'--pods-view'"),
         ],
         ids=[
             "missing-dir",
@@ -117,6 +123,9 @@ class TestKubeletCommand:
             "pods-dir-missing",
             "unknown-version",
             "gate-too-new-for-the-version",
+            "nan-grace",
+            "view-unwritable",
+            "pods-view-unwritable",
         ],
     )
     def test_bad_usage_exits_2_naming_the_option(self, args: tuple[str, ...], option: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -54,6 +55,44 @@ def test_exit_codes(root: str) -> None:
     assert (code, "write 0 first" in out) == (1, True)
     assert run("create", "/sys/plugvisor-test")[0] == 1
     assert run("show", os.path.dirname(root))[0] == 1
+
+
+def test_a_reader_that_stops_early_is_no_error(root: str) -> None:
+    """`plugvisor lab show ROOT | head -1`: the closed pipe ends the command quietly, as click does for the
+    other commands, not with "Broken pipe" on stderr as if the lab had failed."""
+    assert run("create", root, "--profile", "dgx-like")[0] == 0
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first write: every write meets EPIPE
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "plugvisor", "lab", "show", root],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    assert result.stderr == ""
+    assert result.returncode == 1
+
+
+def test_a_lab_on_a_read_only_file_system_is_said_to_be_so(root: str, monkeypatch) -> None:
+    """A lab on a file system mounted read-only: the error says that, not that the lock is a symlink."""
+    assert run("create", root)[0] == 0
+    real_open = os.open
+
+    def read_only(path, flags, *args, **kwargs):
+        if str(path).endswith("/.plugvisor-lab/lock") and flags & (os.O_RDWR | os.O_WRONLY):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", read_only)
+    code, out = run("fault", root, "gpu0", "aer-fatal")
+    assert code == 1
+    assert ".plugvisor-lab/lock: Read-only file system" in out
+    assert "symlink" not in out
 
 
 def test_watch_stops_on_sigterm(root: str) -> None:

@@ -113,6 +113,31 @@ class TestViewFile:
         assert json.loads((short_dir / "view.json").read_text()) == {"n": 50}
         assert writer.writes < 50
 
+    async def test_a_view_that_cannot_be_written_is_reported_once_and_the_writer_goes_on(
+        self, short_dir: Path
+    ) -> None:
+        """A full disk or a removed directory loses the view, never the kubelet: the failure is told once
+        (not on every change), the writer keeps running, and writes again once the file can be written."""
+        blocker = short_dir / "gone"
+        blocker.write_text("a file where the view's directory should be")
+        failures: list[tuple[Path, OSError]] = []
+        state = {"n": 0}
+        writer = view.ViewWriter(
+            blocker / "view.json", lambda: dict(state), lambda p, e: failures.append((p, e))
+        )
+        writer.start()
+        for n in range(1, 4):
+            state["n"] = n
+            writer.mark_dirty()
+            await writer.settled()
+        assert [path for path, _ in failures] == [blocker / "view.json"]
+        blocker.unlink()
+        state["n"] = 4
+        writer.mark_dirty()
+        await writer.settled()
+        await writer.stop()
+        assert json.loads((blocker / "view.json").read_text()) == {"n": 4}
+
 
 class TestSharedNameRules:
     def test_a_trailing_newline_makes_a_name_invalid(self) -> None:

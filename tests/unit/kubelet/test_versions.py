@@ -111,3 +111,12 @@ def test_every_rule_names_its_upstream_change_and_a_known_release() -> None:
 def test_docs_show_the_same_table() -> None:
     """docs/kubelet.md renders RULES; this keeps the page true when a rule is added."""
     assert versions.markdown_table() in DOCS.read_text()
+
+
+def test_the_readme_and_docs_name_the_releases_played_and_the_default():
+    """A reader choosing `--kubelet-version` from the README or docs/kubelet.md is offered what is played."""
+    repo = Path(__file__).resolve().parents[3]
+    readme = (repo / "README.md").read_text()
+    listed = "|".join(versions.SUPPORTED_VERSIONS)
+    assert f"(`--kubelet-version {listed}`, default {versions.DEFAULT_VERSION})" in readme
+    assert f"default the newest, {versions.DEFAULT_VERSION})" in (repo / "docs" / "kubelet.md").read_text()

@@ -179,6 +179,37 @@ class TestStatusCommand:
         assert f"the plugvisor agent (pid {os.getpid()}) runs but has no state file" in result.output
         assert "is `plugvisor run` running?" not in result.output
 
+    @pytest.mark.parametrize("kind", ["fifo", "directory"])
+    def test_a_pid_file_that_is_not_a_file_does_not_hang_status(self, running, tmp_path, kind):
+        """A FIFO would block a plain open() forever: status must answer, and say no agent holds the lock."""
+        document = running.snapshot()
+        status_.write_state(tmp_path, document)
+        pid_file = tmp_path / status_.PID_FILE
+        os.mkfifo(pid_file) if kind == "fifo" else pid_file.mkdir()
+        assert status_.lock_holder(tmp_path) is None
+        result = CliRunner().invoke(status_command, ["--runtime-dir", str(tmp_path)])
+        assert result.exit_code == 1
+        assert "is stale" in result.output
+
+
+class TestRuntimeDirLock:
+    @pytest.mark.parametrize("kind", ["fifo", "directory", "symlink"])
+    def test_a_pid_file_that_is_not_a_regular_file_is_refused_naming_it(self, tmp_path, kind):
+        """The agent says what is wrong with supervisor.pid instead of a traceback, and never writes through
+        a link (its PID would overwrite the link's target)."""
+        pid_file = tmp_path / status_.PID_FILE
+        target = tmp_path / "target"
+        target.write_text("precious\n")
+        if kind == "fifo":
+            os.mkfifo(pid_file)
+        elif kind == "directory":
+            pid_file.mkdir()
+        else:
+            pid_file.symlink_to(target)
+        with pytest.raises(RuntimeError, match=f"{pid_file}: .*expected a regular file"):
+            RuntimeDirLock(tmp_path).acquire()
+        assert target.read_text() == "precious\n"
+
 
 class TestMetrics:
     async def test_the_supervisor_exposes_state_restarts_registrations_and_devices(self, running, tmp_path):
@@ -289,3 +320,20 @@ class TestSupervisordExport:
         result = CliRunner().invoke(export_group, ["supervisord", "--config", str(bad)])
         assert result.exit_code == 2
         assert f"{bad}: resources[0].name" in result.output
+
+    @pytest.mark.parametrize("planted", ["symlink", "fifo"])
+    def test_an_output_name_that_is_a_link_or_not_a_file_is_refused_and_left_alone(self, tmp_path, planted):
+        """`-o /tmp/x.conf` as root: a symlink someone left at that name must not redirect the write to its
+        target (another file of the system), nor may a FIFO or device there be replaced or block us."""
+        good = tmp_path / "node.yaml"
+        good.write_text("resources: [{name: a.example/x, kind: generic, paths: [/dev/x]}]\n")
+        victim = tmp_path / "victim"
+        victim.write_text("precious\n")
+        out = tmp_path / "out.conf"
+        out.symlink_to(victim) if planted == "symlink" else os.mkfifo(out)
+        result = CliRunner().invoke(export_group, ["supervisord", "--config", str(good), "-o", str(out)])
+        assert result.exit_code == 2
+        what = "a symbolic link" if planted == "symlink" else "not a regular file"
+        assert f"--output: {out} is {what}; expected a regular file's name" in result.output
+        assert victim.read_text() == "precious\n"
+        assert out.is_symlink() == (planted == "symlink")

@@ -335,6 +335,24 @@ class TestReload:
         assert supervisor.children[GPU].policy.cap == 60
         assert len(spawner.spawned) == 1
 
+    def test_a_setting_read_at_start_only_is_flagged_against_what_runs(self, make_supervisor):
+        """runtimeDir and spawner apply at start: editing one warns, and editing it back to the value in
+        force does not (the operator must not be told to restart for the configuration that runs)."""
+        from structlog.testing import capture_logs
+
+        supervisor = make_supervisor(GPU)
+        started = supervisor.config.runtime_dir
+        with capture_logs() as logs:
+            supervisor.reload(node_config(GPU, runtimeDir="/tmp/elsewhere", spawner="exec"))
+            first = [
+                (e["setting"], e["running"]) for e in logs if e["event"] == "reload_setting_needs_restart"
+            ]
+            logs.clear()
+            supervisor.reload(node_config(GPU, runtimeDir=str(started)))
+            second = [e for e in logs if e["event"] == "reload_setting_needs_restart"]
+        assert sorted(first) == [("runtime_dir", str(started)), ("spawner", "forkserver")]
+        assert second == []
+
 
 class TestSnapshot:
     def test_the_snapshot_has_what_status_shows(self, make_supervisor, spawner, clock):

@@ -18,7 +18,13 @@ ConfigMap names do: a changed node.yaml rolls the agents, one node at a time.
 {{- $hostMounts := $kind.hostMounts }}
 {{- if $dra }}
 {{- $resources = $kind.dra.resources }}
-{{- $hostMounts = concat $kind.hostMounts ($kind.dra.hostMounts | default list) }}
+{{- $hostMounts = list }}
+{{- range concat $kind.hostMounts ($kind.dra.hostMounts | default list) }}
+{{- /* A DRA agent mounts the host's CDI directory itself (below): the kind's own (gpu with cdi) would be a second volume of that name and path. */}}
+{{- if not (or (eq .name "host-cdi") (eq (clean .mountPath) "/host/var/run/cdi")) }}
+{{- $hostMounts = append $hostMounts . }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- $hardware := ternary $.Values.lab.root "" $.Values.lab.enabled }}
 {{- $node := merge (dict "hostRoot" "/host" "specRoot" (ternary $.Values.lab.root "/" $.Values.lab.enabled) "resources" $resources) (deepCopy $.Values.node) }}
@@ -95,7 +101,7 @@ spec:
           type: RuntimeDefault
       containers:
         - name: agent
-          image: {{ include "plugvisor.image" $ }}
+          image: {{ include "plugvisor.image" $ | quote }}
           imagePullPolicy: {{ $.Values.image.pullPolicy }}
           args:
             - run
@@ -139,7 +145,7 @@ spec:
           volumeMounts:
             {{- range $hostMounts }}
             - name: {{ .name }}
-              mountPath: {{ .mountPath }}
+              mountPath: {{ .mountPath | quote }}
               {{- if .readOnly }}
               readOnly: true
               {{- end }}
@@ -162,7 +168,7 @@ spec:
         {{- range $hostMounts }}
         - name: {{ .name }}
           hostPath:
-            path: {{ printf "%s%s" $hardware .path }}
+            path: {{ printf "%s%s" $hardware .path | quote }}
             type: {{ .type | default "Directory" }}
         {{- end }}
         - name: config

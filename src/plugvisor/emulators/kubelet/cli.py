@@ -17,9 +17,11 @@ watcher registers device plugins whose sockets appear in ``<root>/plugins_regist
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import signal
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +84,29 @@ def _parse_gates(ctx: click.Context, param: click.Parameter, value: str | None) 
     return value or ""
 
 
+def _writable_view(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
+    """A view file the kubelet can write: found out now, not by a kubelet that serves with no view."""
+    del ctx, param
+    if value is None:
+        return None
+    try:
+        value.parent.mkdir(parents=True, exist_ok=True)
+        handle, probe = tempfile.mkstemp(dir=value.parent, prefix=f".{value.name}.", suffix=".tmp")
+        os.close(handle)
+        os.unlink(probe)  # noqa: PTH108 - a path string from mkstemp
+    except OSError as error:
+        raise click.BadParameter(f"{value}: cannot write it there ({error.strerror or error})") from None
+    return value
+
+
+def _finite_seconds(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    """FloatRange lets nan and inf through: a grace period must be a number of seconds."""
+    del ctx, param
+    if not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a number of seconds; expected a finite number >= 0")
+    return value
+
+
 @click.command(name="kubelet")
 @click.option(
     "--dir",
@@ -95,11 +120,13 @@ def _parse_gates(ctx: click.Context, param: click.Parameter, value: str | None) 
     "view_path",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
+    callback=_writable_view,
     help="Where to write the JSON view [default: <DIR>.kubelet.json, beside the directory].",
 )
 @click.option(
     "--grace-period",
     type=click.FloatRange(min=0),
+    callback=_finite_seconds,
     default=kubelet_.DEFAULT_GRACE_PERIOD,
     show_default=True,
     metavar="SECONDS",
@@ -133,6 +160,7 @@ def _parse_gates(ctx: click.Context, param: click.Parameter, value: str | None) 
     "pods_view_path",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
+    callback=_writable_view,
     help="Where to write pod status [default: <DIR>.pods.json].",
 )
 @click.option(

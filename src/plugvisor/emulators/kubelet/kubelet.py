@@ -222,10 +222,19 @@ class EmulatedKubelet:
         self._view: view.ViewWriter | None = None
         self._pods_view: view.ViewWriter | None = None
         if write_view:
-            self._view = view.ViewWriter(self.view_path, self.view_document)
+            failed = self._view_write_failed
+            self._view = view.ViewWriter(self.view_path, self.view_document, failed)
             self._journal.add_listener(self._view.mark_dirty)
-            self._pods_view = view.ViewWriter(self.pods_view_path, self.pods_document)
+            self._pods_view = view.ViewWriter(self.pods_view_path, self.pods_document, failed)
             self._journal.add_listener(self._pods_view.mark_dirty)
+
+    def _view_write_failed(self, path: Path, error: OSError) -> None:
+        """A view that cannot be written is said once; the kubelet goes on serving (views are for people)."""
+        self._journal.event(
+            model.EventKind.VIEW_WRITE_FAILED,
+            f"cannot write view file {path}: {error.strerror or error}",
+            path=os.fspath(path),
+        )
 
     def _plugin_handlers(self) -> dict[str, pluginwatcher.PluginHandler]:
         """The plugin manager's handlers by plugin type: the device manager's, and DRA's where it exists."""

@@ -155,6 +155,7 @@ class EventKind(enum.StrEnum):
     CHECKPOINT_RESTORED = "checkpoint_restored"
     CHECKPOINT_IGNORED = "checkpoint_ignored"
     CHECKPOINT_WRITE_FAILED = "checkpoint_write_failed"
+    VIEW_WRITE_FAILED = "view_write_failed"
     PLUGIN_INSTANCE_ENDED = "plugin_instance_ended"
     PLUGIN_CALL_FAILED = "plugin_call_failed"
     PLUGIN_CALL_ANSWERED = "plugin_call_answered"

@@ -118,9 +118,18 @@ def write_atomically(path: Path, document: JsonObject) -> None:
 class ViewWriter:
     """Coalesces change notifications into background writes of one JSON document."""
 
-    def __init__(self, path: Path, snapshot: Callable[[], JsonObject]) -> None:
+    def __init__(
+        self,
+        path: Path,
+        snapshot: Callable[[], JsonObject],
+        on_error: Callable[[Path, OSError], None] | None = None,
+    ) -> None:
         self.path = path
         self._snapshot = snapshot
+        self._on_error = on_error
+        """Told of a write that failed (a full disk, a removed directory); the writer goes on either way."""
+        self._failing: str | None = None
+        """The failure last reported: a file that stays unwritable is reported once, not on every change."""
         self._dirty = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._writing = False
@@ -151,13 +160,19 @@ class ViewWriter:
         await self.flush()
 
     async def flush(self) -> None:
-        """Write the current state now and wait until it is on disk."""
+        """Write the current state now and wait until it is on disk, or until the write failed (reported)."""
         async with self._lock:
             self._dirty.clear()
             document = self._snapshot()
             self._writing = True
             try:
                 await asyncio.to_thread(write_atomically, self.path, document)
+                self._failing = None
+            except OSError as error:
+                if str(error) != self._failing:
+                    self._failing = str(error)
+                    if self._on_error is not None:
+                        self._on_error(self.path, error)
             finally:
                 self._writing = False
                 self.writes += 1

@@ -8,6 +8,7 @@ anything else (a refused root, a missing CAP_MKNOD, EBUSY on ``sriov_numvfs``).
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import signal
 import sys
@@ -35,6 +36,8 @@ def _errors(func: Callable[P, R]) -> Callable[P, R]:
             click.echo(f"plugvisor lab: {exc}", err=True)
             sys.exit(exc.exit_code)
         except OSError as exc:
+            if exc.errno == errno.EPIPE:
+                raise  # the reader went away (`| head`): click ends the command quietly
             # The environment, not the input: a read-only or full file system, permissions.
             where = f"{exc.filename}: " if exc.filename else ""
             click.echo(f"plugvisor lab: {where}{exc.strerror or exc}", err=True)

@@ -346,10 +346,13 @@ def locked(root: str) -> Iterator[None]:
             posixpath.join(root, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
         )
     except OSError as exc:
-        raise errors.UnsafeRootError(
-            f"{posixpath.join(root, LOCK_FILE)}: cannot open the lab's lock ({exc.strerror}); "
-            "it must be a regular file inside the root, not a symlink"
-        ) from None
+        lock = posixpath.join(root, LOCK_FILE)
+        if exc.errno in (errno.ELOOP, errno.EISDIR):
+            raise errors.UnsafeRootError(
+                f"{lock}: cannot open the lab's lock ({exc.strerror}); "
+                "it must be a regular file inside the root, not a symlink"
+            ) from None
+        raise  # the environment (a read-only or full file system): the CLI names the file and the reason
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
