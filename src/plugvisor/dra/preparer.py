@@ -107,7 +107,13 @@ class ClaimPreparer:
         self.cdi_dir = cdi_dir
         self.checkpoint = checkpoint
         self.prepared: dict[str, PreparedClaim] = dict(prepared or {})
-        """The prepared claims by UID: what the checkpoint holds."""
+        """The prepared claims by UID: what the checkpoint holds, less :attr:`unrecorded`."""
+        self.unrecorded: set[str] = set()
+        """Claims released (their hooks ran) that the checkpoint still lists: its write failed (a full disk).
+
+        They are no longer prepared: their devices are free, a prepare of one
+        prepares it anew, and the kubelet's retry of their unprepare only
+        writes the checkpoint again (so does any later write of it)."""
         self._pools = pools
         self._hooks = hooks
         self._claims = claims
@@ -123,6 +129,7 @@ class ClaimPreparer:
         """
         async with self._lock:
             self.prepared = await asyncio.to_thread(load)
+            self.unrecorded.clear()
 
     # -- prepare -----------------------------------------------------------------------
 
@@ -296,6 +303,7 @@ class ClaimPreparer:
         """
         await asyncio.to_thread(self.checkpoint.save, claims.values())
         self.prepared = claims
+        self.unrecorded.clear()
 
     async def _record(self, prepared: PreparedClaim) -> None:
         """Add the claim to the checkpoint; undo the spec when the checkpoint cannot be written."""
@@ -327,7 +335,10 @@ class ClaimPreparer:
         """Release the claim's devices, remove its spec, forget it; raises :class:`PrepareError`.
 
         A claim this driver does not know is unprepared already (the kubelet
-        retries): its spec, should a kill have left one, is still removed.
+        retries): its spec, should a kill have left one, is still removed. Once
+        the release hooks have run the claim is no longer prepared, whatever
+        happens to the spec's removal or the checkpoint's write next: the
+        kubelet's retry finishes those and never runs the hooks a second time.
         """
         _check_ref(claim)
         async with self._lock:
@@ -335,6 +346,8 @@ class ClaimPreparer:
             deadline = asyncio.get_running_loop().time() + budget * _WORK_SHARE
             if known is not None:
                 await self._release(known, deadline)
+                self.prepared = {uid: c for uid, c in self.prepared.items() if uid != claim.uid}
+                self.unrecorded.add(claim.uid)
             spec = known.cdi_spec if known is not None else None
             spec = spec or cdi.spec_file_name(self.driver, claim.uid)
             try:
@@ -343,19 +356,20 @@ class ClaimPreparer:
                 raise PrepareError(
                     f"claim {claim}: cannot remove its CDI spec {self.cdi_dir / spec}: {exc.strerror or exc}"
                 ) from None
-            if known is None:
+            if claim.uid not in self.unrecorded:
                 if removed:
                     self._log.info("cdi_spec_of_unknown_claim_removed", claim=str(claim), cdi_spec=spec)
                 return
-            remaining = {uid: c for uid, c in self.prepared.items() if uid != claim.uid}
             try:
-                await asyncio.shield(self._commit(remaining))
+                await asyncio.shield(self._commit(dict(self.prepared)))
             except OSError as exc:
+                self._log.warning("claim_released_but_still_recorded", claim=str(claim), error=str(exc))
                 raise PrepareError(
                     f"claim {claim}: cannot record its removal in {self.checkpoint.path}: "
                     f"{exc.strerror or exc}"
                 ) from None
-        self._log.info("claim_unprepared", claim=str(claim), devices=list(known.device_names))
+        devices = list(known.device_names) if known is not None else "released before"
+        self._log.info("claim_unprepared", claim=str(claim), devices=devices)
 
     async def _release(self, known: PreparedClaim, deadline: float) -> None:
         """Run the kind's release hooks on the claim's devices still present (a scrub, a de-program)."""
