@@ -18,7 +18,10 @@ What NodePrepareResources does for one claim, in order:
 Unprepare runs the kind's release hooks on the claim's devices, removes its
 spec and forgets it. Both are idempotent and safe against a kill at any point:
 the spec's file name comes from the claim's UID, so an unprepare after a kill
-between writing the spec and the checkpoint still removes it.
+between writing the spec and the checkpoint still removes it. Once the release
+hooks have run the claim is released, even if the spec's removal or the
+checkpoint's write fails next (a full disk): a retry finishes those without
+running the hooks again.
 
 Every failure is a :class:`PrepareError` whose message names the claim and
 what went wrong; the servicer puts it in that claim's answer, never failing the
@@ -120,6 +123,10 @@ class ClaimPreparer:
         self._lock = asyncio.Lock()
         self._log = structlog.get_logger("plugvisor.dra").bind(driver=driver)
 
+    def device_names(self) -> dict[str, str]:
+        """The name in the pool of each device a prepared claim holds: names the next pools must keep."""
+        return {d.device_id: d.device for claim in self.prepared.values() for d in claim.devices}
+
     async def reload(self, load: Callable[[], dict[str, PreparedClaim]]) -> None:
         """Take the prepared claims from ``load`` (the checkpoint), between two calls.
 
@@ -198,8 +205,9 @@ class ClaimPreparer:
             if device.admin_access:
                 continue
             for other in self.prepared.values():
-                held = {d.device for d in other.devices if not d.admin_access}
-                if device.device in held:
+                # By the kind's ID: the other claim may know the device by the name it had then.
+                held = {d.device_id for d in other.devices if not d.admin_access}
+                if pool.ids[device.device] in held:
                     raise PrepareError(
                         f"claim {claim}: device {device.device!r} is already prepared for claim "
                         f"{other.claim}; "

@@ -240,6 +240,18 @@ class TestPrepareRefusals:
             node, OTHER, preparer
         )
 
+    async def test_a_device_renamed_since_its_claim_was_prepared_is_still_that_claims(self, node):
+        node.pools.publish(build_pool(Snapshot([Device("AB-1")]), None, driver=DRIVER))
+        node.claims.allocate(CLAIM, "ab-1")
+        preparer = node.preparer(hooks=Hooks())
+        await preparer.prepare(CLAIM, budget=BUDGET)
+        # A look-alike appears, and a pool built without the prepared names renames the device.
+        node.pools.publish(build_pool(Snapshot([Device("AB-1"), Device("ab_1")]), None, driver=DRIVER))
+        renamed = node.pools.value.names["AB-1"]
+        node.claims.allocate(OTHER, renamed)
+        message = await self.refused(node, OTHER, preparer)
+        assert f"device '{renamed}' is already prepared for claim default/two-gpus" in message
+
     async def test_admin_access_shares_a_device_with_its_claim(self, node):
         node.claims.allocate(CLAIM, "gpu-0")
         node.claims.allocate(OTHER, "gpu-0", admin=True)
