@@ -6,13 +6,12 @@ serves. Needs root for the mount; skipped, saying so, without it.
 """
 
 import json
-import os
-import subprocess
 
 import pytest
 
 from plugvisor.emulators.kubelet.dra import DraCallError, resource_claim
 
+from ..full_disk import fill, small_tmpfs
 from .conftest import NODE, eventually, registered, slice_devices
 
 DRIVER = "fpga.plugvisor.io"
@@ -21,35 +20,9 @@ NO_SPACE = "No space left on device"
 
 @pytest.fixture
 def plugins_disk(base):
-    """``<kubelet root>/plugins`` on a 1 MiB tmpfs: ``fill()`` takes every byte, ``free()`` gives it back."""
-    mount = base / "plugins"
-    mount.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, check=False
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs to fill (needs root): {mounted.stderr.decode().strip()}")
-
-    class Disk:
-        filler = mount / "filler"
-
-        def fill(self):
-            fd = os.open(self.filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-            try:
-                for size in (65536, 4096, 512, 1):
-                    try:
-                        while True:
-                            os.write(fd, b"\0" * size)
-                    except OSError:
-                        continue
-            finally:
-                os.close(fd)
-
-        def free(self):
-            self.filler.unlink()
-
-    yield Disk()
-    subprocess.run(["umount", "-l", str(mount)], check=False)
+    """``<kubelet root>/plugins`` on a 1 MiB tmpfs of its own."""
+    with small_tmpfs(base / "plugins", "1m") as directory:
+        yield directory
 
 
 def claim(device, uid, name):
@@ -72,7 +45,7 @@ async def test_a_full_disk_fails_each_claim_by_name_releases_once_and_the_retrie
     await kubelet.dra.prepare(claim(port, "uid-1", "one"))
     assert spec.exists()
 
-    plugins_disk.fill()
+    fill(plugins_disk)
     for _ in range(2):  # the kubelet retries while the disk is full
         with pytest.raises(DraCallError) as failure:
             await kubelet.dra.unprepare("default", "one")
@@ -84,7 +57,7 @@ async def test_a_full_disk_fails_each_claim_by_name_releases_once_and_the_retrie
     assert not (lab_root / "cdi" / f"k8s.{DRIVER}-claim_uid-2.json").exists()
     assert driver.proc.returncode is None
 
-    plugins_disk.free()
+    (plugins_disk / "filler").unlink()
     await kubelet.dra.unprepare("default", "one")
     assert released.read_text().split() == ["dfl-port.0"]
     await kubelet.dra.prepare(claim(port, "uid-2", "two"))

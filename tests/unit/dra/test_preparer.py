@@ -439,6 +439,9 @@ def full_disk_node(disks):
 
 
 def temporary_files(directory):
+    """What a write left behind in ``directory`` (none if it was never made)."""
+    if not directory.exists():
+        return []
     return [path.name for path in directory.iterdir() if path.name.startswith(".tmp-")]
 
 
@@ -471,16 +474,21 @@ class TestFullDisk:
         assert (node.kind.deallocated, node.kind.scrubbed) == ([["GPU-0"]], [["GPU-0"]])
         assert node.checkpoint.load() == {} and preparer.prepared == {}
 
-    async def test_a_released_claim_that_is_still_recorded_frees_its_device(self, full_disk_node):
-        node = full_disk_node
+    async def half_unprepared(self, node):
+        """A preparer whose claim was released but not recorded (a full disk); the disk has room again."""
         node.claims.allocate(CLAIM, "gpu-0")
-        node.claims.allocate(OTHER, "gpu-0")
         preparer = node.preparer()
         await preparer.prepare(CLAIM, budget=BUDGET)
         node.disks.fill(KUBELET)
         with pytest.raises(PrepareError, match=NO_SPACE):
             await preparer.unprepare(CLAIM, budget=BUDGET)
         node.disks.free(KUBELET)
+        return preparer
+
+    async def test_a_released_claim_that_is_still_recorded_frees_its_device(self, full_disk_node):
+        node = full_disk_node
+        preparer = await self.half_unprepared(node)
+        node.claims.allocate(OTHER, "gpu-0")
         await preparer.prepare(OTHER, budget=BUDGET)  # its checkpoint no longer lists the released claim
         assert set(node.checkpoint.load()) == {"uid-2"}
         await preparer.unprepare(CLAIM, budget=BUDGET)  # the kubelet's retry: nothing left to do
@@ -491,56 +499,39 @@ class TestFullDisk:
         self, full_disk_node
     ):
         node = full_disk_node
-        node.claims.allocate(CLAIM, "gpu-0")
-        preparer = node.preparer()
-        await preparer.prepare(CLAIM, budget=BUDGET)
-        node.disks.fill(KUBELET)
-        with pytest.raises(PrepareError, match=NO_SPACE):
-            await preparer.unprepare(CLAIM, budget=BUDGET)
-        node.disks.free(KUBELET)
+        preparer = await self.half_unprepared(node)
         again = await preparer.prepare(CLAIM, budget=BUDGET)  # a new pod of the claim: not the old answer
         assert node.kind.reset == [["GPU-0"], ["GPU-0"]] and node.spec("uid-1").exists()
         assert node.checkpoint.load() == {"uid-1": again}
         await preparer.unprepare(CLAIM, budget=BUDGET)
         assert node.kind.scrubbed == [["GPU-0"], ["GPU-0"]]
 
-    async def test_a_prepare_whose_spec_cannot_be_written_leaves_nothing_and_succeeds_later(
-        self, full_disk_node
+    @pytest.mark.parametrize(
+        ("full", "error"),
+        [
+            (CDI, "cannot write its CDI spec {spec}"),
+            (KUBELET, "cannot record it in {checkpoint}"),  # the spec written is taken back
+        ],
+        ids=["spec", "checkpoint"],
+    )
+    async def test_a_prepare_that_cannot_be_written_leaves_nothing_and_succeeds_later(
+        self, full_disk_node, full, error
     ):
         node = full_disk_node
         node.claims.allocate(CLAIM, "gpu-0")
         preparer = node.preparer()
-        node.disks.fill(CDI)
+        node.disks.fill(full)
         with pytest.raises(PrepareError) as failure:
             await preparer.prepare(CLAIM, budget=BUDGET)
-        assert str(failure.value) == (
-            f"claim default/two-gpus (uid uid-1): cannot write its CDI spec {node.spec('uid-1')}: {NO_SPACE}"
-        )
-        assert preparer.prepared == {} and node.checkpoint.load() == {}
-        assert temporary_files(CDI) == [] and not node.spec("uid-1").exists()
+        what = error.format(spec=node.spec("uid-1"), checkpoint=node.checkpoint.path)
+        assert str(failure.value) == f"claim default/two-gpus (uid uid-1): {what}: {NO_SPACE}"
+        assert preparer.prepared == {} and node.checkpoint.load() == {} and not node.spec("uid-1").exists()
+        assert temporary_files(CDI) == temporary_files(node.checkpoint.path.parent) == []
         await preparer.unprepare(CLAIM, budget=BUDGET)  # the kubelet's clean-up of a failed pod
         assert node.kind.scrubbed == []  # never prepared: nothing to release
-        node.disks.free(CDI)
+        node.disks.free(full)
         prepared = await preparer.prepare(CLAIM, budget=BUDGET)
         assert node.checkpoint.load() == {"uid-1": prepared} and node.spec("uid-1").exists()
-
-    async def test_a_prepare_whose_checkpoint_cannot_be_written_takes_its_spec_back(self, full_disk_node):
-        node = full_disk_node
-        node.claims.allocate(CLAIM, "gpu-0")
-        preparer = node.preparer()
-        node.disks.fill(KUBELET)
-        with pytest.raises(PrepareError) as failure:
-            await preparer.prepare(CLAIM, budget=BUDGET)
-        assert str(failure.value) == (
-            f"claim default/two-gpus (uid uid-1): cannot record it in {node.checkpoint.path}: {NO_SPACE}"
-        )
-        assert preparer.prepared == {} and not node.spec("uid-1").exists()
-        assert temporary_files(node.checkpoint.path.parent) == []
-        await preparer.unprepare(CLAIM, budget=BUDGET)
-        assert node.kind.scrubbed == []
-        node.disks.free(KUBELET)
-        prepared = await preparer.prepare(CLAIM, budget=BUDGET)
-        assert node.checkpoint.load() == {"uid-1": prepared}
         await preparer.unprepare(CLAIM, budget=BUDGET)
         assert node.kind.scrubbed == [["GPU-0"]]
 
