@@ -121,7 +121,7 @@ def distinct_names(wanted: Mapping[str, str], pinned: Mapping[str, str]) -> dict
     - a name only one device wants is that device's;
     - devices that want one name (IDs that differ only in case or punctuation,
       ``AB-1`` and ``ab_1``) each get it with a hash of their own ID added
-      (``ab-1-3f9a0c``); a device of a prepared claim (``pinned``: its name
+      (``ab-1-22bb3d``); a device of a prepared claim (``pinned``: its name
       then) keeps that name, and only the newcomer gets a hash;
     - a readable name beats a hashed one that happens to be the same (a device
       named to look like another's hashed name), and names that still meet get

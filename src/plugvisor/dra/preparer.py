@@ -110,8 +110,8 @@ class ClaimPreparer:
         self.cdi_dir = cdi_dir
         self.checkpoint = checkpoint
         self.prepared: dict[str, PreparedClaim] = dict(prepared or {})
-        """The prepared claims by UID: what the checkpoint holds, less :attr:`unrecorded`."""
-        self.unrecorded: set[str] = set()
+        """The prepared claims by UID: what the checkpoint holds, less the released ones not yet recorded."""
+        self._unrecorded: set[str] = set()
         """Claims released (their hooks ran) that the checkpoint still lists: its write failed (a full disk).
 
         They are no longer prepared: their devices are free, a prepare of one
@@ -136,7 +136,7 @@ class ClaimPreparer:
         """
         async with self._lock:
             self.prepared = await asyncio.to_thread(load)
-            self.unrecorded.clear()
+            self._unrecorded.clear()
 
     # -- prepare -----------------------------------------------------------------------
 
@@ -311,7 +311,7 @@ class ClaimPreparer:
         """
         await asyncio.to_thread(self.checkpoint.save, claims.values())
         self.prepared = claims
-        self.unrecorded.clear()
+        self._unrecorded.clear()
 
     async def _record(self, prepared: PreparedClaim) -> None:
         """Add the claim to the checkpoint; undo the spec when the checkpoint cannot be written."""
@@ -355,7 +355,7 @@ class ClaimPreparer:
             if known is not None:
                 await self._release(known, deadline)
                 self.prepared = {uid: c for uid, c in self.prepared.items() if uid != claim.uid}
-                self.unrecorded.add(claim.uid)
+                self._unrecorded.add(claim.uid)
             spec = known.cdi_spec if known is not None else None
             spec = spec or cdi.spec_file_name(self.driver, claim.uid)
             try:
@@ -364,7 +364,7 @@ class ClaimPreparer:
                 raise PrepareError(
                     f"claim {claim}: cannot remove its CDI spec {self.cdi_dir / spec}: {exc.strerror or exc}"
                 ) from None
-            if claim.uid not in self.unrecorded:
+            if claim.uid not in self._unrecorded:
                 if removed:
                     self._log.info("cdi_spec_of_unknown_claim_removed", claim=str(claim), cdi_spec=spec)
                 return

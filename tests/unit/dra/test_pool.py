@@ -96,6 +96,10 @@ class TestDistinctNames:
         assert after["AB-1"] == "ab-1" and after["ab_1"].startswith("ab-1-")
         assert names(["ab_1", "AB-1"], pinned=before) == after  # a restart reads the same claims back
 
+    def test_a_pinned_name_that_is_no_dns_label_is_ignored(self):
+        """Pins come from the checkpoint, or from the CDI specs' annotations if it is lost: any text."""
+        assert names(["AB-1"], pinned={"AB-1": "Not/A label"}) == {"AB-1": "ab-1"}
+
     def test_a_name_made_to_look_like_a_disambiguated_one_does_not_take_it(self):
         fair = names(["AB-1", "ab_1"])
         crafted = fair["AB-1"]  # a device whose own ID is what another's disambiguated name would be
