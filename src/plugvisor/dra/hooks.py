@@ -65,13 +65,23 @@ def dra_device_name(device_id: str) -> str:
 
     ``GPU-6d3c...`` becomes ``gpu-6d3c...``, ``0000:3b:00.0`` becomes
     ``0000-3b-00-0`` and ``fuse-3`` stays. A name that had to be shortened gets
-    a hash of the whole ID, so two long IDs never share a name.
+    a hash of the whole ID, so two long IDs never share a name. IDs that differ
+    only in case or punctuation (``AB-1``, ``ab_1``) share one; the pool tells
+    them apart (:func:`plugvisor.dra.pool.build_pool`).
     """
     name = _NAME_UNSAFE.sub("-", device_id.lower()).strip("-") or "device"
     if len(name) <= _NAME_MAX:
         return name
-    digest = hashlib.sha256(device_id.encode()).hexdigest()[:_HASH_LENGTH]
-    return f"{name[: _NAME_MAX - _HASH_LENGTH - 1].rstrip('-')}-{digest}"
+    return with_hash(name, device_id, _HASH_LENGTH)
+
+
+def with_hash(name: str, device_id: str, length: int) -> str:
+    """``name`` (a DNS label) shortened to end in ``-`` and ``length`` hex digits of the ID's SHA-256.
+
+    The ID is hashed as given, undecodable bytes of a sysfs name (surrogates) included.
+    """
+    digest = hashlib.sha256(device_id.encode("utf-8", "surrogatepass")).hexdigest()[:length]
+    return f"{name[: _NAME_MAX - length - 1].rstrip('-')}-{digest}"
 
 
 def default_attributes(device: Device) -> dict[str, AttributeValue]:

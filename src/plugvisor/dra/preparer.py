@@ -18,7 +18,10 @@ What NodePrepareResources does for one claim, in order:
 Unprepare runs the kind's release hooks on the claim's devices, removes its
 spec and forgets it. Both are idempotent and safe against a kill at any point:
 the spec's file name comes from the claim's UID, so an unprepare after a kill
-between writing the spec and the checkpoint still removes it.
+between writing the spec and the checkpoint still removes it. Once the release
+hooks have run the claim is released, even if the spec's removal or the
+checkpoint's write fails next (a full disk): a retry finishes those without
+running the hooks again.
 
 Every failure is a :class:`PrepareError` whose message names the claim and
 what went wrong; the servicer puts it in that claim's answer, never failing the
@@ -107,12 +110,22 @@ class ClaimPreparer:
         self.cdi_dir = cdi_dir
         self.checkpoint = checkpoint
         self.prepared: dict[str, PreparedClaim] = dict(prepared or {})
-        """The prepared claims by UID: what the checkpoint holds."""
+        """The prepared claims by UID: what the checkpoint holds, less the released ones not yet recorded."""
+        self._unrecorded: set[str] = set()
+        """Claims released (their hooks ran) that the checkpoint still lists: its write failed (a full disk).
+
+        They are no longer prepared: their devices are free, a prepare of one
+        prepares it anew, and the kubelet's retry of their unprepare only
+        writes the checkpoint again (so does any later write of it)."""
         self._pools = pools
         self._hooks = hooks
         self._claims = claims
         self._lock = asyncio.Lock()
         self._log = structlog.get_logger("plugvisor.dra").bind(driver=driver)
+
+    def device_names(self) -> dict[str, str]:
+        """The name in the pool of each device a prepared claim holds: names the next pools must keep."""
+        return {d.device_id: d.device for claim in self.prepared.values() for d in claim.devices}
 
     async def reload(self, load: Callable[[], dict[str, PreparedClaim]]) -> None:
         """Take the prepared claims from ``load`` (the checkpoint), between two calls.
@@ -123,6 +136,7 @@ class ClaimPreparer:
         """
         async with self._lock:
             self.prepared = await asyncio.to_thread(load)
+            self._unrecorded.clear()
 
     # -- prepare -----------------------------------------------------------------------
 
@@ -191,8 +205,9 @@ class ClaimPreparer:
             if device.admin_access:
                 continue
             for other in self.prepared.values():
-                held = {d.device for d in other.devices if not d.admin_access}
-                if device.device in held:
+                # By the kind's ID: the other claim may know the device by the name it had then.
+                held = {d.device_id for d in other.devices if not d.admin_access}
+                if pool.ids[device.device] in held:
                     raise PrepareError(
                         f"claim {claim}: device {device.device!r} is already prepared for claim "
                         f"{other.claim}; "
@@ -296,6 +311,7 @@ class ClaimPreparer:
         """
         await asyncio.to_thread(self.checkpoint.save, claims.values())
         self.prepared = claims
+        self._unrecorded.clear()
 
     async def _record(self, prepared: PreparedClaim) -> None:
         """Add the claim to the checkpoint; undo the spec when the checkpoint cannot be written."""
@@ -327,7 +343,10 @@ class ClaimPreparer:
         """Release the claim's devices, remove its spec, forget it; raises :class:`PrepareError`.
 
         A claim this driver does not know is unprepared already (the kubelet
-        retries): its spec, should a kill have left one, is still removed.
+        retries): its spec, should a kill have left one, is still removed. Once
+        the release hooks have run the claim is no longer prepared, whatever
+        happens to the spec's removal or the checkpoint's write next: the
+        kubelet's retry finishes those and never runs the hooks a second time.
         """
         _check_ref(claim)
         async with self._lock:
@@ -335,6 +354,8 @@ class ClaimPreparer:
             deadline = asyncio.get_running_loop().time() + budget * _WORK_SHARE
             if known is not None:
                 await self._release(known, deadline)
+                self.prepared = {uid: c for uid, c in self.prepared.items() if uid != claim.uid}
+                self._unrecorded.add(claim.uid)
             spec = known.cdi_spec if known is not None else None
             spec = spec or cdi.spec_file_name(self.driver, claim.uid)
             try:
@@ -343,19 +364,20 @@ class ClaimPreparer:
                 raise PrepareError(
                     f"claim {claim}: cannot remove its CDI spec {self.cdi_dir / spec}: {exc.strerror or exc}"
                 ) from None
-            if known is None:
+            if claim.uid not in self._unrecorded:
                 if removed:
                     self._log.info("cdi_spec_of_unknown_claim_removed", claim=str(claim), cdi_spec=spec)
                 return
-            remaining = {uid: c for uid, c in self.prepared.items() if uid != claim.uid}
             try:
-                await asyncio.shield(self._commit(remaining))
+                await asyncio.shield(self._commit(dict(self.prepared)))
             except OSError as exc:
+                self._log.warning("claim_released_but_still_recorded", claim=str(claim), error=str(exc))
                 raise PrepareError(
                     f"claim {claim}: cannot record its removal in {self.checkpoint.path}: "
                     f"{exc.strerror or exc}"
                 ) from None
-        self._log.info("claim_unprepared", claim=str(claim), devices=list(known.device_names))
+        devices = list(known.device_names) if known is not None else "released before"
+        self._log.info("claim_unprepared", claim=str(claim), devices=devices)
 
     async def _release(self, known: PreparedClaim, deadline: float) -> None:
         """Run the kind's release hooks on the claim's devices still present (a scrub, a de-program)."""

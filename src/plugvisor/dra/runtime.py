@@ -282,7 +282,7 @@ class DraDriverRuntime:
         snapshot = self.snapshot.value
         published: list[Any] | None = None
         while True:
-            pool = await asyncio.to_thread(self._pool_of, snapshot)
+            pool = await asyncio.to_thread(self._pool_of, snapshot, self.preparer.device_names())
             if self.pools.closed:
                 return
             self.pools.publish(pool)
@@ -301,9 +301,9 @@ class DraDriverRuntime:
             except CellClosedError:
                 return
 
-    def _pool_of(self, snapshot: Snapshot[Any]) -> Pool:
+    def _pool_of(self, snapshot: Snapshot[Any], pinned: Mapping[str, str]) -> Pool:
         try:
-            return build_pool(snapshot, self._describer, driver=self.config.driver)
+            return build_pool(snapshot, self._describer, driver=self.config.driver, pinned=pinned)
         except Exception as exc:  # a describer bug keeps the previous names for the devices still there
             self._log.error("dra_devices_failed", error=f"{type(exc).__name__}: {exc}")
             previous = self.pools.value

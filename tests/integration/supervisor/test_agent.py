@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from ..full_disk import fill, small_tmpfs
 from .conftest import (
     DISK,
     EXPECTED,
@@ -377,30 +378,8 @@ async def test_sigterm_while_the_fork_server_hangs_at_its_start_is_a_prompt_clea
 @pytest.fixture
 def full_disk_runtime_dir(node):
     """The runtime directory on its own small tmpfs, so that the test can fill it (needs root)."""
-    node.runtime_dir.mkdir(parents=True)
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(node.runtime_dir)],
-        capture_output=True,
-        check=False,
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs to fill (needs root): {mounted.stderr.decode().strip()}")
-    yield node.runtime_dir
-    subprocess.run(["umount", "-l", str(node.runtime_dir)], check=False)
-
-
-def fill(directory) -> None:
-    """Write until the file system says ENOSPC, in ever smaller pieces."""
-    fd = os.open(directory / "filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    try:
-        for size in (65536, 4096, 512, 1):
-            try:
-                while True:
-                    os.write(fd, b"\0" * size)
-            except OSError:
-                continue
-    finally:
-        os.close(fd)
+    with small_tmpfs(node.runtime_dir, "8m") as directory:
+        yield directory
 
 
 async def test_a_full_runtime_directory_does_not_stop_the_supervising(

@@ -32,6 +32,21 @@ class TestNames:
         assert len(names) == 2
         assert all(len(name) <= 63 and dns_label_problem(name) is None for name in names)
 
+    @pytest.mark.parametrize(
+        "device_id",
+        [
+            "a" * 70 + "\udcff",
+            "\udcff" * 100,
+            "\u00e9" * 100,
+            "-" * 1000,
+            "\U0001f600" * 70,
+            "a" + "\u0301" * 200,
+        ],
+    )
+    def test_any_string_becomes_a_valid_label(self, device_id):
+        """Names read from sysfs are anyone's: undecodable bytes (surrogates), long, all punctuation."""
+        assert dns_label_problem(dra_device_name(device_id)) is None
+
     def test_the_same_id_always_gets_the_same_name(self):
         assert dra_device_name("y" * 80) == dra_device_name("y" * 80)
 

@@ -59,7 +59,7 @@ class Kind:
     """A kind's hooks, recording what they were called with."""
 
     def __init__(self):
-        self.reset, self.scrubbed = [], []
+        self.reset, self.scrubbed, self.deallocated = [], [], []
         self.fail = None
 
     def pre_start_container(self, snapshot):
@@ -80,14 +80,15 @@ class Kind:
             raise RuntimeError("scrub failed")
         self.scrubbed.append(list(snapshot.devices))
 
+    def deallocate(self, snapshot):
+        self.deallocated.append(list(snapshot.devices))
 
-@pytest.fixture
-def node(tmp_path):
+
+def make_node(cdi_dir, driver_dir):
     class Node:
         claims = Claims()
         kind = Kind()
-        cdi_dir = tmp_path / "cdi"
-        checkpoint = Checkpoint(tmp_path / "plugins" / DRIVER / "prepared-claims.json", driver=DRIVER)
+        checkpoint = Checkpoint(driver_dir / "prepared-claims.json", driver=DRIVER)
         pools = SnapshotCell(
             build_pool(Snapshot([gpu(0), gpu(1), gpu(2, Health.UNHEALTHY)]), None, driver=DRIVER)
         )
@@ -110,7 +111,13 @@ def node(tmp_path):
         def spec(self, uid):
             return self.cdi_dir / cdi.spec_file_name(DRIVER, uid)
 
+    Node.cdi_dir = cdi_dir
     return Node()
+
+
+@pytest.fixture
+def node(tmp_path):
+    return make_node(tmp_path / "cdi", tmp_path / "plugins" / DRIVER)
 
 
 CLAIM = ClaimRef("default", "two-gpus", "uid-1")
@@ -232,6 +239,18 @@ class TestPrepareRefusals:
         assert "device 'gpu-0' is already prepared for claim default/two-gpus" in await self.refused(
             node, OTHER, preparer
         )
+
+    async def test_a_device_renamed_since_its_claim_was_prepared_is_still_that_claims(self, node):
+        node.pools.publish(build_pool(Snapshot([Device("AB-1")]), None, driver=DRIVER))
+        node.claims.allocate(CLAIM, "ab-1")
+        preparer = node.preparer(hooks=Hooks())
+        await preparer.prepare(CLAIM, budget=BUDGET)
+        # A look-alike appears, and a pool built without the prepared names renames the device.
+        node.pools.publish(build_pool(Snapshot([Device("AB-1"), Device("ab_1")]), None, driver=DRIVER))
+        renamed = node.pools.value.names["AB-1"]
+        node.claims.allocate(OTHER, renamed)
+        message = await self.refused(node, OTHER, preparer)
+        assert f"device '{renamed}' is already prepared for claim default/two-gpus" in message
 
     async def test_admin_access_shares_a_device_with_its_claim(self, node):
         node.claims.allocate(CLAIM, "gpu-0")
@@ -373,7 +392,7 @@ class TestUnprepare:
         await preparer.unprepare(CLAIM, budget=BUDGET)
         assert node.kind.scrubbed == [["GPU-1"]]
 
-    async def test_a_spec_that_cannot_be_removed_keeps_the_claim(self, node):
+    async def test_a_spec_that_cannot_be_removed_is_removed_at_the_retry_without_releasing_again(self, node):
         node.claims.allocate(CLAIM, "gpu-0")
         preparer = node.preparer()
         await preparer.prepare(CLAIM, budget=BUDGET)
@@ -381,9 +400,153 @@ class TestUnprepare:
         spec.unlink()
         spec.mkdir()
         (spec / "x").touch()  # unlink() of a non-empty directory fails
-        with pytest.raises(PrepareError, match="cannot remove its CDI spec"):
+        with pytest.raises(PrepareError, match=f"cannot remove its CDI spec {spec}: Is a directory"):
             await preparer.unprepare(CLAIM, budget=BUDGET)
-        assert "uid-1" in preparer.prepared
+        assert "uid-1" in node.checkpoint.load()  # the checkpoint says so until the spec is gone
+        (spec / "x").unlink()
+        spec.rmdir()
+        await preparer.unprepare(CLAIM, budget=BUDGET)
+        assert node.kind.scrubbed == [["GPU-0"]] and node.checkpoint.load() == {}
+
+
+KUBELET = Path("/var/lib/kubelet")
+CDI = Path("/var/run/cdi")
+NO_SPACE = "No space left on device"
+
+
+@pytest.fixture
+def disks(fs):
+    """The kubelet's disk (the checkpoint) and the CDI tmpfs (the specs), each of its own size, to fill."""
+
+    class Disks:
+        def fill(self, mount):
+            """Take all the space left on ``mount``."""
+            fs.create_file(mount / "filler", st_size=fs.get_disk_usage(mount).free)
+
+        def free(self, mount):
+            (mount / "filler").unlink()
+
+    for mount in (KUBELET, CDI):
+        fs.add_mount_point(str(mount), total_size=1 << 20)
+    return Disks()
+
+
+@pytest.fixture
+def full_disk_node(disks):
+    node = make_node(CDI, KUBELET / "plugins" / DRIVER)
+    node.disks = disks
+    return node
+
+
+def temporary_files(directory):
+    """What a write left behind in ``directory`` (none if it was never made)."""
+    if not directory.exists():
+        return []
+    return [path.name for path in directory.iterdir() if path.name.startswith(".tmp-")]
+
+
+class TestFullDisk:
+    """ENOSPC at each write: the claim's state stays what was done, hooks never run twice, retries finish."""
+
+    async def test_an_unprepare_whose_checkpoint_cannot_be_written_releases_once_and_finishes_later(
+        self, full_disk_node
+    ):
+        node = full_disk_node
+        node.claims.allocate(CLAIM, "gpu-0")
+        preparer = node.preparer(
+            hooks=Hooks(pre_start=node.kind, post_allocate=node.kind, deallocate=node.kind, release=node.kind)
+        )
+        await preparer.prepare(CLAIM, budget=BUDGET)
+        node.disks.fill(KUBELET)
+        for _ in range(2):  # the kubelet retries while the disk is full
+            with pytest.raises(PrepareError) as failure:
+                await preparer.unprepare(CLAIM, budget=BUDGET)
+            assert str(failure.value) == (
+                f"claim default/two-gpus (uid uid-1): cannot record its removal in {node.checkpoint.path}: "
+                f"{NO_SPACE}"
+            )
+            assert (node.kind.deallocated, node.kind.scrubbed) == ([["GPU-0"]], [["GPU-0"]])
+            assert not node.spec("uid-1").exists()
+            assert preparer.prepared == {}  # released: no longer prepared, whatever the file still says
+        assert temporary_files(node.checkpoint.path.parent) == []
+        node.disks.free(KUBELET)
+        await preparer.unprepare(CLAIM, budget=BUDGET)
+        assert (node.kind.deallocated, node.kind.scrubbed) == ([["GPU-0"]], [["GPU-0"]])
+        assert node.checkpoint.load() == {} and preparer.prepared == {}
+
+    async def half_unprepared(self, node):
+        """A preparer whose claim was released but not recorded (a full disk); the disk has room again."""
+        node.claims.allocate(CLAIM, "gpu-0")
+        preparer = node.preparer()
+        await preparer.prepare(CLAIM, budget=BUDGET)
+        node.disks.fill(KUBELET)
+        with pytest.raises(PrepareError, match=NO_SPACE):
+            await preparer.unprepare(CLAIM, budget=BUDGET)
+        node.disks.free(KUBELET)
+        return preparer
+
+    async def test_a_released_claim_that_is_still_recorded_frees_its_device(self, full_disk_node):
+        node = full_disk_node
+        preparer = await self.half_unprepared(node)
+        node.claims.allocate(OTHER, "gpu-0")
+        await preparer.prepare(OTHER, budget=BUDGET)  # its checkpoint no longer lists the released claim
+        assert set(node.checkpoint.load()) == {"uid-2"}
+        await preparer.unprepare(CLAIM, budget=BUDGET)  # the kubelet's retry: nothing left to do
+        assert node.kind.scrubbed == [["GPU-0"]]
+        assert set(node.checkpoint.load()) == {"uid-2"} and node.spec("uid-2").exists()
+
+    async def test_a_claim_prepared_again_after_a_half_recorded_unprepare_is_prepared_anew(
+        self, full_disk_node
+    ):
+        node = full_disk_node
+        preparer = await self.half_unprepared(node)
+        again = await preparer.prepare(CLAIM, budget=BUDGET)  # a new pod of the claim: not the old answer
+        assert node.kind.reset == [["GPU-0"], ["GPU-0"]] and node.spec("uid-1").exists()
+        assert node.checkpoint.load() == {"uid-1": again}
+        await preparer.unprepare(CLAIM, budget=BUDGET)
+        assert node.kind.scrubbed == [["GPU-0"], ["GPU-0"]]
+
+    @pytest.mark.parametrize(
+        ("full", "error"),
+        [
+            (CDI, "cannot write its CDI spec {spec}"),
+            (KUBELET, "cannot record it in {checkpoint}"),  # the spec written is taken back
+        ],
+        ids=["spec", "checkpoint"],
+    )
+    async def test_a_prepare_that_cannot_be_written_leaves_nothing_and_succeeds_later(
+        self, full_disk_node, full, error
+    ):
+        node = full_disk_node
+        node.claims.allocate(CLAIM, "gpu-0")
+        preparer = node.preparer()
+        node.disks.fill(full)
+        with pytest.raises(PrepareError) as failure:
+            await preparer.prepare(CLAIM, budget=BUDGET)
+        what = error.format(spec=node.spec("uid-1"), checkpoint=node.checkpoint.path)
+        assert str(failure.value) == f"claim default/two-gpus (uid uid-1): {what}: {NO_SPACE}"
+        assert preparer.prepared == {} and node.checkpoint.load() == {} and not node.spec("uid-1").exists()
+        assert temporary_files(CDI) == temporary_files(node.checkpoint.path.parent) == []
+        await preparer.unprepare(CLAIM, budget=BUDGET)  # the kubelet's clean-up of a failed pod
+        assert node.kind.scrubbed == []  # never prepared: nothing to release
+        node.disks.free(full)
+        prepared = await preparer.prepare(CLAIM, budget=BUDGET)
+        assert node.checkpoint.load() == {"uid-1": prepared} and node.spec("uid-1").exists()
+        await preparer.unprepare(CLAIM, budget=BUDGET)
+        assert node.kind.scrubbed == [["GPU-0"]]
+
+    async def test_a_restarted_driver_reads_a_full_disk_checkpoint_as_the_last_one_written(
+        self, full_disk_node
+    ):
+        node = full_disk_node
+        node.claims.allocate(CLAIM, "gpu-0")
+        node.claims.allocate(OTHER, "gpu-1")
+        preparer = node.preparer()
+        first = await preparer.prepare(CLAIM, budget=BUDGET)
+        node.disks.fill(KUBELET)
+        with pytest.raises(PrepareError, match=NO_SPACE):
+            await preparer.prepare(OTHER, budget=BUDGET)
+        assert node.preparer().prepared == {"uid-1": first}
 
 
 class TestHooksAreOptional:
