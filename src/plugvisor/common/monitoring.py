@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -39,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Final
+
+from plugvisor.common.atomicfile import write_atomically
 
 MONITOR_DIR_ENV: Final = "PLUGVISOR_MONITOR_DIR"
 """Where a supervised plugin writes its report and, when elected, the owners file."""
@@ -374,15 +375,8 @@ def report_path(monitor_dir: Path, resource: str) -> Path:
 
 
 def _write_atomically(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}")
-    try:
-        temporary.write_text(text)
-        temporary.replace(path)
-    except OSError:
-        with contextlib.suppress(OSError):  # a full disk must not keep half a file
-            temporary.unlink()
-        raise
+    # Readers never see half a file; the temporary name is unpredictable and never followed.
+    write_atomically(path, text.encode(), durable=False)
 
 
 def write_report(monitor_dir: Path, report: ResourceReport) -> None:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from plugvisor.common import monitoring
+from plugvisor.common.atomicfile import write_atomically
 from plugvisor.common.validation import printable, shorten
 
 STATE_FILE: Final = "state.json"
@@ -92,15 +93,12 @@ def write_state(runtime_dir: Path, document: dict[str, Any]) -> None:
     present; the next write that succeeds removes it.
     """
     target = runtime_dir / STATE_FILE
-    temporary = runtime_dir / f".{STATE_FILE}.{os.getpid()}"
     try:
-        temporary.write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")
-        temporary.chmod(0o644)
-        temporary.replace(target)
+        # An unpredictable temporary name, never followed if planted as a link (a runtime
+        # directory an operator made world-writable); removed if the write fails (a full disk).
+        content = json.dumps(document, indent=1, sort_keys=True) + "\n"
+        write_atomically(target, content.encode(), durable=False)
     except OSError:
-        # A half-written temporary file (a full disk) must not linger and hold the space.
-        with contextlib.suppress(OSError):
-            temporary.unlink()
         with contextlib.suppress(OSError):
             target.replace(runtime_dir / STALE_STATE_FILE)
         raise
@@ -162,6 +160,10 @@ def agent_holds_lock(runtime_dir: Path, pid: int) -> bool:
     return lock_holder(runtime_dir) in ("", str(pid))
 
 
+MAX_STATE_BYTES: Final = 64 * 2**20
+"""The largest state file read: an agent with thousands of resources writes a few MiB; more is not one."""
+
+
 def read_state(runtime_dir: Path, *, now: float | None = None) -> dict[str, Any]:
     """The running agent's state, with uptimes as of ``now``; raises :class:`NoAgentError`.
 
@@ -176,7 +178,13 @@ def read_state(runtime_dir: Path, *, now: float | None = None) -> dict[str, Any]
         raise BadStateError(f"{path} is not a plugvisor agent state file: not a regular file")
     try:
         written_at = path.stat().st_mtime
-        document: dict[str, Any] = json.loads(path.read_text())
+        with path.open("rb") as handle:
+            content = handle.read(MAX_STATE_BYTES + 1)
+        if len(content) > MAX_STATE_BYTES:
+            raise BadStateError(
+                f"{path} is not a plugvisor agent state file: larger than {MAX_STATE_BYTES:,} bytes"
+            )
+        document: dict[str, Any] = json.loads(content)
     except FileNotFoundError:
         holder = lock_holder(runtime_dir)
         if holder is not None:

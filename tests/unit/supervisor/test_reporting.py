@@ -82,12 +82,12 @@ class TestStatusCommand:
         document["supervisor"]["pid"] = os.getpid()
         status_.write_state(tmp_path, document)
         os.utime(tmp_path / status_.STATE_FILE, (1_700_000_000, 1_700_000_000))
-        real_write_text = type(tmp_path).write_text
+        real_write = status_.write_atomically
 
         def no_space(path, *args, **kwargs):
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-        monkeypatch.setattr(type(tmp_path), "write_text", no_space)
+        monkeypatch.setattr(status_, "write_atomically", no_space)
         with pytest.raises(OSError, match="No space"):
             status_.write_state(tmp_path, document)
         result = CliRunner().invoke(status_command, ["--runtime-dir", str(tmp_path)])
@@ -97,11 +97,30 @@ class TestStatusCommand:
             CliRunner().invoke(status_command, ["--runtime-dir", str(tmp_path), "--json"]).output
         )
         assert parsed["stale"] == {"written_at": 1_700_000_000}
-        monkeypatch.setattr(type(tmp_path), "write_text", real_write_text)
+        monkeypatch.setattr(status_, "write_atomically", real_write)
         status_.write_state(tmp_path, document)
         result = CliRunner().invoke(status_command, ["--runtime-dir", str(tmp_path)])
         assert "STALE" not in result.output
         assert sorted(p.name for p in tmp_path.iterdir() if "state" in p.name) == [status_.STATE_FILE]
+
+    def test_the_state_is_never_written_through_a_link_planted_in_the_runtime_dir(self, running, tmp_path):
+        """A runtime dir made world-writable: a link planted at a guessable temporary name goes nowhere."""
+        victim = tmp_path / "victim"
+        victim.write_text("precious\n")
+        for name in (f".{status_.STATE_FILE}.{os.getpid()}", f".tmp-{status_.STATE_FILE}.x"):
+            (tmp_path / name).symlink_to(victim)
+        status_.write_state(tmp_path, running.snapshot())
+        assert victim.read_text() == "precious\n"
+        assert json.loads((tmp_path / status_.STATE_FILE).read_text())["children"]
+
+    def test_a_state_file_too_large_to_be_one_is_refused_unread(self, tmp_path, agent_lock, monkeypatch):
+        monkeypatch.setattr(status_, "MAX_STATE_BYTES", 1024)
+        (tmp_path / status_.STATE_FILE).write_text(json.dumps({"pad": "x" * 2048}))
+        result = CliRunner().invoke(status_command, ["--runtime-dir", str(tmp_path)])
+        assert result.exit_code != 0
+        assert f"{tmp_path / status_.STATE_FILE} is not a plugvisor agent state file: larger than" in (
+            result.output
+        )
 
     def test_no_agent_and_a_stale_file_are_errors(self, running, tmp_path):
         """Without a live supervisor, status says so and exits 1."""
