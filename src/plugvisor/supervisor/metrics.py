@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -395,7 +396,8 @@ class HttpServer:
     :data:`SEND_DEADLINE`; beyond :data:`MAX_CONNECTIONS` open connections, the one
     that has been silent the longest is closed for a new one (a new one is closed at
     once when none is silent). A request whose line or headers exceed
-    :data:`MAX_REQUEST_LINE` gets a 431, not a traceback.
+    :data:`MAX_REQUEST_LINE` gets a 414 (the line) or a 431 (a header), not a traceback;
+    a request target in absolute form (``http://host/metrics``) is served by its path.
     """
 
     def __init__(
@@ -476,12 +478,15 @@ class HttpServer:
                 status, content_type, body = "400 Bad Request", "text/plain", b"expected an HTTP request\n"
             writer.write(_head(status, content_type, len(body)) + (b"" if method == "HEAD" else body))
             await writer.drain()
-        except _RequestTooLongError:
-            message = f"request line or header longer than {MAX_REQUEST_LINE} bytes\n".encode()
+        except _RequestTooLongError as too_long:
+            what, status = (
+                ("request line", "414 URI Too Long")
+                if too_long.in_request_line
+                else ("header", "431 Request Header Fields Too Large")
+            )
+            message = f"{what} longer than {MAX_REQUEST_LINE} bytes\n".encode()
             with contextlib.suppress(ConnectionError, TimeoutError):
-                writer.write(
-                    _head("431 Request Header Fields Too Large", "text/plain", len(message)) + message
-                )
+                writer.write(_head(status, "text/plain", len(message)) + message)
                 await writer.drain()
                 # The rest of the request is still coming: closing with it unread makes the kernel
                 # reset the connection, and the client may lose the answer. Say we are done, and
@@ -502,17 +507,21 @@ class HttpServer:
     @staticmethod
     async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str]:
         """``(method, path)`` of the request (empty when there is none), its headers read and dropped."""
+        request = b""
         try:
             async with asyncio.timeout(REQUEST_DEADLINE):
                 request = await reader.readline()
                 while (await reader.readline()).strip():
                     pass
         except ValueError:  # the stream's limit: a line longer than MAX_REQUEST_LINE
-            raise _RequestTooLongError from None
+            raise _RequestTooLongError(in_request_line=not request) from None
         parts = request.decode("latin-1").split()
         if len(parts) < 2:
             return "", ""
-        return parts[0], parts[1].split("?", 1)[0]
+        target = parts[1]
+        if "://" in target and not target.startswith("/"):  # absolute-form, as a proxy would send it
+            target = urllib.parse.urlsplit(target).path or "/"
+        return parts[0], target.split("?", 1)[0]
 
     async def _scrape(self, writer: asyncio.StreamWriter, *, head_only: bool) -> None:
         async with self._scrapes:
@@ -557,7 +566,11 @@ class HttpServer:
 
 
 class _RequestTooLongError(Exception):
-    """The request line or a header is longer than :data:`MAX_REQUEST_LINE`."""
+    """The request line or a header is longer than :data:`MAX_REQUEST_LINE` (a 414 or a 431)."""
+
+    def __init__(self, *, in_request_line: bool) -> None:
+        super().__init__()
+        self.in_request_line = in_request_line
 
 
 def _head(status: str, content_type: str, length: int) -> bytes:

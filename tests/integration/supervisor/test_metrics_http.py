@@ -38,7 +38,7 @@ async def request(port: int, raw: bytes) -> bytes:
         writer.close()
 
 
-async def test_an_over_long_request_line_or_header_is_a_431_not_a_traceback(node, kubelet, agents):
+async def test_an_over_long_request_line_is_a_414_a_header_a_431_not_a_traceback(node, kubelet, agents):
     """Over 64 KiB it was 'Unhandled exception in client_connected_cb' and 22 plain-text lines per request,
     even with --log-format json."""
     node.write_config(metrics={"listen": "127.0.0.1:0"})
@@ -49,10 +49,13 @@ async def test_an_over_long_request_line_or_header_is_a_431_not_a_traceback(node
         port = port_of(agent)
         long_target = b"GET /" + b"a" * 100_000 + b" HTTP/1.0\r\n\r\n"
         long_header = b"GET /metrics HTTP/1.0\r\nX-Pad: " + b"b" * 100_000 + b"\r\n\r\n"
-        for raw in (long_target, long_header):
+        for raw, status in ((long_target, b"414"), (long_header, b"431")):
             answer = await request(port, raw)
-            assert answer.startswith(b"HTTP/1.0 431 "), answer[:200]
+            assert answer.startswith(b"HTTP/1.0 " + status + b" "), answer[:200]
         assert (await request(port, b"GET /healthz HTTP/1.0\r\n\r\n")).endswith(b"\r\n\r\nok\n")
+        # The absolute form (RFC 9112, 3.2.2), which a server must accept: served by its path.
+        absolute = await request(port, b"GET http://node:9400/healthz HTTP/1.1\r\nHost: node\r\n\r\n")
+        assert absolute.endswith(b"\r\n\r\nok\n"), absolute[:200]
         assert await agent.stop() == 0
     finally:
         if agent.proc.returncode is None:
