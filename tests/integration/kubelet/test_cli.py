@@ -113,6 +113,8 @@ class TestKubeletCommand:
                 "'--view': /proc/self/nope/view.json",
             ),
             (("--dir", "/tmp/x", "--pods-view", "/proc/self/nope/pods.json"), "'--pods-view'"),
+            (("--dir", "/tmp/x", "--node-name", "Bad_Name!"), "'--node-name': 'bad_name!': a lowercase RFC"),
+            (("--dir", "/tmp/x", "--node-name", "  "), "'--node-name': empty"),
         ],
         ids=[
             "missing-dir",
@@ -126,6 +128,8 @@ class TestKubeletCommand:
             "nan-grace",
             "view-unwritable",
             "pods-view-unwritable",
+            "node-name-not-a-subdomain",
+            "node-name-empty",
         ],
     )
     def test_bad_usage_exits_2_naming_the_option(self, args: tuple[str, ...], option: str) -> None:

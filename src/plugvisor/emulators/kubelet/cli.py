@@ -29,7 +29,7 @@ import click
 import structlog
 
 from plugvisor.common import constants
-from plugvisor.emulators.kubelet import gates, model, registration, versions
+from plugvisor.emulators.kubelet import gates, model, names, registration, versions
 from plugvisor.emulators.kubelet import kubelet as kubelet_
 
 
@@ -105,6 +105,21 @@ def _finite_seconds(ctx: click.Context, param: click.Parameter, value: float) ->
     if not math.isfinite(value):
         raise click.BadParameter(f"{value} is not a number of seconds; expected a finite number >= 0")
     return value
+
+
+def _node_name(value: str) -> str:
+    """The node name as the kubelet takes ``--hostname-override``: trimmed, lower-cased, a Node's name.
+
+    A name that is no DNS-1123 subdomain would only fail later, in every static
+    pod's name (``<pod>-<node>``); it is refused here, naming the option.
+    """
+    name = value.strip().lower()
+    if not name:
+        raise click.BadParameter("empty; expected the node's name (a lowercase DNS-1123 subdomain)")
+    problems = names.dns1123_subdomain_errors(name)
+    if problems:
+        raise click.BadParameter(f"{name!r}: {'; '.join(problems)}")
+    return name
 
 
 @click.command(name="kubelet")
@@ -200,6 +215,7 @@ def _finite_seconds(ctx: click.Context, param: click.Parameter, value: float) ->
     "--node-name",
     default=None,
     metavar="NAME",
+    callback=lambda _ctx, _param, value: None if value is None else _node_name(value),
     help="The node's name; static pods from --pods are named <name>-<node name> [default: the host name].",
 )
 def kubelet_command(  # noqa: PLR0917 - click passes every option positionally
