@@ -33,6 +33,10 @@ behaviour this follows in our own terms:
   the latest state is ever written. A watch on this node's slices repairs
   what others change or delete (the kubelet deletes a node's slices when it
   starts, and a driver's slices 30 s after it unregisters).
+- :meth:`SlicePublisher.hold` stops every write, repairs included, until the
+  next :meth:`~SlicePublisher.publish`: a driver that lost its registration
+  leaves its slices to the kubelet, which removes them if it does not come
+  back; the next publish, at its next registration, writes them again.
 
 https://kubernetes.io/docs/concepts/scheduling-eviction/dynamic-resource-allocation/
 """
@@ -246,6 +250,7 @@ class SlicePublisher:
         self._synced = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
+        self._held = False
         self._owner_uid: str | None = None
         self.taints_supported: bool | None = None
         """Whether the cluster keeps device taints (None: not needed, so not asked yet)."""
@@ -274,7 +279,9 @@ class SlicePublisher:
                 self._log_once("device_invalid", problem)
             names.add(kept.name)
             checked.append(kept)
+        self._held = False
         if checked == self._desired.devices and self._desired.version:
+            self._wake.set()  # the same devices: make sure they are still there
             return
         self._desired = _Desired(checked, self._desired.version + 1, invalid=len(devices) - len(checked))
         self._refused = {}  # a changed device may now pass; the API server says again if not
@@ -286,6 +293,12 @@ class SlicePublisher:
                 asyncio.create_task(self._run(), name=f"slices:{self.driver}"),
                 asyncio.create_task(self._watch(), name=f"slices-watch:{self.driver}"),
             ]
+
+    def hold(self) -> None:
+        """Write nothing, repairs included, until the next :meth:`publish`; the slices stay as they are."""
+        self._held = True
+        if self._resync is not None:
+            self._resync.cancel()
 
     async def wait_synced(self, timeout: float | None = None) -> bool:
         """Wait until the API server holds the latest desired state; False after ``timeout`` seconds."""
@@ -362,6 +375,8 @@ class SlicePublisher:
         while True:
             await self._wake.wait()
             self._wake.clear()
+            if self._held:
+                continue
             desired = self._desired
             try:
                 try:
@@ -420,6 +435,8 @@ class SlicePublisher:
         return item.metadata is None or self._known.get(name) != item.metadata.resourceVersion
 
     def _schedule_resync(self) -> None:
+        if self._held:
+            return
         if (
             self._resync is None
             or self._resync.cancelled()

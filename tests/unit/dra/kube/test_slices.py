@@ -254,6 +254,37 @@ async def test_slices_deleted_by_someone_else_come_back(api: FakeApi, publisher:
     await until(lambda: api.published(DRIVER, NODE) == ["gpu-0", "gpu-1"])
 
 
+async def test_a_held_publisher_leaves_slices_deleted_by_someone_else_until_it_publishes_again(
+    api: FakeApi, publisher: SlicePublisher
+) -> None:
+    """The driver lost its registration: what the kubelet removes meanwhile stays removed until it is back."""
+    await publisher.publish([gpu(0), gpu(1)])
+    assert await publisher.wait_synced(WAIT)
+    publisher.hold()
+
+    api.delete_all()  # the kubelet, 30 s after it deregistered the driver
+    # Absence can only be watched for a while: many times the repair's delay (the fixture's 0.01 s).
+    await asyncio.sleep(0.3)
+    assert api.pool(DRIVER, NODE) == []
+
+    await publisher.publish([gpu(0), gpu(1)])  # registered again, the same devices
+    await until(lambda: api.published(DRIVER, NODE) == ["gpu-0", "gpu-1"])
+
+
+async def test_the_same_devices_published_again_are_written_back_where_they_are_missing(
+    api: FakeApi, publisher: SlicePublisher
+) -> None:
+    await publisher.publish([gpu(0)])
+    assert await publisher.wait_synced(WAIT)
+    publisher.hold()  # no repair: only the publish below can bring the slice back
+    api.delete_all()
+
+    await publisher.publish([gpu(0)])
+
+    await until(lambda: api.published(DRIVER, NODE) == ["gpu-0"])
+    assert api.pool(DRIVER, NODE)[0]["spec"]["pool"]["generation"] == 1
+
+
 async def test_a_missing_node_is_retried_and_said(api: FakeApi, publisher: SlicePublisher) -> None:
     uid = api.nodes.pop(NODE)
     with capture_logs() as logs:
