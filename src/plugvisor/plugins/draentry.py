@@ -16,7 +16,9 @@ world and tests. Exit codes and status datagrams are a plugin's.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
 import socket
 import sys
 from collections.abc import Callable
@@ -73,6 +75,20 @@ def wants_dra(args: list[str]) -> bool:
         if arg == f"--mode={MODE}" or (arg == "--mode" and args[index + 1 : index + 2] == [MODE]):
             return True
     return False
+
+
+def preload() -> None:
+    """Import what every driver process needs, so that the agent's fork server's children inherit it.
+
+    The API client only where the drivers use it: with ``PLUGVISOR_DRA_OBJECTS_DIR``
+    in the environment (the fork server's is its children's) they keep claims
+    and slices as files. Without the ``dra`` extra installed, a driver says so itself.
+    """
+    import plugvisor.dra.runtime  # noqa: F401
+
+    if OBJECTS_DIR_ENV not in os.environ:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(KUBE_MODULE)
 
 
 def default_node_name() -> str:
