@@ -95,9 +95,9 @@ class SlicePublisher(Protocol):
     """**Protocol:** keeps this node's pool of the driver in the API server.
 
     ``publish`` makes the pool list exactly ``devices`` (a new generation only
-    when they changed); called again with the same devices, it makes sure the
-    API server still holds them (the driver does so at every registration: a
-    kubelet deletes the node's slices when it starts). It retries and logs API
+    when they changed); called again with the same devices, it puts back what
+    was removed meanwhile (the driver does so at every registration: a kubelet
+    deletes the node's slices when it starts). It retries and logs API
     errors itself and never raises for them. ``hold`` stops every write, repairs
     included, until the next ``publish``: the driver lost its registration, and
     must not put back what the kubelet removes meanwhile. ``withdraw`` deletes

@@ -309,7 +309,7 @@ class DraDriverRuntime:
         """Publish the pool's healthy devices while the kubelet has the driver registered (module docstring).
 
         Each registration publishes once even when the devices did not change:
-        the publisher then makes sure the API server still holds them.
+        the publisher then puts back what was removed meanwhile.
         """
         published: tuple[list[Any], int] | None = None
         while True:

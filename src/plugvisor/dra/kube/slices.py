@@ -279,9 +279,10 @@ class SlicePublisher:
                 self._log_once("device_invalid", problem)
             names.add(kept.name)
             checked.append(kept)
-        self._held = False
+        held, self._held = self._held, False
         if checked == self._desired.devices and self._desired.version:
-            self._wake.set()  # the same devices: make sure they are still there
+            if held:  # the watch repaired nothing meanwhile: make sure they are still there
+                self._wake.set()
             return
         self._desired = _Desired(checked, self._desired.version + 1, invalid=len(devices) - len(checked))
         self._refused = {}  # a changed device may now pass; the API server says again if not

@@ -271,12 +271,12 @@ async def test_a_held_publisher_leaves_slices_deleted_by_someone_else_until_it_p
     await until(lambda: api.published(DRIVER, NODE) == ["gpu-0", "gpu-1"])
 
 
-async def test_the_same_devices_published_again_are_written_back_where_they_are_missing(
+async def test_after_a_hold_the_same_devices_published_again_are_written_back_where_they_went_missing(
     api: FakeApi, publisher: SlicePublisher
 ) -> None:
     await publisher.publish([gpu(0)])
     assert await publisher.wait_synced(WAIT)
-    publisher.hold()  # no repair: only the publish below can bring the slice back
+    publisher.hold()  # the driver lost its registration: no repair, only the publish below
     api.delete_all()
 
     await publisher.publish([gpu(0)])
