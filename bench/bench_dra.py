@@ -17,7 +17,8 @@ turn (so a slow spell of the shared machine hits every figure alike):
 - the same prepare with the driver's writes not flushed to disk (``durable=False`` patched in a third
   process), to show what the two fsyncs cost on this disk.
 
-Then the node PSS of each process (bench/node_memory.py; root needed) and start -> registered of each.
+Then the node PSS of each process (bench/node_memory.py; root needed), start -> registered of each, and
+the DRA driver's start -> slice published (after its registration: the driver waits for it).
 Prints figures and ratios to the device-plugin path in the same run; asserts nothing.
 """
 
@@ -144,12 +145,19 @@ class Bench:
                 [sys.executable, "-m", "plugvisor", "plugin", "gpu", "--resource", RESOURCE, *self.common()],
                 lambda k: (r := k.resource(RESOURCE)) is not None and r.allocatable == 8,
             )
+            slice_file = self.base / "api" / "resourceslices" / f"{DRIVER}-{NODE}.json"
+            sliced = asyncio.create_task(appears(slice_file, time.perf_counter()))
             dra, dra_start = await self.start(self.dra_argv(DRIVER), lambda k: DRIVER in k.dra.plugins)
+            dra_slice = await sliced
             fast_driver = "fast.gpu.plugvisor.io"
             await self.start(
                 self.dra_argv(fast_driver, durable=False), lambda k: fast_driver in k.dra.plugins
             )
             print(f"start -> registered, one each: device plugin {dp_start:.0f} ms, DRA {dra_start:.0f} ms")
+            print(
+                f"DRA start -> slice published {dra_slice:.0f} ms, "
+                f"{dra_slice - dra_start:+.0f} ms from its registration (the kubelet's view)"
+            )
             await self.calls()
             self.memory(dp.pid, dra.pid)
         finally:
@@ -250,6 +258,16 @@ class Bench:
             print(f"{label:<22} {node}kernel PSS {kernel[pid] / 1024:.1f} MB (pid {pid})")
         if pss is not None:
             print(f"DRA driver / device plugin, node PSS: {pss[dra] / pss[dp]:.2f}x")
+
+
+async def appears(path: Path, since: float, timeout: float = 60.0) -> float:
+    """Milliseconds from ``since`` until ``path`` exists, looking every 2 ms (a file sends no event)."""
+    deadline = since + timeout
+    while not path.exists():  # noqa: ASYNC240 - one stat every 2 ms, in the loop on purpose
+        if time.perf_counter() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout} s")
+        await asyncio.sleep(0.002)
+    return (time.perf_counter() - since) * 1000
 
 
 async def prepare_cleanup(channel: grpc.aio.Channel, claim: dra_pb2.Claim) -> None:

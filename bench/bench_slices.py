@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from lightkube.resources.core_v1 import Node
 from lightkube.resources.resource_v1 import ResourceSlice
@@ -54,6 +55,13 @@ def api_server(kubeconfig: Path | None) -> Iterator[ApiConfig]:
     if kubeconfig is not None:
         yield load_api_config(env={"KUBECONFIG": str(kubeconfig)})
         return
+    with launched_api_server() as (launcher, server):
+        yield server.config(launcher.ADMIN_TOKEN)
+
+
+@contextlib.contextmanager
+def launched_api_server() -> Iterator[tuple[Any, Any]]:
+    """The integration tests' launcher module and its running API server (SystemExit if it cannot run)."""
     spec = importlib.util.spec_from_file_location(
         "dra_kube_conftest", REPO / "tests/integration/dra_kube/conftest.py"
     )
@@ -63,7 +71,7 @@ def api_server(kubeconfig: Path | None) -> Iterator[ApiConfig]:
     spec.loader.exec_module(launcher)
     try:
         with launcher.running_api_server() as server:
-            yield server.config(launcher.ADMIN_TOKEN)
+            yield launcher, server
     except BaseException as exc:  # pytest.skip raises an exception of its own
         if type(exc).__name__ == "Skipped":
             raise SystemExit(f"no API server: {exc}") from None

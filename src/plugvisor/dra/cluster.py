@@ -95,15 +95,23 @@ class SlicePublisher(Protocol):
     """**Protocol:** keeps this node's pool of the driver in the API server.
 
     ``publish`` makes the pool list exactly ``devices`` (a new generation only
-    when they changed); it retries and logs API errors itself and never raises
-    for them. ``withdraw`` deletes the node's slices of the driver, for a driver
-    that stops for good; ``close`` stops publishing and leaves them, for a
-    driver that is restarting (the kubelet keeps a driver's slices for 30 s
-    after it unregisters).
+    when they changed); called again with the same devices, it puts back what
+    was removed meanwhile (the driver does so at every registration: a kubelet
+    deletes the node's slices when it starts). It retries and logs API
+    errors itself and never raises for them. ``hold`` stops every write, repairs
+    included, until the next ``publish``: the driver lost its registration, and
+    must not put back what the kubelet removes meanwhile. ``withdraw`` deletes
+    the node's slices of the driver, for a driver that stops for good; ``close``
+    stops publishing and leaves them, for a driver that is restarting (the
+    kubelet keeps a driver's slices for 30 s after it unregisters).
     """
 
     async def publish(self, devices: Sequence[PublishedDevice]) -> None:
         """Publish the pool's devices."""
+        ...
+
+    def hold(self) -> None:
+        """Write nothing until the next :meth:`publish`; the slices stay as they are."""
         ...
 
     async def withdraw(self) -> None:

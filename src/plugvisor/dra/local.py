@@ -123,9 +123,9 @@ class FileSlicePublisher:
             self._on_state(state)
 
     async def publish(self, devices: Sequence[PublishedDevice]) -> None:
-        """Write the slice if the devices changed (a failed write is logged, and tried at the next change)."""
+        """Write the slice if the devices changed or the file is gone (a failed write is logged)."""
         rendered = [device_json(device) for device in devices]
-        if rendered == self._devices:
+        if rendered == self._devices and await asyncio.to_thread(self.path.exists):
             return
         generation = self.generation + 1
         document = {
@@ -149,6 +149,9 @@ class FileSlicePublisher:
             return
         self.generation, self._devices = generation, rendered
         self._report(PublishState(True, len(rendered), generation=generation, slices=1))
+
+    def hold(self) -> None:
+        """Nothing to stop: the file is written only by :meth:`publish`, and nobody repairs it."""
 
     async def withdraw(self) -> None:
         """Remove the slice file."""

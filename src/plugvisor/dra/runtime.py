@@ -2,12 +2,18 @@
 
 The order follows what the kubelet and the scheduler need: the first scan and
 the pool it gives come first (a claim prepared before them would find no
-device); the slices are published from then on, on every change, by a task of
-their own (a slow or absent API server must not hold the node side back); the
-DRA socket serves before the registration socket exists (the kubelet connects
-as soon as it has registered the driver); prepared claims are read back from
-the checkpoint before either, so that a restarted driver answers for the
-claims it prepared before.
+device); the DRA socket serves before the registration socket exists (the
+kubelet connects as soon as it has registered the driver); prepared claims are
+read back from the checkpoint before either, so that a restarted driver
+answers for the claims it prepared before. The slices come last: published
+only once the kubelet has registered the driver, since the scheduler allocates
+from them at once, and a pod whose claim the kubelet cannot prepare yet backs
+off for about a minute. From then on every change is published, by a task of
+its own (a slow or absent API server must not hold the node side back), and
+again at every registration (a restarted kubelet deletes the node's slices);
+a registration the driver knows is lost (its registration socket gone or taken
+over) holds publishing until the next one, leaving the slices to the kubelet's
+rule for a driver that went away.
 
 Device discovery and health come from the same machinery as the device-plugin
 side (:class:`~plugvisor.deviceplugin.watch.DeviceWatcher`, the kind's
@@ -152,6 +158,10 @@ class DraDriverRuntime:
         self.registrations: SnapshotCell[DriverRegistration | None] = SnapshotCell(None)
         self.pool_ready = asyncio.Event()
         """Set once the first scan's pool is built: the driver serves and registers only then."""
+        self._registered = 0
+        """The number of the registration in force; 0 before the first and after one is lost."""
+        self._to_publish = asyncio.Event()
+        """A new pool or a new registration: the publishing task looks again."""
         self._describer = source if isinstance(source, DraDescriber) else None
         self._log = structlog.get_logger("plugvisor.dra").bind(driver=config.driver)
         self.checkpoint = Checkpoint(config.driver_dir / FILE_NAME, driver=config.driver)
@@ -251,6 +261,7 @@ class DraDriverRuntime:
         if self.monitor is not None:
             work.append(("monitor", self.monitor.run()))
         work.append(("serve-and-register", self._serve_and_register()))
+        work.append(("publish", self._publish()))
         try:
             await run_until_stopped(stop, work)
         finally:
@@ -272,7 +283,7 @@ class DraDriverRuntime:
             self._log.error("slices_not_released", error=f"{type(exc).__name__}: {exc}")
 
     async def _build_pools(self) -> None:
-        """Turn every new snapshot into the pool, and publish its healthy devices when they changed.
+        """Turn every new snapshot into the pool (published by :meth:`_publish`).
 
         The first pool is built once the first scan is done, even a failed one
         (the driver then registers with no devices, as a plugin does).
@@ -280,7 +291,6 @@ class DraDriverRuntime:
         await self.watcher.first_scan_done.wait()
         seen = self.snapshot.version
         snapshot = self.snapshot.value
-        published: list[Any] | None = None
         while True:
             pool = await asyncio.to_thread(self._pool_of, snapshot, self.preparer.device_names())
             if self.pools.closed:
@@ -288,18 +298,40 @@ class DraDriverRuntime:
             self.pools.publish(pool)
             self.pooled.publish(snapshot)
             self.pool_ready.set()
-            healthy = pool.healthy()
-            self.status.send(DEVICES=f"{len(healthy)}/{len(pool.devices)}")
-            if healthy != published:
-                published = healthy
-                try:
-                    await self.slices.publish(healthy)
-                except Exception as exc:  # the publisher never raises for API errors; a bug is logged
-                    self._log.error("slices_not_published", error=f"{type(exc).__name__}: {exc}")
+            self._to_publish.set()
+            self.status.send(DEVICES=f"{len(pool.healthy())}/{len(pool.devices)}")
             try:
                 seen, snapshot = await self.snapshot.wait_newer(seen)
             except CellClosedError:
                 return
+
+    async def _publish(self) -> None:
+        """Publish the pool's healthy devices while the kubelet has the driver registered (module docstring).
+
+        Each registration publishes once even when the devices did not change:
+        the publisher then puts back what was removed meanwhile.
+        """
+        published: tuple[list[Any], int] | None = None
+        while True:
+            await self._to_publish.wait()
+            self._to_publish.clear()
+            if not self._registered:
+                continue
+            wanted = (self.pools.value.healthy(), self._registered)
+            if wanted == published:
+                continue
+            published = wanted
+            try:
+                await self.slices.publish(wanted[0])
+            except Exception as exc:  # the publisher never raises for API errors; a bug is logged
+                self._log.error("slices_not_published", error=f"{type(exc).__name__}: {exc}")
+
+    def _registration_lost(self, kept: sockets.KeptSocket) -> None:
+        """Our registration socket is gone or taken over: the kubelet deregisters us; hold publishing."""
+        if kept is self.registration_socket and self._registered:
+            self._registered = 0
+            self.slices.hold()
+            self._log.info("registration_lost", slices="held until registered again")
 
     def _pool_of(self, snapshot: Snapshot[Any], pinned: Mapping[str, str]) -> Pool:
         try:
@@ -331,7 +363,11 @@ class DraDriverRuntime:
         await self.registration_socket.start()
         self.status.send(ENDPOINT=self.registration_socket.path.name)
         keeper = asyncio.create_task(
-            sockets.keep([self.dra_socket, self.registration_socket], on_change=self._taken_over_or_back),
+            sockets.keep(
+                [self.dra_socket, self.registration_socket],
+                on_change=self._taken_over_or_back,
+                on_gone=self._registration_lost,
+            ),
             name="sockets",
         )
         try:
@@ -339,6 +375,8 @@ class DraDriverRuntime:
             while True:
                 verdict = await self.registration.wait_registered()
                 number += 1
+                self._registered = number
+                self._to_publish.set()
                 self.registrations.publish(DriverRegistration(number, verdict.seconds))
                 pool = self.pools.value
                 self.status.send(

@@ -164,6 +164,7 @@ async def keep(
     *,
     check_interval: float = CHECK_INTERVAL,
     on_change: Callable[[KeptSocket], Awaitable[None]] | None = None,
+    on_gone: Callable[[KeptSocket], None] | None = None,
 ) -> None:
     """Serve every socket again as soon as its file disappears; runs until cancelled.
 
@@ -171,8 +172,13 @@ async def keep(
     ``check_interval`` seconds covers what inotify cannot see (a directory
     deleted and made again: the watch went with the old one). A socket another
     live process now serves is left to it (:meth:`KeptSocket.stand_by`) until
-    nobody answers there. ``on_change`` hears a socket that started or stopped
-    standing by.
+    nobody answers there. They are served again in their order, each only once
+    those before it are ours: the kubelet registers a driver the moment its
+    registration socket (the last) appears, and dials its DRA socket at once
+    (after a takeover, the other process may still be closing it). ``on_change``
+    hears a socket that started or stopped standing by; ``on_gone`` hears a
+    socket found no longer ours (gone, dead or taken over), before anything is
+    done about it.
     """
     log = structlog.get_logger("plugvisor.dra.socket")
     with Inotify() as inotify:
@@ -182,20 +188,24 @@ async def keep(
                 with contextlib.suppress(OSError):
                     inotify.add_watch(directory, _MASK)
                     watched.add(directory)
+            waiting = False
             for kept in sockets:
                 if kept.is_ours():
                     continue
+                if on_gone is not None and not kept.standing_by:
+                    on_gone(kept)
                 was_standing_by = kept.standing_by
                 try:
                     if await asyncio.to_thread(_served_by_another, kept.path):
                         if not was_standing_by:
                             await kept.stand_by()
-                    else:
+                    elif not waiting:
                         await kept.serve_again()
                 except (OSError, ConfigurationError, SocketInUseError) as exc:
                     log.error("socket_not_served", socket=str(kept.path), error=str(exc))
                 if kept.standing_by != was_standing_by and on_change is not None:
                     await on_change(kept)
+                waiting = waiting or not kept.is_ours()
             try:
                 event = await asyncio.wait_for(inotify.get(), check_interval)
             except TimeoutError:

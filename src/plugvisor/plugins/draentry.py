@@ -16,7 +16,9 @@ world and tests. Exit codes and status datagrams are a plugin's.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
 import socket
 import sys
 from collections.abc import Callable
@@ -75,12 +77,26 @@ def wants_dra(args: list[str]) -> bool:
     return False
 
 
+def preload() -> None:
+    """Import what every driver process needs, so that the agent's fork server's children inherit it.
+
+    The API client only where the drivers use it: with ``PLUGVISOR_DRA_OBJECTS_DIR``
+    in the environment (the fork server's is its children's) they keep claims
+    and slices as files. Without the ``dra`` extra installed, a driver says so itself.
+    """
+    import plugvisor.dra.runtime  # noqa: F401
+
+    if OBJECTS_DIR_ENV not in os.environ:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(KUBE_MODULE)
+
+
 def default_node_name() -> str:
     """The kubelet's own default: the host name, lower-cased."""
     return socket.gethostname().strip().lower()
 
 
-def _connect(driver: str, node_name: str, objects_dir: Path | None) -> Connect:
+def _connect(driver: str, node_name: str, objects_dir: Path | None, kubelet_socket: Path) -> Connect:
     """How the driver reaches its claims and its slices: files under ``objects_dir``, or the API server."""
     if objects_dir is not None:
         from plugvisor.dra.local import FileClaimReader, FileSlicePublisher
@@ -106,7 +122,12 @@ def _connect(driver: str, node_name: str, objects_dir: Path | None) -> Connect:
         try:
             claims: ClaimReader
             slices: SlicePublisher
-            claims, slices = await connect(driver=driver, node_name=node_name, on_state=on_state)
+            claims, slices = await connect(
+                driver=driver,
+                node_name=node_name,
+                on_state=on_state,
+                kubelet_socket=kubelet_socket,
+            )
         except config_error as exc:  # no API server configured, or not a Node's name: exit 2
             raise ConfigurationError(str(exc)) from None
         return claims, slices
@@ -235,7 +256,8 @@ def dra_plugin_command(
         if problem is not None:
             click.echo(f"plugvisor plugin {kind}: {problem}", err=True)
             sys.exit(EXIT_USAGE)
-    connect = _connect(driver_name, config.node_name, objects_dir.absolute() if objects_dir else None)
+    objects = objects_dir.absolute() if objects_dir else None
+    connect = _connect(driver_name, config.node_name, objects, host.kubelet_socket)
     sys.exit(run_driver(config, source, connect=connect))
 
 

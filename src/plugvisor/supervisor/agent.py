@@ -81,6 +81,11 @@ def _code_of(config: NodeConfig) -> dict[str, str]:
     return {kind: kinds.kind_revision(kind) for kind in sorted({r.kind for r in config.resources})}
 
 
+def _has_dra(config: NodeConfig) -> bool:
+    """Whether any entry is a DRA driver: only then do the fork server's children need the DRA side loaded."""
+    return any(resource.dra for resource in config.resources)
+
+
 class RuntimeDirLock:
     """``<runtimeDir>/supervisor.pid``, locked for the agent's lifetime: one agent per runtime dir."""
 
@@ -156,6 +161,8 @@ class Agent:
         self._limiter: StartLimiter | None = None
         self._spawner_code: dict[str, str] = {}
         """The kinds (and their code's revisions) the spawner was last given: another set needs a refresh."""
+        self._spawner_dra = False
+        """Whether the spawner was last told to preload the DRA side: a change needs a refresh too."""
 
     def _child_env(self) -> dict[str, str]:
         env = child_env(
@@ -172,9 +179,10 @@ class Agent:
 
     def _make_spawner(self, env: Mapping[str, str]) -> Spawner:
         self._spawner_code = _code_of(self.config)
+        self._spawner_dra = _has_dra(self.config)
         if self.config.supervisor.spawner == "exec":
             return ExecSpawner(env)
-        return ForkServerSpawner(env, preload_kinds=sorted(self._spawner_code))
+        return ForkServerSpawner(env, preload_kinds=sorted(self._spawner_code), preload_dra=self._spawner_dra)
 
     def wake(self) -> None:
         """Have the loop look at its inputs now."""
@@ -455,11 +463,11 @@ class Agent:
                     f"reload rejected, running the previous configuration; {supervisor.summary()}"
                 )
             return
-        code = _code_of(config)
-        if code != self._spawner_code:
+        code, dra = _code_of(config), _has_dra(config)
+        if code != self._spawner_code or dra != self._spawner_dra:
             # Before any child is started for the new file: they must come from the new code.
-            supervisor.spawner.refresh(sorted(code))
-            self._spawner_code = code
+            supervisor.spawner.refresh(sorted(code), dra=dra)
+            self._spawner_code, self._spawner_dra = code, dra
         summary = supervisor.reload(config)
         self.config = config
         _log.info("reloaded", **summary)

@@ -117,8 +117,8 @@ class Spawner(Protocol):
         """Send ``sig`` to the child ``pid``."""
         ...
 
-    def refresh(self, preload_kinds: Sequence[str]) -> None:
-        """Create the next children with the code installed now, and with these kinds loaded ahead."""
+    def refresh(self, preload_kinds: Sequence[str], *, dra: bool = False) -> None:
+        """Create the next children with the code installed now, with these kinds (and DRA) loaded ahead."""
         ...
 
     def reap(self) -> list[Exit]:
@@ -249,7 +249,7 @@ class ExecSpawner:
         if pid in self._children:
             _signal_group(pid, sig)
 
-    def refresh(self, preload_kinds: Sequence[str]) -> None:
+    def refresh(self, preload_kinds: Sequence[str], *, dra: bool = False) -> None:
         """Nothing to do: every child is a fresh interpreter, which imports what is installed."""
 
     def reap(self) -> list[Exit]:
@@ -461,12 +461,17 @@ class ForkServerSpawner:
         env: Mapping[str, str],
         *,
         preload_kinds: Sequence[str] = (),
+        preload_dra: bool = False,
         start_timeout: float = 60.0,
         spawn_timeout: float = 10.0,
     ):
-        """``env``: every child's environment; ``preload_kinds``: the kinds the fork server loads first."""
+        """``env``: every child's environment; ``preload_kinds``: the kinds the fork server loads first.
+
+        ``preload_dra``: the DRA driver's side too (a node with ``mode: dra`` entries).
+        """
         self._env = dict(env)
         self._preload = list(preload_kinds)
+        self._preload_dra = preload_dra
         self._start_timeout = start_timeout
         self._spawn_timeout = spawn_timeout
         self._helper: _Helper | None = None
@@ -506,7 +511,7 @@ class ForkServerSpawner:
 
     def _start_helper(self) -> _Helper:
         try:
-            proc = forkserver.fork(self._env, self._preload)
+            proc = forkserver.fork(self._env, self._preload, dra=self._preload_dra)
         except OSError as exc:
             raise SpawnError(f"cannot start the fork server: {exc}") from exc
         self._reaper.track(proc)
@@ -710,7 +715,7 @@ class ForkServerSpawner:
         helper.started.add_done_callback(lambda task: task.cancelled() or task.exception())
         return helper
 
-    def refresh(self, preload_kinds: Sequence[str]) -> None:
+    def refresh(self, preload_kinds: Sequence[str], *, dra: bool = False) -> None:
         """From now on fork children from a new fork server, forked now (with the code this process has now).
 
         The current one is retired: it answers what it was sent, then its input
@@ -719,6 +724,7 @@ class ForkServerSpawner:
         imported the new code to validate the file).
         """
         self._preload = list(preload_kinds)
+        self._preload_dra = dra
         helper, self._helper = self._helper, None
         if self._closing:
             return
@@ -731,7 +737,7 @@ class ForkServerSpawner:
         self._gave_up = False  # the new code may load where the old could not: worth one more try
         if self._start_in_background() is not None:
             retired = None if helper is None else helper.proc.pid
-            _log.info("forkserver_refreshed", kinds=self._preload, retired=retired)
+            _log.info("forkserver_refreshed", kinds=self._preload, dra=dra, retired=retired)
 
     def spawn(self, spec: ChildSpec, done: SpawnDone) -> None:
         """Ask the helper (started now if there is none) to fork a child running ``plugvisor <args>``."""
@@ -899,9 +905,9 @@ class StartLimiter:
         """Signal the child (through the inner spawner)."""
         self.inner.kill(pid, sig)
 
-    def refresh(self, preload_kinds: Sequence[str]) -> None:
+    def refresh(self, preload_kinds: Sequence[str], *, dra: bool = False) -> None:
         """Refresh the inner spawner."""
-        self.inner.refresh(preload_kinds)
+        self.inner.refresh(preload_kinds, dra=dra)
 
     def reap(self) -> list[Exit]:
         """The inner spawner's exits; each frees the slot its child still held."""
@@ -941,6 +947,7 @@ class FakeSpawner:
     waiting: list[tuple[ChildSpec, SpawnDone]] = field(default_factory=list)
     refreshed: list[list[str]] = field(default_factory=list)
     fallback: str | None = None
+    refreshed_dra: list[bool] = field(default_factory=list)
     _exits: list[Exit] = field(default_factory=list)
     _wake: Wake | None = None
 
@@ -978,9 +985,10 @@ class FakeSpawner:
         """Record the signal (the process does not react until :meth:`exit`)."""
         self.signals.append((pid, sig))
 
-    def refresh(self, preload_kinds: Sequence[str]) -> None:
-        """Record the kinds."""
+    def refresh(self, preload_kinds: Sequence[str], *, dra: bool = False) -> None:
+        """Record the kinds (and whether DRA is preloaded, in :attr:`refreshed_dra`)."""
         self.refreshed.append(list(preload_kinds))
+        self.refreshed_dra.append(dra)
 
     def exit(self, pid: int, returncode: int) -> None:
         """Make ``pid`` exit with ``returncode``."""

@@ -252,3 +252,62 @@ def test_while_no_fork_server_can_start_children_are_started_by_exec_until_one_c
     events = [word for line in logs for word in line.split()]
     assert events.count("forkserver_unavailable") == 1, logs
     assert events.count("forkserver_available") == 1, logs
+
+
+PRELOADED = textwrap.dedent(
+    """
+    import asyncio, functools, json, os, sys
+    import plugvisor.plugins.entry as entry
+    from plugvisor.supervisor.config import ChildSpec
+    from plugvisor.supervisor.spawner import ForkServerSpawner
+
+    def loaded(path):  # what a child finds loaded before it imports anything itself
+        names = ("plugvisor.deviceplugin.runtime", "plugvisor.dra.runtime", "plugvisor.dra.kube", "lightkube")
+        with open(path, "w") as out:
+            json.dump([name for name in names if name in sys.modules], out)
+        return 0
+
+    entry.prepare = lambda args: functools.partial(loaded, args[-1])  # the fork server has it too
+
+    async def main(dra, env):
+        woken = asyncio.Event()
+        spawner = ForkServerSpawner({**os.environ, **env}, preload_dra=dra)
+        await spawner.open(woken.set)
+        path = f"{sys.argv[1]}/{dra}-{bool(env)}.json"
+        spawner.spawn(ChildSpec("r", "gpu", ("plugin", "gpu", path)), lambda result: None)
+        while not os.path.exists(path) or not any(True for _ in spawner.reap()):
+            woken.clear()
+            try:
+                await asyncio.wait_for(woken.wait(), 0.5)
+            except TimeoutError:
+                pass
+        await spawner.close()
+        with open(path) as result:
+            print(json.dumps([dra, bool(env), json.load(result)]))
+
+    for dra, env in ((False, {}), (True, {}), (True, {"PLUGVISOR_DRA_OBJECTS_DIR": "/nowhere"})):
+        asyncio.run(main(dra, env))
+    """
+)
+
+
+def test_the_dra_side_is_preloaded_only_for_a_node_with_dra_entries(tmp_path):
+    """A device-plugin-only node's children carry no DRA code; a DRA node's get the runtime and, unless
+    the drivers keep their objects as files, the API client."""
+    result = subprocess.run(
+        [sys.executable, "-c", PRELOADED, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert [json.loads(line) for line in result.stdout.splitlines() if line.startswith("[")] == [
+        [False, False, ["plugvisor.deviceplugin.runtime"]],
+        [
+            True,
+            False,
+            ["plugvisor.deviceplugin.runtime", "plugvisor.dra.runtime", "plugvisor.dra.kube", "lightkube"],
+        ],
+        [True, True, ["plugvisor.deviceplugin.runtime", "plugvisor.dra.runtime"]],
+    ]

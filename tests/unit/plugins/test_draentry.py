@@ -1,5 +1,7 @@
 """``plugvisor plugin KIND --mode dra``: the dispatch to the DRA command, and its own refusals."""
 
+from pathlib import Path
+
 import pytest
 from click.testing import CliRunner
 
@@ -37,7 +39,7 @@ def test_plugin_help_names_the_modes_and_dra_help_its_own_options():
 def test_without_an_api_client_the_driver_says_how_to_run_without_one(monkeypatch, capsys):
     monkeypatch.setattr(draentry, "KUBE_MODULE", "plugvisor.dra.no_such_module")
     with pytest.raises(SystemExit) as stopped:
-        draentry._connect("gpu.example.com", "node-1", None)
+        draentry._connect("gpu.example.com", "node-1", None, Path("/run/kubelet.sock"))
     assert stopped.value.code == 2
     error = capsys.readouterr().err
     assert "no Kubernetes API client" in error and "give --objects-dir DIR" in error

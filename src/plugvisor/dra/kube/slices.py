@@ -33,6 +33,15 @@ behaviour this follows in our own terms:
   the latest state is ever written. A watch on this node's slices repairs
   what others change or delete (the kubelet deletes a node's slices when it
   starts, and a driver's slices 30 s after it unregisters).
+- :meth:`SlicePublisher.hold` stops every write, repairs included, until the
+  next :meth:`~SlicePublisher.publish`: a driver that lost its registration
+  leaves its slices to the kubelet, which removes them if it does not come
+  back; the next publish, at its next registration, writes them again. It
+  holds by itself when its slices are deleted by someone else and the
+  kubelet's ``kubelet.sock`` is another file than at the last publish: the
+  kubelet restarted, deleted the node's slices as it does at its start, and
+  will register the driver again (a repair would offer the devices to the
+  scheduler before that).
 
 https://kubernetes.io/docs/concepts/scheduling-eviction/dynamic-resource-allocation/
 """
@@ -46,6 +55,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from decimal import Decimal
+from pathlib import Path
 from typing import Any, Final, cast
 
 import httpx2
@@ -213,9 +223,12 @@ class SlicePublisher:
     """Keeps this node's pool of one driver equal to the latest :meth:`publish` (module docstring).
 
     ``on_state`` hears every change of :attr:`state` (the driver reports it to
-    the agent). One per driver process; :meth:`close` (the process stops for a
-    restart: the slices stay) or :meth:`withdraw` (the driver stops for good)
-    ends it, and closes ``client`` too with ``close_client``.
+    the agent). ``kubelet_socket`` is the kubelet's ``kubelet.sock``, whose
+    replacement tells a kubelet restart (module docstring); without it every
+    deletion by others is repaired. One per driver process; :meth:`close` (the
+    process stops for a restart: the slices stay) or :meth:`withdraw` (the
+    driver stops for good) ends it, and closes ``client`` too with
+    ``close_client``.
     """
 
     def __init__(
@@ -230,6 +243,7 @@ class SlicePublisher:
         backoff_max: float = 30.0,
         rand: Callable[[], float] = random.random,
         close_client: bool = False,
+        kubelet_socket: Path | None = None,
     ) -> None:
         self._client = client
         self._close_client = close_client
@@ -246,6 +260,10 @@ class SlicePublisher:
         self._synced = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
+        self._held = False
+        self._kubelet_socket = kubelet_socket
+        self._kubelet: tuple[int, int] | None = None
+        """``kubelet.sock`` at the latest publish: the kubelet the driver was registered with then."""
         self._owner_uid: str | None = None
         self.taints_supported: bool | None = None
         """Whether the cluster keeps device taints (None: not needed, so not asked yet)."""
@@ -274,7 +292,11 @@ class SlicePublisher:
                 self._log_once("device_invalid", problem)
             names.add(kept.name)
             checked.append(kept)
+        held, self._held = self._held, False
+        self._kubelet = _file_identity(self._kubelet_socket)
         if checked == self._desired.devices and self._desired.version:
+            if held:  # the watch repaired nothing meanwhile: make sure they are still there
+                self._wake.set()
             return
         self._desired = _Desired(checked, self._desired.version + 1, invalid=len(devices) - len(checked))
         self._refused = {}  # a changed device may now pass; the API server says again if not
@@ -286,6 +308,12 @@ class SlicePublisher:
                 asyncio.create_task(self._run(), name=f"slices:{self.driver}"),
                 asyncio.create_task(self._watch(), name=f"slices-watch:{self.driver}"),
             ]
+
+    def hold(self) -> None:
+        """Write nothing, repairs included, until the next :meth:`publish`; the slices stay as they are."""
+        self._held = True
+        if self._resync is not None:
+            self._resync.cancel()
 
     async def wait_synced(self, timeout: float | None = None) -> bool:
         """Wait until the API server holds the latest desired state; False after ``timeout`` seconds."""
@@ -362,6 +390,8 @@ class SlicePublisher:
         while True:
             await self._wake.wait()
             self._wake.clear()
+            if self._held:
+                continue
             desired = self._desired
             try:
                 try:
@@ -398,7 +428,13 @@ class SlicePublisher:
                 stream = self._client.watch(ResourceSlice, fields=self._selector())
                 async for event, item in stream:
                     failures = 0
-                    if self._foreign(event, item):
+                    if not self._foreign(event, item):
+                        continue
+                    if event == "DELETED" and self._kubelet_restarted():
+                        if not self._held:
+                            self._log.info("kubelet_restarted", slices="left deleted until registered again")
+                        self.hold()
+                    else:
                         self._schedule_resync()
             except asyncio.CancelledError:
                 raise
@@ -419,7 +455,13 @@ class SlicePublisher:
             return False
         return item.metadata is None or self._known.get(name) != item.metadata.resourceVersion
 
+    def _kubelet_restarted(self) -> bool:
+        """Whether ``kubelet.sock`` is another file (or none) than at the latest publish."""
+        return self._kubelet_socket is not None and _file_identity(self._kubelet_socket) != self._kubelet
+
     def _schedule_resync(self) -> None:
+        if self._held:
+            return
         if (
             self._resync is None
             or self._resync.cancelled()
@@ -646,6 +688,17 @@ class SlicePublisher:
                 self._logged.clear()
             self._logged.add(problem)
             self._log.error(event, problem=problem)
+
+
+def _file_identity(path: Path | None) -> tuple[int, int] | None:
+    """Tells a file from another made later at the same path (inode, change time); None if there is none."""
+    if path is None:
+        return None
+    try:
+        info = path.stat()
+    except OSError:
+        return None
+    return info.st_ino, info.st_ctime_ns
 
 
 def _resource_slice(body: dict[str, Any]) -> ResourceSlice:

@@ -8,9 +8,10 @@ import pytest
 from structlog.testing import capture_logs
 
 from plugvisor.dra.devices import DeviceTaint, PublishedDevice, SemVer
+from plugvisor.dra.kube.config import api_client
 from plugvisor.dra.kube.slices import SlicePublisher, comparable, layout
 
-from .conftest import DRIVER, NODE
+from .conftest import DRIVER, NODE, fake_config
 from .fakeapi import FakeApi
 
 WAIT = 30.0  # generous: the machine may be loaded; nothing here depends on it being fast
@@ -252,6 +253,79 @@ async def test_slices_deleted_by_someone_else_come_back(api: FakeApi, publisher:
     api.delete_all()  # as the kubelet does when it starts
 
     await until(lambda: api.published(DRIVER, NODE) == ["gpu-0", "gpu-1"])
+
+
+async def test_a_held_publisher_leaves_slices_deleted_by_someone_else_until_it_publishes_again(
+    api: FakeApi, publisher: SlicePublisher
+) -> None:
+    """The driver lost its registration: what the kubelet removes meanwhile stays removed until it is back."""
+    await publisher.publish([gpu(0), gpu(1)])
+    assert await publisher.wait_synced(WAIT)
+    publisher.hold()
+
+    api.delete_all()  # the kubelet, 30 s after it deregistered the driver
+    # Absence can only be watched for a while: many times the repair's delay (the fixture's 0.01 s).
+    await asyncio.sleep(0.3)
+    assert api.pool(DRIVER, NODE) == []
+
+    await publisher.publish([gpu(0), gpu(1)])  # registered again, the same devices
+    await until(lambda: api.published(DRIVER, NODE) == ["gpu-0", "gpu-1"])
+
+
+async def test_after_a_hold_the_same_devices_published_again_are_written_back_where_they_went_missing(
+    api: FakeApi, publisher: SlicePublisher
+) -> None:
+    await publisher.publish([gpu(0)])
+    assert await publisher.wait_synced(WAIT)
+    publisher.hold()  # the driver lost its registration: no repair, only the publish below
+    api.delete_all()
+
+    await publisher.publish([gpu(0)])
+
+    await until(lambda: api.published(DRIVER, NODE) == ["gpu-0"])
+    assert api.pool(DRIVER, NODE)[0]["spec"]["pool"]["generation"] == 1
+
+
+@pytest.fixture
+async def watching(api: FakeApi, tmp_path):
+    """A publisher told where kubelet.sock is (a plain file stands for it), and that file."""
+    kubelet = tmp_path / "kubelet.sock"
+    kubelet.touch()
+    client = api_client(fake_config(), transport=api.transport)
+    publisher = SlicePublisher(client, driver=DRIVER, node=NODE, resync_delay=0.01, kubelet_socket=kubelet)
+    yield publisher, kubelet
+    await publisher.close()
+    await client.close()
+
+
+async def test_slices_a_restarted_kubelet_deleted_wait_for_the_drivers_next_publish(
+    api: FakeApi, watching
+) -> None:
+    """A repair would offer the devices before the new kubelet registered the driver."""
+    publisher, kubelet = watching
+    await publisher.publish([gpu(0)])
+    assert await publisher.wait_synced(WAIT)
+
+    started = kubelet.with_name("new")
+    started.touch()
+    started.replace(kubelet)  # the new kubelet's socket, another file
+    with capture_logs() as logs:
+        api.delete_all()  # what it does as it starts
+        await until(lambda: any(e["event"] == "kubelet_restarted" for e in logs))
+    assert api.pool(DRIVER, NODE) == []  # held: no repair can come now
+
+    await publisher.publish([gpu(0)])  # the new kubelet registered the driver
+    await until(lambda: api.published(DRIVER, NODE) == ["gpu-0"])
+
+
+async def test_slices_deleted_under_the_same_kubelet_come_back(api: FakeApi, watching) -> None:
+    publisher, _ = watching
+    await publisher.publish([gpu(0)])
+    assert await publisher.wait_synced(WAIT)
+
+    api.delete_all()
+
+    await until(lambda: api.published(DRIVER, NODE) == ["gpu-0"])
 
 
 async def test_a_missing_node_is_retried_and_said(api: FakeApi, publisher: SlicePublisher) -> None:
