@@ -23,7 +23,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from .conftest import KUBERNETES_VERSION, OVERLAYS, REPO, render
+from .conftest import KUBERNETES_VERSION, OVERLAYS, REPO, agents_with_config, check_kubelet_dirs, render
 
 CHART = REPO / "deploy/helm/plugvisor"
 VALUES = sorted(p.name.removesuffix("-values.yaml") for p in (CHART / "ci").glob("*-values.yaml"))
@@ -158,6 +158,59 @@ def test_a_changed_node_yaml_rolls_the_agents() -> None:
     assert checksum() == checksum("--set", "image.tag=other")
 
 
+K0S = "/var/lib/k0s/kubelet"
+MICROK8S = "/var/snap/microk8s/common/var/lib/kubelet"
+
+
+@pytest.mark.parametrize(
+    ("settings", "root", "device_plugins"),
+    [
+        ([], "/var/lib/kubelet", "/var/lib/kubelet/device-plugins"),
+        (["--set", f"kubelet.rootDir={K0S}"], K0S, "/var/lib/kubelet/device-plugins"),
+        (["--set", f"kubelet.rootDir={MICROK8S}/"], MICROK8S, "/var/lib/kubelet/device-plugins"),
+        (
+            ["--set", "kubelet.rootDir=/data/kubelet,kubelet.devicePluginsDir=/data/kubelet/device-plugins/"],
+            "/data/kubelet",
+            "/data/kubelet/device-plugins",
+        ),
+    ],
+    ids=["default", "k0s", "microk8s-trailing-slash", "moved-device-plugins"],
+)
+def test_every_kubelet_directory_the_agent_uses_is_mounted_from_the_configured_kubelet(
+    settings: list[str], root: str, device_plugins: str
+) -> None:
+    """With kubelet.rootDir (and kubelet.devicePluginsDir), each kubelet directory an agent's node.yaml
+    leads it to is mounted where it looks, from the node's (conftest.check_kubelet_dirs says which): device
+    plugins and DRA drivers of every kind, valid objects."""
+    docs = chart("lab", "--values", str(CHART / "ci" / "lab-dra-values.yaml"), *settings)
+    agents = list(agents_with_config(docs))
+    assert len(agents) == 8
+    for ds, config in agents:
+        check_kubelet_dirs(ds, config, root=root, device_plugins=device_plugins)
+        kubernetes_validate.validate(ds, KUBERNETES_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("listen", ["0.0.0.0:9400", ":8080", "[::]:65535", "0.0.0.0:1"])
+def test_the_metrics_port_the_probes_and_container_declare_is_node_metrics_listens(listen: str) -> None:
+    """The container's `metrics` port, which both probes name, is the port node.metrics.listen binds, for
+    device plugins and DRA drivers alike."""
+    docs = chart(
+        "gpu", "--set", "kinds.gpu.dra.enabled=true", "--set-string", f"node.metrics.listen={listen}"
+    )
+    agents = list(agents_with_config(docs))
+    assert len(agents) == 2
+    for ds, config in agents:
+        container = ds["spec"]["template"]["spec"]["containers"][0]
+        assert config.metrics is not None
+        assert config.metrics.listen == listen
+        assert container["ports"] == [
+            {"name": "metrics", "containerPort": config.metrics.port, "protocol": "TCP"}
+        ]
+        assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+        assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+        kubernetes_validate.validate(ds, KUBERNETES_VERSION, strict=True)
+
+
 def test_one_release_with_both_lab_values_renders_both_lab_overlays() -> None:
     """A kind's device plugins and DRA drivers side by side, as `kubectl apply -k` of overlays/lab and
     overlays/lab-dra together: their objects, each once."""
@@ -200,8 +253,23 @@ NIC_AS_GPU_DRIVER = '[{"name": "gpu.plugvisor.io", "kind": "nic", "mode": "dra"}
             ["--set-json", f"kinds.generic.hostMounts={_MOUNT_OVER_RUNTIME}"],
             "'/kinds/generic/hostMounts/0/mountPath'",
         ),
-        (["--set", "node.metrics.listen=0.0.0.0:9999"], "'/node/metrics/listen'"),
-        (["--set", "node.kubeletDir=/var/lib/k0s/kubelet/device-plugins"], "'/node/kubeletDir'"),
+        (["--set", "node.metrics.listen=0.0.0.0:65536"], "'/node/metrics/listen'"),
+        (["--set", "node.metrics.listen=:0"], "'/node/metrics/listen'"),
+        (["--set", "node.metrics.listen=127.0.0.1:9400"], "'/node/metrics/listen'"),
+        (["--set-string", "node.metrics.listen=9400"], "'/node/metrics/listen'"),
+        (["--set", "kubelet.rootDir=var/lib/kubelet"], "'/kubelet/rootDir'"),
+        (["--set", "kubelet.rootDir=/var/lib/k0s/../kubelet"], "'/kubelet/rootDir'"),
+        (["--set", "kubelet.rootDir=/var/lib/k0s/kubelet/.."], "'/kubelet/rootDir'"),
+        (["--set", "kubelet.rootDir=/var//lib/kubelet"], "'/kubelet/rootDir'"),
+        (["--set", "kubelet.rootDir=/"], "'/kubelet/rootDir'"),
+        (
+            ["--set-json", 'kubelet.devicePluginsDir="/var/lib/kubelet\\ndevice-plugins"'],
+            "'/kubelet/devicePluginsDir'",
+        ),
+        (
+            ["--set", "node.kubeletDir=/var/lib/k0s/kubelet/device-plugins"],
+            "node.kubeletDir: the chart sets it from kubelet.rootDir",
+        ),
     ],
 )
 def test_values_the_chart_cannot_honour_are_refused_naming_the_key(settings: list[str], named: str) -> None:
@@ -209,8 +277,9 @@ def test_values_the_chart_cannot_honour_are_refused_naming_the_key(settings: lis
     cannot name a DeviceClass, a node.yaml key the chart sets itself; and one driver name given twice. Never
     silently ignored, nor left for the cluster to refuse half-way through an install. Nor are values the
     objects would contradict: a kind name that cannot name a DaemonSet, a host mount whose name or path is
-    one the chart's own volumes use, a metrics port or kubelet directory other than those the probes and
-    mounts are for."""
+    one the chart's own volumes use, a metrics address the kubelet's probes cannot reach (no port, port 0
+    or past 65535, loopback), a kubelet directory that is relative or has `..`, `.`, an empty component or
+    a control character in it; and node.yaml's kubeletDir, which follows `kubelet`."""
     args = [helm(), "template", "plugvisor", str(CHART), *KUBE_VERSION, *settings]
     result = subprocess.run(args, capture_output=True, text=True, check=False, timeout=120)
     assert result.returncode != 0

@@ -3,6 +3,7 @@ with its own node.yaml, with the lab overlay and with kind-config.yaml."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import posixpath
 import re
@@ -25,7 +26,16 @@ from plugvisor.supervisor.config import NodeConfig, parse_config
 from plugvisor.testing import dra_devices
 
 from ..node_install import plugvisor_without_the_extra
-from .conftest import KUBERNETES_VERSION, OVERLAYS, REPO, kind_config, objects, render
+from .conftest import (
+    KUBERNETES_VERSION,
+    OVERLAYS,
+    REPO,
+    agents_with_config,
+    check_kubelet_dirs,
+    kind_config,
+    objects,
+    render,
+)
 
 KUBELET_DEVICE_PLUGINS = "/var/lib/kubelet/device-plugins"
 DRA_CDI_DIR = "/var/run/cdi"
@@ -254,6 +264,36 @@ def test_the_agent_runs_with_least_privilege_as_a_node_critical_daemon(overlay: 
             f"{name}: no node selector beyond the OS; the kind would run on nodes without its hardware"
         )
     assert all(v for v in pod["nodeSelector"].values())
+
+
+def test_the_kubelet_root_dir_example_mounts_what_its_agents_use_from_that_root() -> None:
+    """examples/kubelet-root-dir, overlays/gpu-dra on k0s as docs/deployment.md shows it: every kubelet
+    directory its node.yaml leads the agent to is mounted where it looks, plugins_registry, plugins and
+    pod-resources from /var/lib/k0s/kubelet, device-plugins from the kubelet's fixed directory; the objects
+    are valid, and the agent differs from overlays/gpu-dra's in those paths only."""
+    docs = render("kubelet-root-dir", where="examples")
+    ((ds, config),) = agents_with_config(docs)
+    check_kubelet_dirs(ds, config, root="/var/lib/k0s/kubelet", device_plugins=KUBELET_DEVICE_PLUGINS)
+    for doc in docs:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+    ((plain, plain_config),) = agents_with_config(render("gpu-dra"))
+    assert config.model_copy(update={"kubelet_dir": plain_config.kubelet_dir}) == plain_config
+
+    def without_kubelet_paths(pod: dict[str, Any]) -> dict[str, Any]:
+        """The pod without its kubelet directories, and its ConfigMap's content-hashed name."""
+        pod = copy.deepcopy(pod)
+        pod["volumes"] = [
+            v for v in pod["volumes"] if "configMap" not in v and "kubelet" not in str(v.get("hostPath"))
+        ]
+        for container in pod["containers"]:
+            container["volumeMounts"] = [
+                m for m in container["volumeMounts"] if "kubelet" not in m["mountPath"]
+            ]
+        return pod
+
+    assert without_kubelet_paths(ds["spec"]["template"]["spec"]) == without_kubelet_paths(
+        plain["spec"]["template"]["spec"]
+    )
 
 
 # -- DRA drivers ---------------------------------------------------------------------------------------------

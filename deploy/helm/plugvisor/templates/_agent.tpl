@@ -6,6 +6,13 @@ DRA drivers, its dra.resources, named <kind>-dra and labelled plugvisor.io/mode=
 and what components/dra adds: the plugvisor-dra ServiceAccount's token, NODE_NAME, the kubelet's plugin
 directories and the host's /var/run/cdi). A checksum of node.yaml in the pod template does what the overlays' content-hashed
 ConfigMap names do: a changed node.yaml rolls the agents, one node at a time.
+
+The kubelet's directories come from `kubelet` (plugvisor.kubeletDirs): the pod sees each at the host's own path
+under kubelet.rootDir, which is where the agent looks for them (node.yaml kubeletDir is rootDir/device-plugins,
+and plugins_registry, plugins and pod-resources lie beside it), and the paths a DRA driver names to the kubelet
+are the host's. Only device-plugins may come from elsewhere on the host (kubelet.devicePluginsDir): the kubelet
+names device plugins' sockets by file name there, so the pod may see it under any path. The metrics port,
+containerPort and probes, is node.metrics.listen's.
 */}}
 {{- define "plugvisor.agent" }}
 {{- $ := .root }}
@@ -27,7 +34,8 @@ ConfigMap names do: a changed node.yaml rolls the agents, one node at a time.
 {{- end }}
 {{- end }}
 {{- $hardware := ternary $.Values.lab.root "" $.Values.lab.enabled }}
-{{- $node := merge (dict "hostRoot" "/host" "specRoot" (ternary $.Values.lab.root "/" $.Values.lab.enabled) "resources" $resources) (deepCopy $.Values.node) }}
+{{- $kubelet := include "plugvisor.kubeletDirs" $ | fromYaml }}
+{{- $node := merge (dict "hostRoot" "/host" "specRoot" (ternary $.Values.lab.root "/" $.Values.lab.enabled) "kubeletDir" $kubelet.devicePlugins "resources" $resources) (deepCopy $.Values.node) }}
 {{- $config := toYaml $node }}
 ---
 apiVersion: v1
@@ -118,7 +126,7 @@ spec:
               value: /run/plugvisor
           ports:
             - name: metrics
-              containerPort: 9400
+              containerPort: {{ include "plugvisor.metricsPort" $ }}
               protocol: TCP
           livenessProbe:
             httpGet: {path: /healthz, port: metrics}
@@ -151,17 +159,17 @@ spec:
               {{- end }}
             {{- end }}
             - {name: config, mountPath: /etc/plugvisor, readOnly: true}
-            - {name: device-plugins, mountPath: /var/lib/kubelet/device-plugins}
+            - {name: device-plugins, mountPath: {{ $kubelet.devicePlugins | quote }}}
             # PodResources: who holds which device (monitoring, release cleanup); read-only is enough.
-            - {name: pod-resources, mountPath: /var/lib/kubelet/pod-resources, readOnly: true}
+            - {name: pod-resources, mountPath: {{ $kubelet.podResources | quote }}, readOnly: true}
             - {name: runtime, mountPath: /run/plugvisor}
             - {name: tmp, mountPath: /tmp}
             {{- if $dra }}
             # Where the kubelet finds DRA drivers: <kubelet root>/plugins_registry/<driver>-reg.sock and
             # plugins/<driver>/dra.sock (their checkpoint beside it); each prepared claim is a CDI spec in
             # the host's /var/run/cdi, which the container runtime reads.
-            - {name: kubelet-plugins, mountPath: /var/lib/kubelet/plugins}
-            - {name: kubelet-plugins-registry, mountPath: /var/lib/kubelet/plugins_registry}
+            - {name: kubelet-plugins, mountPath: {{ $kubelet.plugins | quote }}}
+            - {name: kubelet-plugins-registry, mountPath: {{ $kubelet.pluginsRegistry | quote }}}
             - {name: host-cdi, mountPath: /host/var/run/cdi}
             {{- end }}
       volumes:
@@ -175,9 +183,9 @@ spec:
           configMap:
             name: plugvisor-config-{{ $name }}
         - name: device-plugins
-          hostPath: {path: /var/lib/kubelet/device-plugins, type: Directory}
+          hostPath: {path: {{ $kubelet.devicePluginsOnHost | quote }}, type: Directory}
         - name: pod-resources
-          hostPath: {path: /var/lib/kubelet/pod-resources, type: DirectoryOrCreate}
+          hostPath: {path: {{ $kubelet.podResources | quote }}, type: DirectoryOrCreate}
         - name: runtime
           emptyDir: {medium: Memory, sizeLimit: 16Mi}
         - name: tmp
@@ -185,9 +193,9 @@ spec:
         {{- if $dra }}
         # The node's own paths, in a lab too: the kubelet and the container runtime read them.
         - name: kubelet-plugins
-          hostPath: {path: /var/lib/kubelet/plugins, type: DirectoryOrCreate}
+          hostPath: {path: {{ $kubelet.plugins | quote }}, type: DirectoryOrCreate}
         - name: kubelet-plugins-registry
-          hostPath: {path: /var/lib/kubelet/plugins_registry, type: DirectoryOrCreate}
+          hostPath: {path: {{ $kubelet.pluginsRegistry | quote }}, type: DirectoryOrCreate}
         - name: host-cdi
           hostPath: {path: /var/run/cdi, type: DirectoryOrCreate}
         {{- end }}
