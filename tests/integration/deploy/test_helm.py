@@ -224,6 +224,14 @@ def test_one_release_with_both_lab_values_renders_both_lab_overlays() -> None:
 
 _MOUNT_NAMED_CONFIG = '[{"name": "config", "path": "/etc", "mountPath": "/host/etc", "readOnly": true}]'
 _MOUNT_OVER_RUNTIME = '[{"name": "host-run", "path": "/run", "mountPath": "/run/plugvisor"}]'
+_TWO_MOUNTS_OF_ONE_NAME = (
+    '[{"name": "scratch", "path": "/srv", "mountPath": "/host/srv"},'
+    ' {"name": "scratch", "path": "/opt", "mountPath": "/host/opt"}]'
+)
+_TWO_MOUNTS_AT_ONE_PATH = (
+    '[{"name": "one", "path": "/srv", "mountPath": "/host/srv"},'
+    ' {"name": "two", "path": "/opt", "mountPath": "/host/srv/"}]'
+)
 NIC_AS_GPU_DRIVER = '[{"name": "gpu.plugvisor.io", "kind": "nic", "mode": "dra"}]'
 
 
@@ -252,6 +260,20 @@ NIC_AS_GPU_DRIVER = '[{"name": "gpu.plugvisor.io", "kind": "nic", "mode": "dra"}
         (
             ["--set-json", f"kinds.generic.hostMounts={_MOUNT_OVER_RUNTIME}"],
             "'/kinds/generic/hostMounts/0/mountPath'",
+        ),
+        (
+            [
+                *("--set", "kinds.generic.enabled=true"),
+                *("--set-json", f"kinds.generic.hostMounts={_TWO_MOUNTS_OF_ONE_NAME}"),
+            ],
+            "kinds.generic.hostMounts: the name scratch is given twice",
+        ),
+        (
+            [
+                *("--set", "kinds.generic.enabled=true"),
+                *("--set-json", f"kinds.generic.hostMounts={_TWO_MOUNTS_AT_ONE_PATH}"),
+            ],
+            "kinds.generic.hostMounts: the mountPath /host/srv is given twice",
         ),
         (["--set", "node.metrics.listen=0.0.0.0:65536"], "'/node/metrics/listen'"),
         (["--set", "node.metrics.listen=:0"], "'/node/metrics/listen'"),

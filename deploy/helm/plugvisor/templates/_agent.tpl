@@ -33,6 +33,17 @@ containerPort and probes, is node.metrics.listen's.
 {{- end }}
 {{- end }}
 {{- end }}
+{{- /* Each mount is one volume and one mount of the pod: a name or a mountPath given twice is an invalid DaemonSet. */}}
+{{- $kindName := .kind }}
+{{- $seen := dict }}
+{{- range $hostMounts }}
+{{- range $key := list (printf "name %s" .name) (printf "mountPath %s" (clean .mountPath)) }}
+{{- if hasKey $seen $key }}
+{{- fail (printf "kinds.%s.hostMounts: the %s is given twice; each host mount is one volume mounted at one path" $kindName $key) }}
+{{- end }}
+{{- $_ := set $seen $key true }}
+{{- end }}
+{{- end }}
 {{- $hardware := ternary $.Values.lab.root "" $.Values.lab.enabled }}
 {{- $kubelet := include "plugvisor.kubeletDirs" $ | fromYaml }}
 {{- $node := merge (dict "hostRoot" "/host" "specRoot" (ternary $.Values.lab.root "/" $.Values.lab.enabled) "kubeletDir" $kubelet.devicePlugins "resources" $resources) (deepCopy $.Values.node) }}
