@@ -26,7 +26,7 @@ import click
 import pydantic
 import structlog
 
-from plugvisor.common import constants, monitoring, proctitle
+from plugvisor.common import constants, proctitle
 from plugvisor.common.exitcodes import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
 from plugvisor.common.grpcenv import quiet_grpc_core
 from plugvisor.common.hostpaths import HostPaths, host_root_problem, kubelet_dir_problem
@@ -244,20 +244,20 @@ class _ModeDispatch(click.Command):
 @click.option(
     "--monitor-dir",
     type=click.Path(file_okay=False, path_type=Path),
-    envvar=monitoring.MONITOR_DIR_ENV,
+    envvar=constants.MONITOR_DIR_ENV,
     help="Write device reports there and share one PodResources poller with the other plugins using it "
     "(how the agent runs its children) [env: PLUGVISOR_MONITOR_DIR].",
 )
 @click.option(
     "--pod-resources-socket",
     type=click.Path(dir_okay=False, path_type=Path),
-    envvar=monitoring.POD_RESOURCES_SOCKET_ENV,
+    envvar=constants.POD_RESOURCES_SOCKET_ENV,
     help="The kubelet's PodResources socket [default: pod-resources/kubelet.sock beside --kubelet-dir].",
 )
 @click.option(
     "--pod-resources-interval",
     type=click.FloatRange(min=0.1, max=3600),
-    envvar=monitoring.POD_RESOURCES_INTERVAL_ENV,
+    envvar=constants.POD_RESOURCES_INTERVAL_ENV,
     default=5.0,
     show_default=True,
     help="Seconds between PodResources List calls (who holds which device).",
@@ -265,7 +265,7 @@ class _ModeDispatch(click.Command):
 @click.option(
     "--telemetry-interval",
     type=click.FloatRange(min=0.1, max=3600),
-    envvar=monitoring.TELEMETRY_INTERVAL_ENV,
+    envvar=constants.TELEMETRY_INTERVAL_ENV,
     default=10.0,
     show_default=True,
     help="Seconds between sysfs telemetry samples (AER, PCIe link, hwmon, network links).",
@@ -301,8 +301,8 @@ def plugin_command(
     When PLUGVISOR_STATUS_SOCKET names a unix datagram socket, the plugin reports its
     registrations and device counts there in sd_notify format.
     """
-    from plugvisor.deviceplugin.device_monitor import MonitorConfig
     from plugvisor.deviceplugin.errors import ConfigurationError
+    from plugvisor.deviceplugin.monitorconfig import MonitorConfig
     from plugvisor.deviceplugin.runtime import DevicePluginRuntime, PluginConfig, run_plugin
 
     del mode  # "dra" never gets here (_ModeDispatch)
