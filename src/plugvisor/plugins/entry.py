@@ -453,16 +453,19 @@ def _serve_metrics(listen: str) -> None:
 def preload() -> None:
     """Import what every plugin process needs, so that the fork server's children inherit it.
 
-    What the framework imports only at first use is included: the PodResources
-    API (the agent's children poll it when monitoring is on, kinds with a
-    release hook always), and prometheus-client when the agent aggregates its
-    children's metrics (it hands them, and this process, ``PROMETHEUS_MULTIPROC_DIR``;
-    without it the children record none, see :func:`_drop_unread_metrics`).
+    What the framework imports only at first use is included: device monitoring
+    and the PodResources API (the agent's children monitor when its monitoring
+    is on, kinds with a release hook poll PodResources always), and
+    prometheus-client when the agent aggregates its children's metrics (it hands
+    them, and this process, ``PROMETHEUS_MULTIPROC_DIR``; without it the children
+    record none, see :func:`_drop_unread_metrics`). Imported in each child
+    instead, a module costs every child its own copy.
     """
     if MULTIPROCESS_METRICS_ENV in os.environ:
         import prometheus_client  # noqa: F401
 
     import plugvisor.api.podresources.v1.api_pb2_grpc
+    import plugvisor.deviceplugin.device_monitor
     import plugvisor.deviceplugin.runtime  # noqa: F401
 
 
