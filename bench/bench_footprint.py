@@ -41,6 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import yaml
+from bytecode import compile_plugvisor
 from node_memory import kernel_pss_kb, node_pss, private_kb
 
 from plugvisor.emulators.kubelet import EmulatedKubelet
@@ -322,6 +323,7 @@ async def main() -> None:
     starts = 5 if options.quick else options.starts
     load = os.getloadavg()[0]
     print(f"{os.cpu_count()} cores, load average {load:.1f} (a shared machine: read the ratios)")
+    print(compile_plugvisor())
     figures: dict[str, object] = {"load": load}
     figures.update(measure_cli(starts))
     figures.update(await measure_starts(starts))

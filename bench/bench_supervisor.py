@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from bytecode import compile_plugvisor
 from node_memory import kernel_pss_kb, node_pss
 
 from plugvisor.emulators.kubelet import EmulatedKubelet
@@ -194,6 +195,7 @@ async def main() -> None:
     if options.quick:
         options.kills = options.restarts = 20
         options.starts = 3
+    print(compile_plugvisor())
     for spawner, policy in (("forkserver", "reregister"), ("forkserver", "restart"), ("exec", "reregister"),
                             ("exec", "restart")):  # fmt: skip
         await run_case(spawner, policy, kills=options.kills, restarts=options.restarts, starts=options.starts)

@@ -38,6 +38,14 @@ DEVICE_PLUGIN_TYPE: Final = "DevicePlugin"
 MAX_UNIX_SOCKET_PATH: Final = 107
 """grpc refuses unix socket paths longer than this many bytes."""
 
+# -- Per-device monitoring: what the agent hands its children (plugvisor.common.monitoring) --------
+
+MONITOR_DIR_ENV: Final = "PLUGVISOR_MONITOR_DIR"
+"""Where a supervised plugin writes its report and, when elected, the owners file."""
+POD_RESOURCES_SOCKET_ENV: Final = "PLUGVISOR_POD_RESOURCES_SOCKET"
+POD_RESOURCES_INTERVAL_ENV: Final = "PLUGVISOR_POD_RESOURCES_INTERVAL"
+TELEMETRY_INTERVAL_ENV: Final = "PLUGVISOR_TELEMETRY_INTERVAL"
+
 # -- Dynamic Resource Allocation (DRA) kubelet plugins --------------------------------------
 
 DRA_PLUGIN_TYPE: Final = "DRAPlugin"

@@ -41,12 +41,6 @@ from typing import Any, Final
 
 from plugvisor.common.atomicfile import write_atomically
 
-MONITOR_DIR_ENV: Final = "PLUGVISOR_MONITOR_DIR"
-"""Where a supervised plugin writes its report and, when elected, the owners file."""
-POD_RESOURCES_SOCKET_ENV: Final = "PLUGVISOR_POD_RESOURCES_SOCKET"
-POD_RESOURCES_INTERVAL_ENV: Final = "PLUGVISOR_POD_RESOURCES_INTERVAL"
-TELEMETRY_INTERVAL_ENV: Final = "PLUGVISOR_TELEMETRY_INTERVAL"
-
 REPORTS_DIR: Final = "devices"
 OWNERS_FILE: Final = "owners.json"
 LEADER_LOCK: Final = "pod-resources.lock"

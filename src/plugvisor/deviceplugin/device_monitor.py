@@ -22,9 +22,8 @@ import asyncio
 import os
 import time
 from collections.abc import Callable, Coroutine, Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import structlog
 
@@ -32,35 +31,10 @@ from plugvisor.common import monitoring
 from plugvisor.common.monitoring import DeviceDescription, DeviceReport, ResourceReport
 from plugvisor.deviceplugin.cell import CellClosedError, SnapshotCell
 from plugvisor.deviceplugin.devices import DeviceSet
-from plugvisor.deviceplugin.errors import ConfigurationError
 from plugvisor.deviceplugin.lifetime import cancel_all
-from plugvisor.deviceplugin.owners import DEFAULT_INTERVAL, OwnerWatch
+from plugvisor.deviceplugin.monitorconfig import MonitorConfig
+from plugvisor.deviceplugin.owners import OwnerWatch
 from plugvisor.deviceplugin.snapshot import Snapshot
-
-DEFAULT_TELEMETRY_INTERVAL: Final = 10.0
-
-
-@dataclass(frozen=True, slots=True)
-class MonitorConfig:
-    """Whether and how a plugin process monitors its devices.
-
-    ``monitor_dir``: the agent's shared directory (reports, owners file, poller
-    lock); ``None`` for a standalone plugin, which keeps everything in memory.
-    ``pod_resources_socket``: ``None`` means beside the kubelet directory.
-    """
-
-    enabled: bool = False
-    monitor_dir: Path | None = None
-    pod_resources_socket: Path | None = None
-    pod_resources_interval: float = DEFAULT_INTERVAL
-    telemetry_interval: float = DEFAULT_TELEMETRY_INTERVAL
-    owners: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("pod_resources_interval", "telemetry_interval"):
-            value = getattr(self, name)
-            if not value > 0:
-                raise ConfigurationError(f"monitoring {name.replace('_', ' ')} must be positive, got {value}")
 
 
 @runtime_checkable

@@ -37,11 +37,11 @@ import structlog
 
 from plugvisor.common import monitoring
 from plugvisor.deviceplugin.cell import SnapshotCell
+from plugvisor.deviceplugin.monitorconfig import DEFAULT_POD_RESOURCES_INTERVAL
 
 if TYPE_CHECKING:
     from plugvisor.api.podresources.v1 import api_pb2
 
-DEFAULT_INTERVAL: Final = 5.0
 CALL_TIMEOUT: Final = 5.0
 MAX_BACKOFF_FACTOR: Final = 8
 MAX_ANSWER_BYTES: Final = 64 << 20
@@ -124,7 +124,7 @@ class OwnerWatch:
         self,
         *,
         socket: Path,
-        interval: float = DEFAULT_INTERVAL,
+        interval: float = DEFAULT_POD_RESOURCES_INTERVAL,
         monitor_dir: Path | None = None,
         timeout: float = CALL_TIMEOUT,
         max_answer_bytes: int = MAX_ANSWER_BYTES,

@@ -20,17 +20,19 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import grpc
 import structlog
 
-from plugvisor.common import constants, monitoring
+from plugvisor.common import constants
 from plugvisor.common.hostpaths import beside_kubelet_dir
 from plugvisor.deviceplugin.cell import SnapshotCell
 from plugvisor.deviceplugin.hooks import ReleaseHandler
-from plugvisor.deviceplugin.owners import MAX_ANSWER_BYTES
 from plugvisor.deviceplugin.snapshot import Snapshot
+
+if TYPE_CHECKING:
+    from plugvisor.common import monitoring
 
 LIST_TIMEOUT: Final = 5.0
 
@@ -102,6 +104,7 @@ class PodResourcesWatch:
         """Poll until cancelled."""
         # Imported when a kind with a release hook starts watching, not by every plugin.
         from plugvisor.api.podresources.v1 import api_pb2, api_pb2_grpc  # noqa: PLC0415
+        from plugvisor.deviceplugin.owners import MAX_ANSWER_BYTES  # noqa: PLC0415
 
         self._log.info("release_watch_started", socket=str(self.socket), interval=self.interval)
         failing: str | None = None

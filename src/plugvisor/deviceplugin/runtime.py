@@ -27,7 +27,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 import grpc
 import structlog
@@ -38,18 +38,17 @@ from plugvisor.common import inotify as inotify_
 from plugvisor.common.exitcodes import EXIT_CONFIGURATION, EXIT_FAILURE, EXIT_KUBELET_RESTARTED, EXIT_OK
 from plugvisor.common.hostpaths import HostPaths, beside_kubelet_dir
 from plugvisor.common.inotify import InotifyLimitError
-from plugvisor.common.monitoring import Owners
 from plugvisor.common.names import extended_resource_name_problem
 from plugvisor.common.notify import StatusReporter
 from plugvisor.common.sockets import socket_answers, socket_prefix
 from plugvisor.common.validation import printable
 from plugvisor.deviceplugin import metrics
 from plugvisor.deviceplugin.cell import SnapshotCell
-from plugvisor.deviceplugin.device_monitor import DeviceDescriber, DeviceMonitor, MonitorConfig
 from plugvisor.deviceplugin.endpoint import PluginEndpoint, remove_dead_instances
 from plugvisor.deviceplugin.errors import ConfigurationError, RegistrationRejectedError, SocketInUseError
 from plugvisor.deviceplugin.hooks import DeviceSource, Hooks, resolve_hooks
 from plugvisor.deviceplugin.lifetime import Work, cancel_all, kind_lifecycle, run_until_stopped
+from plugvisor.deviceplugin.monitorconfig import MonitorConfig
 from plugvisor.deviceplugin.registration import (
     SIBLING_CUT_WAIT,
     SIBLING_STARTED,
@@ -68,6 +67,10 @@ from plugvisor.deviceplugin.watcherregistration import (
     WatcherRegistrar,
     wait_until_answers,
 )
+
+if TYPE_CHECKING:
+    from plugvisor.common.monitoring import Owners
+    from plugvisor.deviceplugin.device_monitor import DeviceMonitor
 
 WATCHER_SILENCE: Final = 5.0
 """Seconds without a plugin-watcher registration after which the plugin says what it waits for."""
@@ -246,6 +249,10 @@ class DevicePluginRuntime:
         self.monitor: DeviceMonitor | None = None
         watch = config.monitoring
         if watch.enabled:
+            # Imported only by a plugin that monitors: the report model and the PodResources poller
+            # are no part of a standalone plugin's start without metrics.
+            from plugvisor.deviceplugin.device_monitor import DeviceDescriber, DeviceMonitor  # noqa: PLC0415
+
             self.monitor = DeviceMonitor(
                 config.resource,
                 self.snapshot,

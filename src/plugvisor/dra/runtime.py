@@ -41,10 +41,11 @@ from plugvisor.common.hostpaths import HostPaths, beside_kubelet_dir
 from plugvisor.common.names import dra_driver_name_problem, node_name_problem
 from plugvisor.common.notify import STOP_FOR_GOOD_SIGNAL, StatusReporter
 from plugvisor.deviceplugin.cell import CellClosedError, SnapshotCell
-from plugvisor.deviceplugin.device_monitor import DeviceDescriber, DeviceMonitor, MonitorConfig
+from plugvisor.deviceplugin.device_monitor import DeviceDescriber, DeviceMonitor
 from plugvisor.deviceplugin.errors import ConfigurationError, SocketInUseError
 from plugvisor.deviceplugin.hooks import DeviceSource, Hooks, resolve_hooks
 from plugvisor.deviceplugin.lifetime import Work, kind_lifecycle, run_until_stopped
+from plugvisor.deviceplugin.monitorconfig import MonitorConfig
 from plugvisor.deviceplugin.pluginwatcher import RegistrationService
 from plugvisor.deviceplugin.release import default_pod_resources_socket
 from plugvisor.deviceplugin.snapshot import Snapshot

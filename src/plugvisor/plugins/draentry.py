@@ -203,7 +203,7 @@ def dra_plugin_command(
     It registers through the kubelet's plugins_registry, prepares claims as CDI
     specs and publishes the node's devices as ResourceSlices (docs/dra.md).
     """
-    from plugvisor.deviceplugin.device_monitor import MonitorConfig
+    from plugvisor.deviceplugin.monitorconfig import MonitorConfig
     from plugvisor.dra.runtime import DriverConfig, run_driver
 
     del mode

@@ -26,7 +26,7 @@ import click
 import pydantic
 import structlog
 
-from plugvisor.common import constants, monitoring, proctitle
+from plugvisor.common import constants, proctitle
 from plugvisor.common.exitcodes import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
 from plugvisor.common.grpcenv import quiet_grpc_core
 from plugvisor.common.hostpaths import HostPaths, host_root_problem, kubelet_dir_problem
@@ -244,20 +244,20 @@ class _ModeDispatch(click.Command):
 @click.option(
     "--monitor-dir",
     type=click.Path(file_okay=False, path_type=Path),
-    envvar=monitoring.MONITOR_DIR_ENV,
+    envvar=constants.MONITOR_DIR_ENV,
     help="Write device reports there and share one PodResources poller with the other plugins using it "
     "(how the agent runs its children) [env: PLUGVISOR_MONITOR_DIR].",
 )
 @click.option(
     "--pod-resources-socket",
     type=click.Path(dir_okay=False, path_type=Path),
-    envvar=monitoring.POD_RESOURCES_SOCKET_ENV,
+    envvar=constants.POD_RESOURCES_SOCKET_ENV,
     help="The kubelet's PodResources socket [default: pod-resources/kubelet.sock beside --kubelet-dir].",
 )
 @click.option(
     "--pod-resources-interval",
     type=click.FloatRange(min=0.1, max=3600),
-    envvar=monitoring.POD_RESOURCES_INTERVAL_ENV,
+    envvar=constants.POD_RESOURCES_INTERVAL_ENV,
     default=5.0,
     show_default=True,
     help="Seconds between PodResources List calls (who holds which device).",
@@ -265,7 +265,7 @@ class _ModeDispatch(click.Command):
 @click.option(
     "--telemetry-interval",
     type=click.FloatRange(min=0.1, max=3600),
-    envvar=monitoring.TELEMETRY_INTERVAL_ENV,
+    envvar=constants.TELEMETRY_INTERVAL_ENV,
     default=10.0,
     show_default=True,
     help="Seconds between sysfs telemetry samples (AER, PCIe link, hwmon, network links).",
@@ -301,8 +301,8 @@ def plugin_command(
     When PLUGVISOR_STATUS_SOCKET names a unix datagram socket, the plugin reports its
     registrations and device counts there in sd_notify format.
     """
-    from plugvisor.deviceplugin.device_monitor import MonitorConfig
     from plugvisor.deviceplugin.errors import ConfigurationError
+    from plugvisor.deviceplugin.monitorconfig import MonitorConfig
     from plugvisor.deviceplugin.runtime import DevicePluginRuntime, PluginConfig, run_plugin
 
     del mode  # "dra" never gets here (_ModeDispatch)
@@ -453,16 +453,19 @@ def _serve_metrics(listen: str) -> None:
 def preload() -> None:
     """Import what every plugin process needs, so that the fork server's children inherit it.
 
-    What the framework imports only at first use is included: the PodResources
-    API (the agent's children poll it when monitoring is on, kinds with a
-    release hook always), and prometheus-client when the agent aggregates its
-    children's metrics (it hands them, and this process, ``PROMETHEUS_MULTIPROC_DIR``;
-    without it the children record none, see :func:`_drop_unread_metrics`).
+    What the framework imports only at first use is included: device monitoring
+    and the PodResources API (the agent's children monitor when its monitoring
+    is on, kinds with a release hook poll PodResources always), and
+    prometheus-client when the agent aggregates its children's metrics (it hands
+    them, and this process, ``PROMETHEUS_MULTIPROC_DIR``; without it the children
+    record none, see :func:`_drop_unread_metrics`). Imported in each child
+    instead, a module costs every child its own copy.
     """
     if MULTIPROCESS_METRICS_ENV in os.environ:
         import prometheus_client  # noqa: F401
 
     import plugvisor.api.podresources.v1.api_pb2_grpc
+    import plugvisor.deviceplugin.device_monitor
     import plugvisor.deviceplugin.runtime  # noqa: F401
 
 

@@ -24,7 +24,7 @@ from typing import IO, TYPE_CHECKING, Final
 
 import structlog
 
-from plugvisor.common import monitoring
+from plugvisor.common import constants
 from plugvisor.common.exitcodes import EXIT_CONFIGURATION
 from plugvisor.common.inotify import InotifyLimitError
 from plugvisor.common.notify import STATUS_SOCKET_ENV
@@ -170,11 +170,11 @@ class Agent:
         )
         watch = self.config.monitoring
         if watch.enabled:
-            env[monitoring.MONITOR_DIR_ENV] = str(self.runtime_dir / status_.MONITOR_DIR)
-            env[monitoring.POD_RESOURCES_INTERVAL_ENV] = str(watch.pod_resources_interval)
-            env[monitoring.TELEMETRY_INTERVAL_ENV] = str(watch.telemetry_interval)
+            env[constants.MONITOR_DIR_ENV] = str(self.runtime_dir / status_.MONITOR_DIR)
+            env[constants.POD_RESOURCES_INTERVAL_ENV] = str(watch.pod_resources_interval)
+            env[constants.TELEMETRY_INTERVAL_ENV] = str(watch.telemetry_interval)
             if watch.pod_resources_socket is not None:
-                env[monitoring.POD_RESOURCES_SOCKET_ENV] = str(watch.pod_resources_socket)
+                env[constants.POD_RESOURCES_SOCKET_ENV] = str(watch.pod_resources_socket)
         return env
 
     def _make_spawner(self, env: Mapping[str, str]) -> Spawner:

@@ -9,9 +9,9 @@ import structlog
 from plugvisor.api.podresources.v1 import api_pb2, api_pb2_grpc
 from plugvisor.common import device_metrics, monitoring
 from plugvisor.common.hostpaths import HostPaths
-from plugvisor.deviceplugin.device_monitor import MonitorConfig
 from plugvisor.deviceplugin.devices import Device
 from plugvisor.deviceplugin.hooks import ReleaseWatch
+from plugvisor.deviceplugin.monitorconfig import MonitorConfig
 from plugvisor.deviceplugin.owners import OwnerWatch
 from plugvisor.deviceplugin.runtime import DevicePluginRuntime, PluginConfig
 from plugvisor.deviceplugin.snapshot import Snapshot

@@ -15,7 +15,7 @@ import pytest
 
 from plugvisor.common import device_metrics, monitoring
 from plugvisor.common.hostpaths import HostPaths
-from plugvisor.deviceplugin.device_monitor import MonitorConfig
+from plugvisor.deviceplugin.monitorconfig import MonitorConfig
 from plugvisor.dra.devices import PCIE_ROOT
 from plugvisor.dra.hooks import kind_resource
 from plugvisor.dra.local import FileClaimReader, FileSlicePublisher

@@ -41,6 +41,10 @@ NEVER = (
 UNLESS_ASKED = {
     "prometheus_client": "--metrics-listen",  # or an agent that aggregates its children's metrics
     "yaml": "--options-file",  # the agent hands its children their options as JSON
+    # Device monitoring (reports, telemetry, the PodResources poller): a plugin without metrics has none.
+    "plugvisor.common.monitoring": "--metrics-listen",
+    "plugvisor.deviceplugin.device_monitor": "--metrics-listen",
+    "plugvisor.deviceplugin.owners": "--metrics-listen",
 }
 
 

@@ -262,7 +262,13 @@ PRELOADED = textwrap.dedent(
     from plugvisor.supervisor.spawner import ForkServerSpawner
 
     def loaded(path):  # what a child finds loaded before it imports anything itself
-        names = ("plugvisor.deviceplugin.runtime", "plugvisor.dra.runtime", "plugvisor.dra.kube", "lightkube")
+        names = (
+            "plugvisor.deviceplugin.runtime",
+            "plugvisor.deviceplugin.device_monitor",
+            "plugvisor.dra.runtime",
+            "plugvisor.dra.kube",
+            "lightkube",
+        )
         with open(path, "w") as out:
             json.dump([name for name in names if name in sys.modules], out)
         return 0
@@ -293,7 +299,8 @@ PRELOADED = textwrap.dedent(
 
 def test_the_dra_side_is_preloaded_only_for_a_node_with_dra_entries(tmp_path):
     """A device-plugin-only node's children carry no DRA code; a DRA node's get the runtime and, unless
-    the drivers keep their objects as files, the API client."""
+    the drivers keep their objects as files, the API client. Every child finds device monitoring loaded
+    (a standalone plugin imports it only when it monitors; a child importing it would carry its own copy)."""
     result = subprocess.run(
         [sys.executable, "-c", PRELOADED, str(tmp_path)],
         capture_output=True,
@@ -302,12 +309,9 @@ def test_the_dra_side_is_preloaded_only_for_a_node_with_dra_entries(tmp_path):
         check=False,
     )
     assert result.returncode == 0, result.stderr
+    device_plugin = ["plugvisor.deviceplugin.runtime", "plugvisor.deviceplugin.device_monitor"]
     assert [json.loads(line) for line in result.stdout.splitlines() if line.startswith("[")] == [
-        [False, False, ["plugvisor.deviceplugin.runtime"]],
-        [
-            True,
-            False,
-            ["plugvisor.deviceplugin.runtime", "plugvisor.dra.runtime", "plugvisor.dra.kube", "lightkube"],
-        ],
-        [True, True, ["plugvisor.deviceplugin.runtime", "plugvisor.dra.runtime"]],
+        [False, False, device_plugin],
+        [True, False, [*device_plugin, "plugvisor.dra.runtime", "plugvisor.dra.kube", "lightkube"]],
+        [True, True, [*device_plugin, "plugvisor.dra.runtime"]],
     ]

@@ -6,7 +6,8 @@ import structlog
 
 from plugvisor.common.hostpaths import HostPaths
 from plugvisor.deviceplugin.cell import SnapshotCell
-from plugvisor.deviceplugin.device_monitor import DeviceMonitor, MonitorConfig
+from plugvisor.deviceplugin.device_monitor import DeviceMonitor
+from plugvisor.deviceplugin.monitorconfig import MonitorConfig
 from plugvisor.deviceplugin.snapshot import Snapshot
 from plugvisor.plugins.gpu import KIND as GPU
 
