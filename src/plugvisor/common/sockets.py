@@ -77,6 +77,16 @@ def socket_path_problem(path: Path) -> str | None:
     return None
 
 
+BIND_TO_LISTEN: Final = 2.0
+"""Seconds a socket file may exist and not answer before it counts as dead.
+
+A server's file exists from its bind, a moment before it listens: another plugin
+of the resource starting at the same time has a socket that does not answer yet
+and must not be taken for a dead one (nor for no plugin at all). gRPC binds and
+listens in one call, so this is generous even on a loaded machine.
+"""
+
+
 def socket_answers(path: Path, timeout: float = 0.5) -> bool:
     """Whether a process holds the unix socket at ``path``.
 

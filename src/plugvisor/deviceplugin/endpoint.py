@@ -25,13 +25,13 @@ import stat
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
-from typing import Final
 
 import grpc
 import structlog
 
 from plugvisor.api.deviceplugin.v1beta1 import api_pb2_grpc
 from plugvisor.common.sockets import (
+    BIND_TO_LISTEN,
     owner_only,
     socket_answers,
     socket_files,
@@ -54,17 +54,6 @@ async def socket_is_live(path: Path, timeout: float = 0.5) -> bool:
     with contextlib.suppress(OSError):
         await writer.wait_closed()
     return True
-
-
-BIND_TO_LISTEN: Final = 2.0
-"""Seconds a socket file may exist and not answer before it counts as dead.
-
-A server's file exists from its bind, a moment before it listens: another plugin
-of the resource starting at the same time has a socket that does not answer yet
-and must not be taken for a dead one. gRPC binds and listens in one call, so
-this is generous even on a loaded machine (as :mod:`.watcherregistration` gives a
-new socket); only a socket younger than this is waited for.
-"""
 
 
 async def remove_dead_instances(

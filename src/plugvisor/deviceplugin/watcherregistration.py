@@ -39,7 +39,7 @@ from asyncinotify import Mask
 from plugvisor.api.pluginregistration.v1 import api_pb2 as reg_pb2
 from plugvisor.common import constants
 from plugvisor.common import inotify as inotify_
-from plugvisor.common.sockets import is_instance_name, socket_answers, socket_files
+from plugvisor.common.sockets import BIND_TO_LISTEN, is_instance_name, socket_answers, socket_files
 from plugvisor.common.validation import shorten
 from plugvisor.deviceplugin.registration import SIBLING_CUT_WAIT, SIBLING_STOPPED, SocketIdentity
 
@@ -218,7 +218,7 @@ def newer_than(path: Path, identity: SocketIdentity | None) -> bool:
     return identity is not None and other is not None and other.ctime_ns > identity.ctime_ns
 
 
-async def wait_until_answers(path: Path, timeout: float = 2.0) -> bool:
+async def wait_until_answers(path: Path, timeout: float = BIND_TO_LISTEN) -> bool:
     """Whether a process answers on the unix socket at ``path`` within ``timeout`` seconds.
 
     A server's socket file exists from its bind, a moment before it listens: a
