@@ -80,6 +80,10 @@ class GpuOptions(_Model):
     aer_unhealthy: list[AerKind] = pydantic.Field(
         default_factory=lambda: [AerKind.FATAL], alias="aerUnhealthy"
     )
+    driver_root: AbsolutePath = pydantic.Field(default="/", alias="driverRoot")
+    """Where NVIDIA's user-space driver files (libnvidia-ml, libcuda, ...) live on the host, as NVIDIA's
+    charts' ``driverRoot``: ``/`` for a driver installed on the host, ``/run/nvidia/driver`` for the GPU
+    operator's driver container, ``/usr/local/nvidia`` on some images. Read under ``hostRoot``."""
 
     @property
     def device_specs(self) -> bool:
