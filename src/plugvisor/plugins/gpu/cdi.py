@@ -7,20 +7,30 @@ the same devices always give the same bytes: a plugin restart rewrites nothing,
 and the file on disk only changes when the devices do. Writes are atomic (a
 temporary file in the same directory, renamed over the old one) because the
 container runtime may read the directory at any moment.
+
+NVIDIA GPUs need the driver's user-space files too (:mod:`.driverfiles`): the
+spec's shared edits carry their read-only mounts and the toolkit's
+``update-ldcache`` hook, unless the node's own NVIDIA container toolkit spec
+names every GPU, in which case containers get its devices instead
+(:func:`with_driver`, :func:`driver_edits`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
 from plugvisor.common.atomicfile import write_atomically
+from plugvisor.deviceplugin.devices import Mount as AllocateMount
+from plugvisor.deviceplugin.hooks import ContainerAllocation
+from plugvisor.plugins.gpu.driverfiles import DriverFiles, Hook, Mount, toolkit_ids
 
 CDI_VERSION: Final = "0.6.0"
 _NAME_UNSAFE: Final = re.compile(r"[^A-Za-z0-9_.:-]")
@@ -55,8 +65,17 @@ def spec_file_name(kind: str) -> str:
     return kind.replace("/", "-") + ".json"
 
 
-def render(kind: str, devices: Mapping[str, Sequence[Node]], shared: Sequence[Node]) -> bytes:
-    """The spec's bytes: devices sorted by name, the shared nodes as top-level edits."""
+def render(
+    kind: str,
+    devices: Mapping[str, Sequence[Node]],
+    shared: Sequence[Node],
+    driver: tuple[Sequence[Mount], Sequence[Hook]] = ((), ()),
+) -> bytes:
+    """The spec's bytes: devices sorted by name; the shared nodes, driver mounts and hooks as top-level edits.
+
+    Top-level edits apply to a container whenever any device of the spec is
+    injected: the driver's files are the same for every GPU of a node.
+    """
     document: dict[str, Any] = {
         "cdiVersion": CDI_VERSION,
         "kind": kind,
@@ -65,8 +84,16 @@ def render(kind: str, devices: Mapping[str, Sequence[Node]], shared: Sequence[No
             for name in sorted(devices)
         ],
     }
+    mounts, hooks = driver
+    edits: dict[str, Any] = {}
     if shared:
-        document["containerEdits"] = {"deviceNodes": [node.render() for node in shared]}
+        edits["deviceNodes"] = [node.render() for node in shared]
+    if mounts:
+        edits["mounts"] = [mount.render() for mount in mounts]
+    if hooks:
+        edits["hooks"] = [hook.render() for hook in hooks]
+    if edits:
+        document["containerEdits"] = edits
     return (json.dumps(document, indent=2, sort_keys=False) + "\n").encode()
 
 
@@ -89,3 +116,53 @@ def write_if_changed(directory: Path, kind: str, content: bytes) -> bool:
                 return False
     write_atomically(path, content, mode=0o644)
     return True
+
+
+GpuIdentity = tuple[str | None, int | None]
+"""An NVIDIA GPU as the toolkit names it: UUID, minor number."""
+
+
+def driver_edits(
+    files: DriverFiles | None, gpus: Iterable[GpuIdentity]
+) -> tuple[tuple[Mount, ...], tuple[Hook, ...]]:
+    """The driver mounts and hooks a spec for these NVIDIA GPUs carries.
+
+    None when there are no NVIDIA GPUs, or when the toolkit's own spec names each
+    of them (containers then get its devices, :func:`with_driver`).
+    """
+    listed = list(gpus)
+    if files is None or not listed or toolkit_ids(files, listed) is not None:
+        return (), ()
+    return files.mounts, files.hooks
+
+
+def with_driver(
+    allocation: ContainerAllocation,
+    files: DriverFiles | None,
+    gpus: Iterable[GpuIdentity],
+    *,
+    in_spec: bool,
+) -> ContainerAllocation:
+    """A container's allocation with NVIDIA's user-space driver.
+
+    The toolkit's CDI devices for its GPUs when the node's toolkit spec names them
+    all; else, unless the resource's own spec carries them (``in_spec``), the
+    driver's files as read-only Allocate mounts (which a DRA claim's spec carries
+    as CDI mounts).
+    """
+    listed = list(dict.fromkeys(gpus))
+    if files is None or not listed:
+        return allocation
+    ids = toolkit_ids(files, listed)
+    if ids is not None:
+        added = [i for i in ids if i not in allocation.cdi_devices]
+        return dataclasses.replace(allocation, cdi_devices=[*allocation.cdi_devices, *added])
+    if in_spec or not files.mounts:
+        return allocation
+    taken = {m.container_path for m in allocation.mounts}
+    extra = [
+        AllocateMount(container_path=m.container_path, host_path=m.host_path, read_only=True)
+        for m in files.mounts
+        if m.container_path not in taken
+    ]
+    return dataclasses.replace(allocation, mounts=[*allocation.mounts, *extra])

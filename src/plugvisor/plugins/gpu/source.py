@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Final
 
@@ -18,7 +18,8 @@ from plugvisor.plugins import sysfs, telemetry, topology
 from plugvisor.plugins.gpu import cdi
 from plugvisor.plugins.gpu import dra as gpu_dra
 from plugvisor.plugins.gpu.discovery import Gpu, GpuScanner
-from plugvisor.plugins.gpu.options import GpuOptions, IdStrategy
+from plugvisor.plugins.gpu.driverfiles import DriverFiles, DriverLocator
+from plugvisor.plugins.gpu.options import NVIDIA, GpuOptions, IdStrategy
 
 REPLICA_SEPARATOR: Final = "::"
 """Between a GPU's ID and its replica number (NVIDIA's annotated IDs: ``GPU-...::3``)."""
@@ -85,6 +86,7 @@ class GpuSource:
         self._log = structlog.get_logger("plugvisor.plugins.gpu").bind(resource=resource)
         self._problems = sysfs.ProblemLog(self._log)
         self._telemetry = telemetry.TelemetryLog(self._log)
+        self._driver = DriverLocator(paths, options.driver_root, log=self._log)
 
     # -- discovery -----------------------------------------------------------------
 
@@ -207,18 +209,36 @@ class GpuSource:
     def post_allocate(
         self, allocation: ContainerAllocation, snapshot: Snapshot[GpuScan]
     ) -> ContainerAllocation:
-        """With ``cdi: true``, make sure the spec on disk describes the snapshot's GPUs before containers run.
+        """Add NVIDIA's driver files (or toolkit devices) and, with ``cdi: true``, write the spec first.
 
-        Written here (as Intel does) rather than in ``scan``, which stays free of side effects.
+        With ``cdi: true`` the spec on disk must describe the snapshot's GPUs
+        before containers run; NVIDIA GPUs also get the driver's user-space files
+        or the toolkit's devices (:func:`.cdi.with_driver`). Written here (as Intel
+        does) rather than in ``scan``, which stays free of side effects.
         """
+        scan = snapshot.data
+        files = self._driver_files(scan.gpus.values())
         if self.options.cdi:
-            self.write_cdi_spec(snapshot.data)
-        return allocation
+            self.write_cdi_spec(scan, files)
+        mine = [scan.gpus[i] for i in snapshot.devices if i in scan.gpus]
+        return cdi.with_driver(allocation, files, _nvidia(mine), in_spec=self.options.cdi)
 
-    def write_cdi_spec(self, scan: GpuScan) -> Path:
+    def _driver_files(self, gpus: Iterable[Gpu]) -> DriverFiles | None:
+        """The node's NVIDIA driver files, looked for only when there are NVIDIA GPUs."""
+        return self._driver.find() if _nvidia(gpus) else None
+
+    def write_cdi_spec(self, scan: GpuScan, files: DriverFiles | None = None) -> Path:
         """Write the CDI spec for the GPUs of ``scan`` (only if its bytes changed); return its path."""
         directory = self.paths.host(self.options.cdi_dir)
-        content = cdi.render(self.resource, scan.cdi_devices, scan.cdi_shared)
+        if files is None:
+            files = self._driver_files(scan.gpus.values())
+        driver = cdi.driver_edits(files, _nvidia(scan.gpus.values()))
+        content = cdi.render(self.resource, scan.cdi_devices, scan.cdi_shared, driver)
         if cdi.write_if_changed(directory, self.resource, content):
             self._log.info("cdi_spec_written", path=str(directory / cdi.spec_file_name(self.resource)))
         return directory / cdi.spec_file_name(self.resource)
+
+
+def _nvidia(gpus: Iterable[Gpu]) -> list[tuple[str | None, int | None]]:
+    """The NVIDIA GPUs among ``gpus`` as the toolkit names them (UUID, minor number), each once."""
+    return list(dict.fromkeys((g.uuid, g.index) for g in gpus if g.function.vendor == NVIDIA))
