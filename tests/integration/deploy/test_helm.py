@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
+import json
 import re
 import shutil
 import subprocess
@@ -22,6 +23,8 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+
+from plugvisor.plugins.gpu import GpuOptions
 
 from .conftest import KUBERNETES_VERSION, OVERLAYS, REPO, agents_with_config, check_kubelet_dirs, render
 
@@ -252,7 +255,51 @@ NIC_AS_GPU_DRIVER = '[{"name": "gpu.plugvisor.io", "kind": "nic", "mode": "dra"}
             ],
             "kinds.nic.dra.resources: the driver gpu.plugvisor.io is already another DRA resource's",
         ),
-        (["--set", "kinds.My_Kind.enabled=true"], "invalid propertyName 'My_Kind'"),
+        (["--set", "kinds.My_Kind.enabled=true"], "at '/kinds': additional properties 'My_Kind' not allowed"),
+        (
+            [
+                "--set-json",
+                'kinds.generic.hostMounts=[{"name": "x", "path": "/etc",'
+                ' "mountPath": "/host/../etc/plugvisor"}]',
+            ],
+            "'/kinds/generic/hostMounts/0/mountPath'",
+        ),
+        (
+            [
+                "--set-json",
+                'kinds.generic.hostMounts=[{"name": "x", "path": "/sys/../etc", "mountPath": "/host/sys"}]',
+            ],
+            "'/kinds/generic/hostMounts/0/path'",
+        ),
+        (["--set", "lab.root=/var/lib/../../etc"], "'/lab/root'"),
+        (
+            ["--set", f"kinds.gpu.dra.resources[0].name={'a' * 90}.example.com"],
+            "'/kinds/gpu/dra/resources/0/name'",
+        ),
+        (["--set-json", 'kinds.gpu.nodeSelector={"bad key!": "true"}'], "'/kinds/gpu/nodeSelector'"),
+        (["--set-json", 'nodeSelector={"gpu": true}'], "'/nodeSelector/gpu'"),
+        (["--set-json", 'podLabels={"team": "a b"}'], "'/podLabels/team'"),
+        (["--set", "resources.limits.memory=lots"], "'/resources/limits/memory'"),
+        (["--set", "resources.limit.memory=1Gi"], "'/resources': additional properties 'limit' not allowed"),
+        (["--set", "resources.requests.cpu=-1"], "'/resources/requests/cpu'"),
+        (["--set-json", 'tolerations=[{"operator": "Sometimes"}]'], "'/tolerations/0/operator'"),
+        (["--set", "kinds.gpu.driverRoot=/run/nvidia/../../etc"], "'/kinds/gpu/driverRoot'"),
+        (["--set", "kinds.gpu.dra.resources[0].extendedResourceName=gpu"], "extendedResourceName'"),
+        (["--set", "nodeConfigs.configs.Shared.gpu.resources=null"], "'/nodeConfigs/configs'"),
+        (
+            ["--set-json", 'nodeConfigs.configs.shared={"gpu": {"resources": [], "replicas": 2}}'],
+            "'/nodeConfigs/configs/shared/gpu': additional properties 'replicas' not allowed",
+        ),
+        (
+            [
+                *("--set", "kinds.gpu.enabled=true"),
+                *(
+                    "--set-json",
+                    'nodeConfigs.configs.shared={"gpus": {"resources": [{"name": "a.io/b", "kind": "gpu"}]}}',
+                ),
+            ],
+            "nodeConfigs.configs.shared.gpus: there is no kind gpus in kinds",
+        ),
         (
             ["--set-json", f"kinds.generic.hostMounts={_MOUNT_NAMED_CONFIG}"],
             "'/kinds/generic/hostMounts/0/name'",
@@ -301,7 +348,10 @@ def test_values_the_chart_cannot_honour_are_refused_naming_the_key(settings: lis
     objects would contradict: a kind name that cannot name a DaemonSet, a host mount whose name or path is
     one the chart's own volumes use, a metrics address the kubelet's probes cannot reach (no port, port 0
     or past 65535, loopback), a kubelet directory that is relative or has `..`, `.`, an empty component or
-    a control character in it; and node.yaml's kubeletDir, which follows `kubelet`."""
+    a control character in it; and node.yaml's kubeletDir, which follows `kubelet`. Host paths, mount paths
+    and the lab's root with `..` (a mount that leads elsewhere than it says), a driver name longer than the
+    API server takes (63), label keys and values Kubernetes refuses (and a boolean for a string), resources
+    that are not a ResourceRequirements, a per-node config naming a kind there is not."""
     args = [helm(), "template", "plugvisor", str(CHART), *KUBE_VERSION, *settings]
     result = subprocess.run(args, capture_output=True, text=True, check=False, timeout=120)
     assert result.returncode != 0
@@ -312,7 +362,7 @@ def test_values_are_rendered_as_values_never_as_yaml() -> None:
     """An image tag or a host path with a newline or a colon in it stays one string in one field: it cannot
     add a field to the pod (a securityContext, a command) nor break the document."""
     hostile = "x\n          workingDir: /injected"
-    mounts = '[{"name": "host-dev", "path": "/dev: x", "mountPath": "/host/dev\\n  hostPID: true"}]'
+    mounts = '[{"name": "host-dev", "path": "/dev: x", "mountPath": "/host/dev: {hostPID: true}"}]'
     docs = chart(
         "generic",
         *("--set-string", f"image.tag={hostile}"),
@@ -324,7 +374,7 @@ def test_values_are_rendered_as_values_never_as_yaml() -> None:
     assert "hostPID" not in pod
     assert container["image"].endswith(f":{hostile}")
     assert {"name": "host-dev", "hostPath": {"path": "/dev: x", "type": "Directory"}} in pod["volumes"]
-    assert any(m["mountPath"] == "/host/dev\n  hostPID: true" for m in container["volumeMounts"])
+    assert any(m["mountPath"] == "/host/dev: {hostPID: true}" for m in container["volumeMounts"])
 
 
 def test_the_gpu_dra_driver_beside_cdi_device_plugins_mounts_the_cdi_directory_once() -> None:
@@ -341,3 +391,262 @@ def test_the_gpu_dra_driver_beside_cdi_device_plugins_mounts_the_cdi_directory_o
         assert len(set(mounts)) == len(mounts), doc["metadata"]["name"]
         kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
         assert "host-cdi" in volumes
+
+
+def _label_values(doc: dict[str, Any]) -> list[object]:
+    """Every label value of an object: its own, its selector's, its pod template's, its node selector's."""
+    spec = doc.get("spec", {})
+    template = spec.get("template", {})
+    maps = [
+        doc["metadata"].get("labels", {}),
+        spec.get("selector", {}).get("matchLabels", {}),
+        template.get("metadata", {}).get("labels", {}),
+        template.get("metadata", {}).get("annotations", {}),
+        template.get("spec", {}).get("nodeSelector", {}),
+    ]
+    return [value for labels in maps for value in labels.values()]
+
+
+@pytest.mark.parametrize("name", ["yes", "on", "null", "0x1f", "1e3", "true"])
+def test_every_label_value_renders_as_a_string_whatever_the_kind_is_called(name: str) -> None:
+    """YAML reads yes, on and true as booleans, null as nothing and 0x1f, 1e3 as numbers: a kind (or a
+    per-node config) of that name must still give string labels, or the API server refuses the object."""
+    kind = '{"enabled": true, "resources": [{"name": "x.io/y", "kind": "generic", "paths": ["/dev/fuse"]}],'
+    kind += ' "hostMounts": [], "nodeSelector": {"a": "' + name + '"}}'
+    config = (
+        '{"' + name + '": {"resources": [{"name": "x.io/y", "kind": "generic", "paths": ["/dev/null"]}]}}'
+    )
+    docs = chart(
+        None,
+        *("--set-json", f"kinds.{name}={kind}"),
+        *("--set-json", f"nodeConfigs.configs.{name}={config}"),
+        *("--set-json", f'podLabels={{"team": "{name}"}}'),
+    )
+    assert len([d for d in docs if d["kind"] == "DaemonSet"]) == 2
+    for doc in docs:
+        for value in _label_values(doc):
+            assert isinstance(value, str), f"{doc['kind']}/{doc['metadata']['name']}: {value!r}"
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def test_a_bad_kind_name_is_named_at_the_same_place_on_every_run() -> None:
+    """Helm's schema library reported propertyNames failures at a random other key of the values."""
+    args = [helm(), "template", "plugvisor", str(CHART), *KUBE_VERSION, "--set", "kinds.My_Kind.enabled=true"]
+    errors = {
+        subprocess.run(args, capture_output=True, text=True, check=False, timeout=120).stderr
+        for _ in range(4)
+    }
+    assert len(errors) == 1
+    assert "at '/kinds': additional properties 'My_Kind' not allowed" in errors.pop()
+
+
+def _template(*settings: str) -> subprocess.CompletedProcess[str]:
+    args = [helm(), "template", "plugvisor", str(CHART), "--namespace", "kube-system", *settings]
+    return subprocess.run(args, capture_output=True, text=True, check=False, timeout=120)
+
+
+def test_device_plugins_render_offline_without_a_kube_version() -> None:
+    result = _template("--set", "kinds.gpu.enabled=true")
+    assert result.returncode == 0, result.stderr
+    assert [d["kind"] for d in yaml.safe_load_all(result.stdout) if d] == ["ConfigMap", "DaemonSet"]
+
+
+@pytest.mark.parametrize(
+    ("settings", "said"),
+    [
+        ((), "no cluster was asked its version: pass the cluster's, e.g. helm template --kube-version 1.37"),
+        (("--kube-version", "1.28.0"), "DRA drivers need Kubernetes 1.34 or newer"),
+        (("--kube-version", "1.33.5"), "this release is for v1.33.5"),
+    ],
+)
+def test_dra_drivers_are_refused_for_a_release_they_do_not_fit_saying_which(
+    settings: tuple[str, ...], said: str
+) -> None:
+    result = _template("--set", "kinds.gpu.dra.enabled=true", *settings)
+    assert result.returncode != 0
+    assert "kinds.gpu.dra.enabled: " in result.stderr and said in result.stderr
+
+
+def test_device_plugins_are_refused_below_the_oldest_kubelet_the_project_plays() -> None:
+    result = _template("--set", "kinds.gpu.enabled=true", "--kube-version", "1.25.0")
+    assert result.returncode != 0 and "need Kubernetes 1.26 or newer" in result.stderr
+    assert _template("--set", "kinds.gpu.dra.enabled=true", "--kube-version", "1.34.0").returncode == 0
+
+
+def _pod(docs: tuple[dict[str, Any], ...], name: str) -> dict[str, Any]:
+    (ds,) = [d for d in docs if d["kind"] == "DaemonSet" and d["metadata"]["name"] == name]
+    pod: dict[str, Any] = ds["spec"]["template"]
+    return pod
+
+
+def test_what_nvidias_chart_takes_reaches_every_agents_pod() -> None:
+    """tolerations, affinity, nodeSelector, priorityClassName, imagePullSecrets, pod labels and annotations,
+    resources and the update strategy, as NVIDIA's device-plugin chart takes them."""
+    affinity = '{"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms":'
+    affinity += ' [{"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}]}}}'
+    docs = chart(
+        "gpu",
+        *("--set", "kinds.gpu.dra.enabled=true"),
+        *(
+            "--set-json",
+            'tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]',
+        ),
+        *("--set-json", f"affinity={affinity}"),
+        *("--set-json", 'nodeSelector={"pool": "gpu", "kubernetes.io/os": "windows"}'),
+        *("--set", "priorityClassName=gpu-critical"),
+        *("--set-json", 'imagePullSecrets=[{"name": "registry"}]'),
+        *("--set-json", 'podLabels={"team": "ml", "plugvisor.io/kind": "not-mine"}'),
+        *("--set-json", 'podAnnotations={"example.com/note": "x"}'),
+        *(
+            "--set-json",
+            'resources={"requests": {"cpu": "50m", "memory": "100Mi"}, "limits": {"memory": 1073741824}}',
+        ),
+        *(
+            "--set-json",
+            'updateStrategy={"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": "10%"}}',
+        ),
+    )
+    for name in ("plugvisor-gpu", "plugvisor-gpu-dra"):
+        template = _pod(docs, name)
+        pod = template["spec"]
+        assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+        assert pod["affinity"] == json.loads(affinity)
+        assert pod["nodeSelector"] == {
+            "kubernetes.io/os": "linux",  # the chart's own wins: the agents are Linux processes
+            "pool": "gpu",
+            "feature.node.kubernetes.io/pci-0302_10de.present": "true",
+        }
+        assert pod["priorityClassName"] == "gpu-critical"
+        assert pod["imagePullSecrets"] == [{"name": "registry"}]
+        assert template["metadata"]["labels"]["team"] == "ml"
+        assert template["metadata"]["labels"]["plugvisor.io/kind"] == "gpu"  # the selector's own wins
+        assert template["metadata"]["annotations"]["example.com/note"] == "x"
+        assert pod["containers"][0]["resources"]["requests"] == {"cpu": "50m", "memory": "100Mi"}
+    (ds,) = [d for d in docs if d["kind"] == "DaemonSet" and d["metadata"]["name"] == "plugvisor-gpu"]
+    # Helm merges a map given with the chart's own: maxSurge stays 0 unless given
+    rolling = {"maxSurge": 0, "maxUnavailable": "10%"}
+    assert ds["spec"]["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": rolling}
+    for doc in docs:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def test_a_per_node_config_runs_its_own_agent_on_its_nodes_and_the_default_keeps_off_them() -> None:
+    dra = {
+        "name": "gpu.plugvisor.io",
+        "kind": "gpu",
+        "mode": "dra",
+        "match": {"pciAddresses": ["0000:3b:00.0"]},
+    }
+    shared = json.dumps(
+        {
+            "gpu": {
+                "resources": [{"name": "plugvisor.io/gpu", "kind": "gpu", "replicas": 4}],
+                "dra": {"resources": [dra]},
+            }
+        }
+    )
+    terms = [
+        {"matchExpressions": [{"key": "a", "operator": "Exists"}]},
+        {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["n1"]}]},
+    ]
+    affinity = json.dumps(
+        {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": terms}}}
+    )
+    docs = chart(
+        "gpu-dra",
+        *("--set", "kinds.gpu.enabled=true"),
+        *("--set-json", f"nodeConfigs.configs.shared={shared}"),
+        *(
+            "--set-json",
+            'nodeConfigs.configs.other={"gpu": {"resources": [{"name": "plugvisor.io/gpu", "kind": "gpu"}]}}',
+        ),
+        *("--set-json", f"affinity={affinity}"),
+    )
+    names = sorted(d["metadata"]["name"] for d in docs if d["kind"] == "DaemonSet")
+    assert names == [
+        "plugvisor-gpu",
+        "plugvisor-gpu-dra",
+        "plugvisor-gpu-other",
+        "plugvisor-gpu-shared",
+        "plugvisor-gpu-shared-dra",
+    ]
+    configs = {
+        d["metadata"]["name"]: yaml.safe_load(d["data"]["node.yaml"])
+        for d in docs
+        if d["kind"] == "ConfigMap"
+    }
+    assert configs["plugvisor-config-gpu-shared"]["resources"][0]["replicas"] == 4
+    assert "replicas" not in configs["plugvisor-config-gpu"]["resources"][0]
+    shared_pod = _pod(docs, "plugvisor-gpu-shared")
+    assert shared_pod["spec"]["nodeSelector"]["plugvisor.io/config"] == "shared"
+    assert shared_pod["metadata"]["labels"]["plugvisor.io/config"] == "shared"
+    default_terms = _pod(docs, "plugvisor-gpu")["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]["nodeSelectorTerms"]
+    keep_off = {"key": "plugvisor.io/config", "operator": "NotIn", "values": ["other", "shared"]}
+    assert len(default_terms) == 2 and all(keep_off in term["matchExpressions"] for term in default_terms)
+    dra_terms = _pod(docs, "plugvisor-gpu-dra")["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]["nodeSelectorTerms"]
+    assert all({**keep_off, "values": ["shared"]} in term["matchExpressions"] for term in dra_terms)
+    for doc in docs:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def test_the_prometheus_operators_monitors_are_off_by_default_and_select_every_agent() -> None:
+    assert not [d for d in chart("gpu") if d["apiVersion"].startswith("monitoring.coreos.com")]
+    docs = chart(
+        "gpu",
+        *("--set", "monitoring.podMonitor.enabled=true,monitoring.serviceMonitor.enabled=true"),
+        *("--set-json", 'monitoring.podMonitor.labels={"release": "prometheus"}'),
+    )
+    by_kind = {d["kind"]: d for d in docs}
+    pod_monitor, service_monitor, service = (
+        by_kind["PodMonitor"],
+        by_kind["ServiceMonitor"],
+        by_kind["Service"],
+    )
+    agent_labels = _pod(docs, "plugvisor-gpu")["metadata"]["labels"]
+    assert pod_monitor["metadata"]["labels"]["release"] == "prometheus"
+    for selector in (pod_monitor["spec"]["selector"]["matchLabels"], service["spec"]["selector"]):
+        assert selector.items() <= agent_labels.items()
+    assert pod_monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+    assert service_monitor["spec"]["endpoints"][0]["port"] == "metrics"
+    assert service_monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert service["spec"]["clusterIP"] == "None"
+    kubernetes_validate.validate(service, KUBERNETES_VERSION, strict=True)
+
+
+@pytest.mark.parametrize(
+    ("driver_root", "host_path"), [("/", "/usr"), ("/run/nvidia/driver/", "/run/nvidia/driver")]
+)
+def test_the_driver_root_is_mounted_read_only_where_the_gpu_resources_read_it(
+    driver_root: str, host_path: str
+) -> None:
+    docs = chart("gpu-dra", "--set", "kinds.gpu.enabled=true", "--set", f"kinds.gpu.driverRoot={driver_root}")
+    for ds, config in agents_with_config(docs):
+        pod = ds["spec"]["template"]["spec"]
+        volume = next(v for v in pod["volumes"] if v["name"] == "host-driver")
+        mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "host-driver")
+        assert volume["hostPath"]["path"] == host_path
+        assert mount == {"name": "host-driver", "mountPath": f"/host{host_path}", "readOnly": True}
+        assert any(
+            m["mountPath"] == "/host/etc/cdi" and m["readOnly"] for m in pod["containers"][0]["volumeMounts"]
+        )
+        for resource in config.resources:
+            # what the gpu kind reads the driver from, under hostRoot /host, where host-driver is mounted
+            read = GpuOptions.model_validate({k: v for k, v in resource.options.items() if k != "mode"})
+            assert read.driver_root == (driver_root.rstrip("/") or "/")
+    without = chart("gpu", "--set", "kinds.gpu.driverRoot=")
+    assert not any(v["name"] == "host-driver" for v in _pod(without, "plugvisor-gpu")["spec"]["volumes"])
+
+
+def test_the_gpu_device_class_serves_the_extended_resource_and_node_yaml_never_sees_the_key() -> None:
+    docs = chart("gpu-dra")
+    (device_class,) = [d for d in docs if d["kind"] == "DeviceClass"]
+    assert device_class["spec"]["extendedResourceName"] == "plugvisor.io/gpu"
+    (configmap,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    assert "extendedResourceName" not in configmap["data"]["node.yaml"]
+    plain = [{"name": "gpu.plugvisor.io", "kind": "gpu", "mode": "dra"}]
+    none = chart("gpu-dra", "--set-json", f"kinds.gpu.dra.resources={json.dumps(plain)}")
+    assert "extendedResourceName" not in next(d for d in none if d["kind"] == "DeviceClass")["spec"]

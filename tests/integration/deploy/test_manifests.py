@@ -121,6 +121,9 @@ def _needed_host_paths(config: NodeConfig) -> dict[str, bool]:
                 needs[PCI_IDS_DIR] = False  # the devices' `model` attribute, from pci.ids
         if resource.kind == "gpu":
             needs |= {"/sys": False, "/dev": False, "/proc/driver": False}
+            # NVIDIA's user-space driver (driverRoot; / keeps it under /usr) and the toolkit's CDI spec
+            driver_root = options.get("driverRoot", "/")
+            needs |= {"/usr" if driver_root == "/" else driver_root: False, "/etc/cdi": False}
             if options.get("cdi"):
                 needs[options.get("cdiDir", "/var/run/cdi")] = True
         elif resource.kind == "nic":

@@ -18,13 +18,21 @@ containerPort and probes, is node.metrics.listen's.
 {{- $ := .root }}
 {{- $kind := .values }}
 {{- $dra := .dra }}
-{{- $name := ternary (printf "%s-dra" .kind) .kind $dra }}
+{{- $config := .config | default "" }}
+{{- $base := ternary (printf "%s-%s" .kind $config) .kind (ne $config "") }}
+{{- $name := ternary (printf "%s-dra" $base) $base $dra }}
+{{- if gt (len (printf "plugvisor-config-%s" $name)) 63 }}
+{{- fail (printf "nodeConfigs.configs.%s: the agent's names (plugvisor-config-%s) would be over 63 characters; a shorter config or kind name" $config $name) }}
+{{- end }}
 {{- $selector := dict "app.kubernetes.io/name" "plugvisor" "plugvisor.io/kind" .kind }}
 {{- $modeLabel := ternary (dict "plugvisor.io/mode" "dra") dict $dra }}
-{{- $resources := $kind.resources }}
+{{- if $config }}
+{{- $_ := set $modeLabel "plugvisor.io/config" $config }}
+{{- end }}
+{{- $declared := $kind.resources }}
 {{- $hostMounts := $kind.hostMounts }}
 {{- if $dra }}
-{{- $resources = $kind.dra.resources }}
+{{- $declared = $kind.dra.resources }}
 {{- $hostMounts = list }}
 {{- range concat $kind.hostMounts ($kind.dra.hostMounts | default list) }}
 {{- /* A DRA agent mounts the host's CDI directory itself (below): the kind's own (gpu with cdi) would be a second volume of that name and path. */}}
@@ -32,6 +40,24 @@ containerPort and probes, is node.metrics.listen's.
 {{- $hostMounts = append $hostMounts . }}
 {{- end }}
 {{- end }}
+{{- end }}
+{{- if $config }}
+{{- $declared = .resources }}
+{{- end }}
+{{- /* NVIDIA's user-space driver (kinds.<kind>.driverRoot): read-only under /host, /usr for a driver on the host's /, and the host's /etc/cdi where NVIDIA's container toolkit writes its spec; the gpu resources read it from there. */}}
+{{- $driverRoot := $kind.driverRoot | default "" }}
+{{- if $driverRoot }}
+{{- $driverRoot = clean $driverRoot }}
+{{- $driverPath := ternary "/usr" $driverRoot (eq $driverRoot "/") }}
+{{- $hostMounts = concat (list (dict "name" "host-driver" "path" $driverPath "mountPath" (printf "/host%s" $driverPath) "readOnly" true) (dict "name" "host-etc-cdi" "path" "/etc/cdi" "mountPath" "/host/etc/cdi" "readOnly" true "type" "DirectoryOrCreate")) $hostMounts }}
+{{- end }}
+{{- $resources := list }}
+{{- range $declared }}
+{{- $resource := omit . "extendedResourceName" }}
+{{- if and (ne $driverRoot "") (ne $driverRoot "/") (eq (toString .kind) "gpu") (not (hasKey . "driverRoot")) }}
+{{- $_ := set $resource "driverRoot" $driverRoot }}
+{{- end }}
+{{- $resources = append $resources $resource }}
 {{- end }}
 {{- /* Each mount is one volume and one mount of the pod: a name or a mountPath given twice is an invalid DaemonSet. */}}
 {{- $kindName := .kind }}
@@ -47,7 +73,7 @@ containerPort and probes, is node.metrics.listen's.
 {{- $hardware := ternary $.Values.lab.root "" $.Values.lab.enabled }}
 {{- $kubelet := include "plugvisor.kubeletDirs" $ | fromYaml }}
 {{- $node := merge (dict "hostRoot" "/host" "specRoot" (ternary $.Values.lab.root "/" $.Values.lab.enabled) "kubeletDir" $kubelet.devicePlugins "resources" $resources) (deepCopy $.Values.node) }}
-{{- $config := toYaml $node }}
+{{- $nodeYaml := toYaml $node }}
 ---
 apiVersion: v1
 kind: ConfigMap
@@ -55,14 +81,11 @@ metadata:
   name: plugvisor-config-{{ $name }}
   namespace: {{ $.Release.Namespace }}
   labels:
-    plugvisor.io/kind: {{ .kind }}
-    {{- with $modeLabel }}
-    {{- toYaml . | nindent 4 }}
-    {{- end }}
+    {{- include "plugvisor.labels" (merge (dict "plugvisor.io/kind" .kind) $modeLabel) | nindent 4 }}
     {{- include "plugvisor.helmLabels" $ | nindent 4 }}
 data:
   node.yaml: |
-    {{- $config | nindent 4 }}
+    {{- $nodeYaml | nindent 4 }}
 ---
 apiVersion: apps/v1
 kind: DaemonSet
@@ -73,38 +96,60 @@ metadata:
     app.kubernetes.io/name: plugvisor
     app.kubernetes.io/component: node-agent
     app.kubernetes.io/part-of: plugvisor
-    plugvisor.io/kind: {{ .kind }}
-    {{- with $modeLabel }}
-    {{- toYaml . | nindent 4 }}
-    {{- end }}
+    {{- include "plugvisor.labels" (merge (dict "plugvisor.io/kind" .kind) $modeLabel) | nindent 4 }}
     {{- include "plugvisor.helmLabels" $ | nindent 4 }}
 spec:
   selector:
     matchLabels:
-      {{- merge (deepCopy $modeLabel) $selector | toYaml | nindent 6 }}
+      {{- include "plugvisor.labels" (merge (deepCopy $modeLabel) $selector) | nindent 6 }}
+  {{- with $.Values.updateStrategy }}
   updateStrategy:
-    type: RollingUpdate
-    rollingUpdate:
-      # Two agents on one node would register the same resources twice: replace, never surge.
-      maxSurge: 0
-      maxUnavailable: 1
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
   template:
     metadata:
       labels:
-        app.kubernetes.io/component: node-agent
-        {{- merge (deepCopy $modeLabel) $selector | toYaml | nindent 8 }}
+        {{- include "plugvisor.labels" (merge (deepCopy $modeLabel) $selector (dict "app.kubernetes.io/component" "node-agent") ($.Values.podLabels | default dict)) | nindent 8 }}
       annotations:
-        checksum/node.yaml: {{ $config | sha256sum }}
+        {{- include "plugvisor.labels" (merge (dict "checksum/node.yaml" ($nodeYaml | sha256sum)) ($.Values.podAnnotations | default dict)) | nindent 8 }}
     spec:
-      priorityClassName: system-node-critical
-      nodeSelector:
-        kubernetes.io/os: linux
-        {{- with (ternary $kind.labNodeSelector $kind.nodeSelector $.Values.lab.enabled) }}
+      {{- with $.Values.priorityClassName }}
+      priorityClassName: {{ . | quote }}
+      {{- end }}
+      {{- with $.Values.imagePullSecrets }}
+      imagePullSecrets:
         {{- toYaml . | nindent 8 }}
+      {{- end }}
+      nodeSelector:
+        {{- $nodeSelector := merge (dict "kubernetes.io/os" "linux") (ternary ($kind.labNodeSelector | default dict) ($kind.nodeSelector | default dict) $.Values.lab.enabled) ($.Values.nodeSelector | default dict) }}
+        {{- if $config }}
+        {{- $_ := set $nodeSelector $.Values.nodeConfigs.label $config }}
         {{- end }}
+        {{- include "plugvisor.labels" $nodeSelector | nindent 8 }}
+      {{- with $.Values.tolerations }}
       tolerations:
-        # Device plugins must run on tainted nodes too, and stay through node pressure.
-        - operator: Exists
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- $affinity := deepCopy ($.Values.affinity | default dict) }}
+      {{- if .excluded }}
+      {{- /* The nodes of per-node configs run those configs' agents: this one keeps off them, in every required term (terms are ORed). */}}
+      {{- $expression := dict "key" $.Values.nodeConfigs.label "operator" "NotIn" "values" .excluded }}
+      {{- $nodeAffinity := get $affinity "nodeAffinity" | default dict }}
+      {{- $required := get $nodeAffinity "requiredDuringSchedulingIgnoredDuringExecution" | default dict }}
+      {{- $terms := list }}
+      {{- range (get $required "nodeSelectorTerms" | default (list dict)) }}
+      {{- $term := deepCopy . }}
+      {{- $_ := set $term "matchExpressions" (append (get $term "matchExpressions" | default list) $expression) }}
+      {{- $terms = append $terms $term }}
+      {{- end }}
+      {{- $_ := set $required "nodeSelectorTerms" $terms }}
+      {{- $_ := set $nodeAffinity "requiredDuringSchedulingIgnoredDuringExecution" $required }}
+      {{- $_ := set $affinity "nodeAffinity" $nodeAffinity }}
+      {{- end }}
+      {{- with $affinity }}
+      affinity:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
       {{- if $dra }}
       # The drivers publish ResourceSlices and read ResourceClaims with the pod's own token.
       serviceAccountName: plugvisor-dra
