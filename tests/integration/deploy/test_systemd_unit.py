@@ -17,6 +17,7 @@ from plugvisor.supervisor.config import parse_config
 from .conftest import FIGURES, REPO
 
 UNIT = REPO / "deploy/systemd/plugvisor.service"
+DRA_DROP_IN = REPO / "deploy/systemd/plugvisor.service.d/dra.conf"
 NODE_YAML = REPO / "deploy/systemd/node.yaml"
 EXPOSURE_BOUND = 2.5
 """`systemd-analyze security` rates 0 (locked down) to 10 (unsafe); the unit is kept at or below this."""
@@ -26,27 +27,33 @@ needs_analyze = pytest.mark.skipif(
 )
 
 
-def _service() -> configparser.SectionProxy:
+def _service(text: str | None = None) -> configparser.SectionProxy:
     parser = configparser.ConfigParser(strict=False, interpolation=None, delimiters=("=",))
     parser.optionxform = str  # type: ignore[assignment,method-assign]
-    parser.read_string(UNIT.read_text())
+    parser.read_string(UNIT.read_text() if text is None else text)
     return parser["Service"]
 
 
-def _installed_unit(tmp_path: Path) -> Path:
-    """The unit as installed with plugvisor where this environment has it (verify checks ExecStart exists)."""
+def _installed_unit(tmp_path: Path, *, dra: bool = False) -> Path:
+    """The unit as installed with plugvisor where this environment has it (verify checks ExecStart exists);
+    with ``dra``, the DRA drop-in's settings after the unit's, as systemd applies a drop-in (one file:
+    systemd-analyze security --offline reads no drop-in directory)."""
     plugvisor = Path(sys.executable).parent / "plugvisor"
     assert plugvisor.exists()
     unit = tmp_path / "plugvisor.service"
-    unit.write_text(UNIT.read_text().replace("/usr/local/bin/plugvisor", str(plugvisor)))
+    text = UNIT.read_text().replace("/usr/local/bin/plugvisor", str(plugvisor))
+    if dra:
+        text += "\n" + DRA_DROP_IN.read_text()
+    unit.write_text(text)
     return unit
 
 
 @needs_analyze
-def test_systemd_analyze_verify_accepts_the_unit(tmp_path: Path) -> None:
+@pytest.mark.parametrize("dra", [False, True], ids=["unit", "with-dra-drop-in"])
+def test_systemd_analyze_verify_accepts_the_unit(tmp_path: Path, dra: bool) -> None:
     """No unknown setting, no bad value, an executable ExecStart."""
     result = subprocess.run(
-        ["systemd-analyze", "verify", str(_installed_unit(tmp_path))],
+        ["systemd-analyze", "verify", str(_installed_unit(tmp_path, dra=dra))],
         capture_output=True,
         text=True,
         check=False,
@@ -58,10 +65,18 @@ def test_systemd_analyze_verify_accepts_the_unit(tmp_path: Path) -> None:
 
 
 @needs_analyze
-def test_the_sandbox_keeps_the_exposure_below_the_bound(tmp_path: Path) -> None:
-    """`systemd-analyze security` rates the unit at most EXPOSURE_BOUND (the figure is printed)."""
+@pytest.mark.parametrize("dra", [False, True], ids=["unit", "with-dra-drop-in"])
+def test_the_sandbox_keeps_the_exposure_below_the_bound(tmp_path: Path, dra: bool) -> None:
+    """`systemd-analyze security` rates the unit at most EXPOSURE_BOUND (the figure is printed), the DRA
+    drop-in too (it opens IP to the API server, and three directories)."""
     result = subprocess.run(
-        ["systemd-analyze", "security", "--offline=true", "--no-pager", str(_installed_unit(tmp_path))],
+        [
+            "systemd-analyze",
+            "security",
+            "--offline=true",
+            "--no-pager",
+            str(_installed_unit(tmp_path, dra=dra)),
+        ],
         capture_output=True,
         text=True,
         check=False,
@@ -73,7 +88,8 @@ def test_the_sandbox_keeps_the_exposure_below_the_bound(tmp_path: Path) -> None:
     assert found, result.stdout + result.stderr
     exposure = float(found[1])
     FIGURES.append(
-        f"systemd-analyze security plugvisor.service: {exposure} {found[2]} (bound {EXPOSURE_BOUND})"
+        f"systemd-analyze security plugvisor.service{' + dra.conf' if dra else ''}: {exposure} {found[2]}"
+        f" (bound {EXPOSURE_BOUND})"
     )
     assert exposure <= EXPOSURE_BOUND, result.stdout
 
@@ -101,3 +117,43 @@ def test_the_unit_allows_exactly_the_socket_families_the_agent_uses() -> None:
     assert service["CapabilityBoundingSet"] == ""
     assert service["NoNewPrivileges"] == "yes"
     assert service["Type"] == "notify"
+
+
+def _dra_service() -> dict[str, list[str]]:
+    """The unit's [Service] settings with the DRA drop-in applied as systemd does: lists append, and an empty
+    assignment resets a list."""
+    settings: dict[str, list[str]] = {}
+    for text in (UNIT.read_text(), DRA_DROP_IN.read_text()):
+        section = None
+        for raw in text.splitlines():
+            line = raw.strip()
+            if not line or line.startswith("#"):
+                continue
+            if line.startswith("["):
+                section = line
+                continue
+            if section != "[Service]":
+                continue
+            key, _, value = line.partition("=")
+            settings[key] = [] if value == "" else [*settings.get(key, []), value]
+    return settings
+
+
+def test_the_dra_drop_in_gives_a_driver_what_the_sandbox_kept_from_it() -> None:
+    """A DRA driver reads a kubeconfig (ProtectHome hides ~/.kube), reaches the API server off loopback
+    (IPAddressDeny=any), and writes the kubelet's plugin directories and the CDI directory."""
+    service = _dra_service()
+    config = parse_config(yaml.safe_load(NODE_YAML.read_text()), source=str(NODE_YAML))
+    kubelet_root = config.kubelet_dir.parent
+    writable = {p.removeprefix("-") for line in service["ReadWritePaths"] for p in line.split()}
+    assert writable >= {
+        str(config.kubelet_dir),
+        str(kubelet_root / "plugins"),
+        str(kubelet_root / "plugins_registry"),
+        "/run/cdi",  # /var/run/cdi resolved: ProtectSystem= works on real paths
+    }
+    environment = dict(line.split("=", 1) for line in service["Environment"])
+    assert environment["KUBECONFIG"].startswith("/etc/")  # not under /root or /home: ProtectHome=yes stays
+    assert service["ProtectHome"] == ["yes"]
+    assert service.get("IPAddressDeny", []) == []
+    assert "NODE_NAME" in environment
