@@ -40,6 +40,7 @@ import os
 import platform
 import re
 import stat
+import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -179,8 +180,9 @@ class DriverFiles:
 class DriverLocator:
     """Finds a node's :class:`DriverFiles` under ``<hostRoot>/<driverRoot>``, again when a directory changed.
 
-    One per resource, used from the plugin's worker threads one call at a time
-    (post-allocate hooks); each problem is logged once, until it goes away.
+    One per resource, used from the plugin's worker threads (post-allocate hooks,
+    several DRA claims at once): one find at a time, under a lock. Each problem is
+    logged once, until it goes away.
     """
 
     paths: HostPaths
@@ -191,9 +193,14 @@ class DriverLocator:
     _found: DriverFiles = field(default_factory=DriverFiles)
     _reported: set[str] = field(default_factory=set)
     _seen: set[str] = field(default_factory=set)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def find(self) -> DriverFiles:
         """The driver files as they are now (the last answer when no directory they came from changed)."""
+        with self._lock:
+            return self._find()
+
+    def _find(self) -> DriverFiles:
         directories = self._directories()
         signature = tuple(_stamp(d) for d in directories)
         if signature != self._signature:
