@@ -97,7 +97,7 @@ async def test_with_cdi_the_spec_carries_the_driver_and_the_toolkits_hook_where_
     assert edits["hooks"] == [
         {
             "hookName": "createContainer",
-            "path": "/usr/bin/nvidia-cdi-hook",
+            "path": str(hook),  # the runtime runs it on the host: the lab's, as the mounts' host paths
             "args": ["nvidia-cdi-hook", "update-ldcache", "--folder", LIBS],
         }
     ]

@@ -222,11 +222,13 @@ cdiVersion: 0.5.0
 kind: nvidia.com/gpu
 devices:
   - name: "0"
-    containerEdits: {deviceNodes: [{path: /dev/nvidia0}]}
+    containerEdits: {deviceNodes: [{path: /dev/nvidia3}]}
   - name: GPU-aaaa
-    containerEdits: {deviceNodes: [{path: /dev/nvidia0}]}
+    containerEdits: {deviceNodes: [{path: /dev/nvidia3}]}
+  - name: "0:1"
+    containerEdits: {deviceNodes: [{path: /dev/nvidia3}, {path: /dev/nvidia-caps/nvidia-cap12}]}
   - name: all
-    containerEdits: {deviceNodes: [{path: /dev/nvidia0}]}
+    containerEdits: {deviceNodes: [{path: /dev/nvidia3}]}
 containerEdits:
   mounts: [{hostPath: /usr/lib/x86_64-linux-gnu/libcuda.so.580.159.04, containerPath: /x}]
 """
@@ -239,7 +241,11 @@ class TestTheToolkitsOwnDevices:
         (root / "var/run/cdi/k8s.gpu.plugvisor.io-claim_x.json").write_text('{"kind": "nvidia.com/gpu"}')
         (root / "var/run/cdi/other.json").write_text('{"kind": "vendor.example/thing", "devices": []}')
         (root / "var/run/cdi/broken.yaml").write_text("kind: nvidia.com/gpu\n  - [")
-        assert locator(root).find().toolkit_devices == {"0", "GPU-aaaa", "all"}
+        files = locator(root).find()
+        assert files.toolkit_devices == {"0", "0:1", "GPU-aaaa", "all"}
+        # the toolkit's index names are NVML's: "0" is the GPU of minor 3 here; a MIG device ("0:1") and
+        # "all" are no one GPU
+        assert files.toolkit_minors == ((3, "0"),)
 
     def test_a_gpu_the_toolkit_names_gets_its_device_and_no_mounts_of_ours(self, root):
         write_driver(root)
@@ -250,8 +256,9 @@ class TestTheToolkitsOwnDevices:
         got = dra_cdi_edits(files, both, in_spec=False)
         assert got.cdi_devices == ["vendor.example/gpu=x", "nvidia.com/gpu=GPU-aaaa"]
         assert got.mounts == ()
-        by_index = dra_cdi_edits(files, [(None, 0)], in_spec=False)
-        assert by_index.cdi_devices[-1] == "nvidia.com/gpu=0"
+        by_minor = dra_cdi_edits(files, [(None, 3)], in_spec=False)  # a GPU whose UUID the spec lacks
+        assert by_minor.cdi_devices[-1] == "nvidia.com/gpu=0"
+        assert dra_cdi_edits(files, [(None, 0)], in_spec=False).cdi_devices == ["vendor.example/gpu=x"]
 
     def test_a_gpu_the_toolkit_does_not_name_gets_the_drivers_files(self, root):
         write_driver(root)
@@ -323,7 +330,7 @@ class TestTheGpuKind:
         assert edits["hooks"] == [
             {
                 "hookName": "createContainer",
-                "path": "/usr/bin/nvidia-cdi-hook",
+                "path": str(hook),  # on the host, as the runtime runs it
                 "args": ["nvidia-cdi-hook", "update-ldcache", "--folder", LIBS],
             }
         ]

@@ -9,11 +9,12 @@ generate``): bind mounts of the libraries and binaries, plus hooks that make the
 two things, per node:
 
 - **the toolkit's own CDI devices**, when a spec of kind ``nvidia.com/gpu`` in the
-  host's ``/etc/cdi`` or ``/var/run/cdi`` names every NVIDIA GPU of the node (by
-  UUID or index): the toolkit knows its driver best, so plugvisor names its devices
-  (``nvidia.com/gpu=GPU-...``) instead of repeating them;
+  host's ``/etc/cdi`` or ``/var/run/cdi`` has every NVIDIA GPU of the node (by UUID,
+  or by the one ``/dev/nvidia<minor>`` node of a device the toolkit names by index:
+  its indexes are NVML's, not the minors): the toolkit knows its driver best, so
+  plugvisor names its devices (``nvidia.com/gpu=GPU-...``) instead of repeating them;
 - **the driver's files themselves** otherwise: each library of :data:`LIBRARIES`
-  found under ``<hostRoot>/<driverRoot>`` (BRIEF's search list: ``lib64``,
+  found under ``<hostRoot>/<driverRoot>`` (in ``lib64``,
   ``lib/<triplet>``, ``usr/lib64``, ``usr/lib/<triplet>``, ``lib``, ``usr/lib``),
   bind-mounted read-only into the container's ``/usr/lib/<triplet>``, and the
   binaries of :data:`BINARIES` (``bin``, ``usr/bin``) into ``/usr/bin``. A link
@@ -157,6 +158,9 @@ class DriverFiles:
 
     toolkit_devices: frozenset[str] = frozenset()
     """The device names of the toolkit's ``nvidia.com/gpu`` spec (``0``, ``GPU-...``, ``all``)."""
+    toolkit_minors: tuple[tuple[int, str], ...] = ()
+    """Each whole GPU of the toolkit's spec by the minor of its one ``/dev/nvidia<minor>`` node: the toolkit's
+    index names are NVML's indexes, which need not be the minor numbers plugvisor knows GPUs by."""
     libraries: tuple[Mount, ...] = ()
     binaries: tuple[Mount, ...] = ()
     hooks: tuple[Hook, ...] = ()
@@ -168,12 +172,11 @@ class DriverFiles:
         """Libraries, then binaries."""
         return (*self.libraries, *self.binaries)
 
-    def toolkit_name(self, uuid: str | None, index: int | None) -> str | None:
-        """The toolkit's name for a GPU (its UUID, else its index), or None when its spec lacks it."""
-        for name in (uuid, None if index is None else str(index)):
-            if name and name in self.toolkit_devices:
-                return name
-        return None
+    def toolkit_name(self, uuid: str | None, minor: int | None) -> str | None:
+        """The toolkit's name for a GPU: its UUID, else the device of its minor's node; None if absent."""
+        if uuid and uuid in self.toolkit_devices:
+            return uuid
+        return dict(self.toolkit_minors).get(minor) if minor is not None else None
 
 
 @dataclass
@@ -223,7 +226,7 @@ class DriverLocator:
         return found
 
     def _read(self) -> DriverFiles:
-        toolkit = self._toolkit_devices()
+        toolkit, minors = self._toolkit_devices()
         arch = triplet(self.machine)
         library_dir = f"/usr/lib/{arch}"
         root = self._root()
@@ -233,9 +236,9 @@ class DriverLocator:
         hook = self._hook_program()
         if hook is not None and libraries:
             path, selector = hook
-            name = path.rsplit("/", 1)[-1]
+            name = path.rsplit("/", 1)[-1]  # argv[0]: the toolkit's programs read their name from it
             hooks = (Hook(path, (name, *selector, "update-ldcache", "--folder", library_dir)),)
-        return DriverFiles(toolkit, libraries, binaries, hooks, library_dir)
+        return DriverFiles(toolkit, minors, libraries, binaries, hooks, library_dir)
 
     def _libraries(self, root: Path, library_dir: str) -> tuple[Mount, ...]:
         claimed: dict[str, Path] = {}  # library -> the directory it is taken from
@@ -271,6 +274,7 @@ class DriverLocator:
         return tuple(mounts[name] for name in sorted(mounts))
 
     def _hook_program(self) -> tuple[str, tuple[str, ...]] | None:
+        """The toolkit's hook program as the runtime names it (``specRoot``: the hook runs on the host)."""
         for program, selector in HOOK_BINARIES:
             for directory in HOOK_DIRS:
                 local = self.paths.host(f"{directory}/{program}")
@@ -279,11 +283,12 @@ class DriverLocator:
                 except OSError:
                     continue
                 if stat.S_ISREG(mode) and mode & 0o111:
-                    return f"{directory}/{program}", tuple(selector)
+                    return self.paths.for_kubelet(local), tuple(selector)
         return None
 
-    def _toolkit_devices(self) -> frozenset[str]:
+    def _toolkit_devices(self) -> tuple[frozenset[str], tuple[tuple[int, str], ...]]:
         names: set[str] = set()
+        minors: dict[int, str] = {}
         for cdi_dir in CDI_DIRS:
             directory = self.paths.host(cdi_dir)
             entries = sorted(e for e in self._entries(directory) if e.endswith(_SPEC_SUFFIXES))
@@ -294,32 +299,39 @@ class DriverLocator:
             for entry in entries[:MAX_SPECS]:
                 if entry.startswith("k8s."):
                     continue  # transient specs (DRA claims, plugvisor's own) are nobody's toolkit
-                names |= self._toolkit_spec(directory / entry)
-        return frozenset(names)
+                found = self._toolkit_spec(directory / entry)
+                names |= set(found)
+                for name, minor in sorted(found.items()):
+                    if minor is not None:
+                        minors.setdefault(minor, name)
+        return frozenset(names), tuple(sorted(minors.items()))
 
-    def _toolkit_spec(self, path: Path) -> set[str]:
+    def _toolkit_spec(self, path: Path) -> dict[str, int | None]:
+        """The spec's devices by name, each with the minor of its one GPU node (None: none, or several)."""
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
             with os.fdopen(fd, "rb") as handle:
                 if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
-                    return set()
+                    return {}
                 data = handle.read(MAX_SPEC_BYTES + 1)
         except OSError:
-            return set()  # a link, or gone: not a spec the runtime would read either way
+            return {}  # a link, or gone: not a spec the runtime would read either way
         if len(data) > MAX_SPEC_BYTES or b"nvidia.com/gpu" not in data:
-            return set()
+            return {}
         try:
             document = yaml.safe_load(data)
         except yaml.YAMLError as exc:
             self._report(str(path), f"not a CDI spec plugvisor can read: {str(exc).splitlines()[0][:200]}")
-            return set()
+            return {}
         if not isinstance(document, Mapping) or document.get("kind") != TOOLKIT_KIND:
-            return set()
+            return {}
+        found: dict[str, int | None] = {}
         devices = document.get("devices")
-        found = {
-            d["name"] for d in devices or () if isinstance(d, Mapping) and isinstance(d.get("name"), str)
-        }
-        return {name for name in found if 0 < len(name) <= 256}
+        for device in devices if isinstance(devices, list) else ():
+            name = device.get("name") if isinstance(device, Mapping) else None
+            if isinstance(name, str) and 0 < len(name) <= 256:
+                found[name] = None if ":" in name or name == "all" else _one_gpu_minor(device)
+        return found
 
     # -- reading the host safely ------------------------------------------------------------
 
@@ -377,6 +389,23 @@ class DriverLocator:
             self.log.warning("driver_file_skipped", path=where[:300], problem=problem[:300])
 
 
+_GPU_NODE: Final = re.compile(r"^/dev/nvidia([0-9]{1,6})$")
+
+
+def _one_gpu_minor(device: Mapping[str, Any]) -> int | None:
+    """The minor of the one ``/dev/nvidia<minor>`` node a toolkit device has, or None."""
+    edits = device.get("containerEdits")
+    nodes = edits.get("deviceNodes") if isinstance(edits, Mapping) else None
+    minors = {
+        int(match.group(1))
+        for node in (nodes if isinstance(nodes, list) else ())
+        if isinstance(node, Mapping) and isinstance(node.get("path"), str)
+        for match in [_GPU_NODE.match(node["path"])]
+        if match
+    }
+    return minors.pop() if len(minors) == 1 else None
+
+
 def _inside(paths: HostPaths, local: Path) -> Path:
     try:
         return paths.inside(local)
@@ -409,10 +438,10 @@ def _shown(paths: HostPaths, local: Path) -> str:
 
 
 def toolkit_ids(files: DriverFiles, gpus: Iterable[tuple[str | None, int | None]]) -> list[str] | None:
-    """The toolkit's CDI IDs for these GPUs (UUID, index), or None when its spec lacks any of them."""
+    """The toolkit's CDI IDs for these GPUs (UUID, minor), or None when its spec lacks any of them."""
     ids: list[str] = []
-    for uuid, index in gpus:
-        name = files.toolkit_name(uuid, index)
+    for uuid, minor in gpus:
+        name = files.toolkit_name(uuid, minor)
         if name is None:
             return None
         ids.append(f"{TOOLKIT_KIND}={name}")
