@@ -17,8 +17,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from plugvisor.emulators.kubelet import EmulatedKubelet
 from plugvisor.emulators.lab import nvml
 from plugvisor.plugins.gpu import KIND
+from plugvisor.testing import running_dra_driver, short_socket_dir
 
 RESOURCE = "plugvisor.io/gpu"
 LIBS = f"/usr/lib/{platform.machine()}-linux-gnu"
@@ -101,3 +103,26 @@ async def test_with_cdi_the_spec_carries_the_driver_and_the_toolkits_hook_where_
             "args": ["nvidia-cdi-hook", "update-ldcache", "--folder", LIBS],
         }
     ]
+
+
+@needs_cc
+@pytest.mark.parametrize("cdi", [False, True], ids=["claim-spec", "resource-spec"])
+async def test_a_dra_claim_for_an_nvidia_gpu_gets_the_driver_mounted(make_lab, cdi):
+    """The claim's CDI devices resolve, as a runtime resolves them, to the driver's files read-only: in the
+    claim's own spec, or (cdi: true) in the resource's spec that the claim names."""
+    node = make_lab("small")
+    root = Path(node.root)
+    with short_socket_dir() as base:
+        kubelet = EmulatedKubelet(base / "device-plugins", objects_dir=base / "api", write_view=False)
+        async with (
+            kubelet,
+            running_dra_driver(kubelet, KIND, {"cdi": cdi}, driver="gpu.plugvisor.io", root=root) as gpu,
+        ):
+            (name,) = gpu.devices
+            claim, edits = await gpu.prepare(name)
+            await gpu.unprepare(claim)
+    mounts = {container: (host, options) for container, host, options in edits.mounts}
+    host, options = mounts[f"{LIBS}/libnvidia-ml.so.1"]
+    assert "ro" in options
+    assert _nvml_count(host) == 1
+    assert f"{LIBS}/libcuda.so.1" in mounts and "/usr/bin/nvidia-smi" in mounts
