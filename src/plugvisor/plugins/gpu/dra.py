@@ -31,14 +31,34 @@ from plugvisor.plugins.draattributes import function_attributes, module_version,
 from plugvisor.plugins.gpu.discovery import Gpu, parse_information
 from plugvisor.plugins.gpu.options import NVIDIA
 
-_NVIDIA_VERSION: Final = re.compile(r"Kernel Module\s+([0-9][0-9.]*)")
+_NVIDIA_VERSION: Final = re.compile(
+    r"^NVRM version:.*?Kernel Module(?: for \S+)?\s+([0-9]+(?:\.[0-9]+)*)(?=\s|$)", re.MULTILINE
+)
+"""The version in ``/proc/driver/nvidia/version``'s first line, in both wordings the driver has:
+
+- proprietary module: ``NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Sun ...``;
+- open module (the default from Hopper on): ``NVRM version: NVIDIA UNIX Open Kernel Module for x86_64
+  580.159.04  Release Build ...``, where the architecture comes after the words, not before.
+"""
+
+
+def parse_nvidia_version(text: str) -> SemVer | None:
+    """The driver version in the text of ``/proc/driver/nvidia/version`` (either wording), or None."""
+    match = _NVIDIA_VERSION.search(text)
+    return SemVer.tolerant(match.group(1)) if match else None
 
 
 def nvidia_driver_version(paths: HostPaths) -> SemVer | None:
-    """The NVIDIA kernel module's version as ``/proc/driver/nvidia/version`` prints it."""
+    """The NVIDIA kernel module's version: procfs's banner, else ``/sys/module/nvidia/version``.
+
+    The module's own file holds just the number (``580.159.04``) and is there
+    whichever wording the banner uses; procfs comes first because it is what
+    NVIDIA's tools read, the module file covers a banner worded in a way not
+    known here.
+    """
     text = sysfs.read_text(paths.procfs / "driver/nvidia/version")
-    match = _NVIDIA_VERSION.search(text) if isinstance(text, str) else None
-    return SemVer.tolerant(match.group(1)) if match else None
+    found = parse_nvidia_version(text) if isinstance(text, str) else None
+    return found if found is not None else module_version(paths, "nvidia")
 
 
 def memory_bytes(gpu: Gpu) -> int | None:
