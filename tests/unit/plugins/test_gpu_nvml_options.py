@@ -58,7 +58,10 @@ class TestWhichXidsCount:
         ({"disableHealthChecks": ["79"]}, "nvml.disableHealthChecks: item 0: '79' is not an XID number"),
         ({"disableHealthChecks": [True]}, "nvml.disableHealthChecks: item 0: True is not an XID number"),
         ({"disableHealthChecks": [1.5]}, "nvml.disableHealthChecks: item 0: 1.5 is not an XID number"),
-        ({"disableHealthChecks": list(range(1, 10**6))}, "nvml.disableHealthChecks: 999999 XIDs; at most 1024"),
+        (
+            {"disableHealthChecks": list(range(1, 10**6))},
+            "nvml.disableHealthChecks: 999999 XIDs; at most 1024",
+        ),
         ({"disableHealthChecks": "some"}, "nvml.disableHealthChecks: expected 'all' or 'xids' or a list"),
         ({"disableHealthChecks": 79}, "nvml.disableHealthChecks: expected 'all' or 'xids' or a list"),
         ({"enableHealthChecks": "xids"}, "nvml.enableHealthChecks: expected 'all' or a list"),

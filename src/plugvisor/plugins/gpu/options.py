@@ -74,7 +74,7 @@ MAX_XIDS: Final = 1024
 
 
 def _xids(value: object, *, keywords: tuple[str, ...]) -> str | tuple[int, ...]:
-    """One of ``keywords``, or a list of XID numbers (1-65535), else one error line saying what was expected."""
+    """One of ``keywords`` or a list of XID numbers (1-65535); else one error line saying what was wanted."""
     expected = " or ".join(repr(k) for k in keywords) + " or a list of XID numbers (1-65535)"
     if isinstance(value, str):
         if value in keywords:
@@ -94,7 +94,9 @@ def _xids(value: object, *, keywords: tuple[str, ...]) -> str | tuple[int, ...]:
 DisableChecks = Annotated[
     str | tuple[int, ...], pydantic.PlainValidator(lambda v: _xids(v, keywords=("all", "xids")))
 ]
-EnableChecks = Annotated[str | tuple[int, ...], pydantic.PlainValidator(lambda v: _xids(v, keywords=("all",)))]
+EnableChecks = Annotated[
+    str | tuple[int, ...], pydantic.PlainValidator(lambda v: _xids(v, keywords=("all",)))
+]
 
 
 def _enabled(value: object) -> str | bool:
@@ -104,7 +106,7 @@ def _enabled(value: object) -> str | bool:
 
 
 class Nvml(_Model):
-    """The ``nvml:`` keys of a gpu resource: whether NVML is used and which of its events make a GPU unhealthy.
+    """The ``nvml:`` keys of a gpu resource: whether NVML is used, which of its events make a GPU unhealthy.
 
     ``disableHealthChecks`` and ``enableHealthChecks`` work as NVIDIA's device
     plugin's ``DP_DISABLE_HEALTHCHECKS`` and ``DP_ENABLE_HEALTHCHECKS``: ``all``
