@@ -32,14 +32,14 @@ class Accel(PciDeviceKind[PciGroup]):
         )
     }
     faults = ("wedged",)
-    majors: ClassVar[Mapping[int, str]] = {241: "accel"}
+    majors: ClassVar[Mapping[int, str]] = {240: "accel"}
 
     def attributes(self, group: PciGroup, name: str) -> dict[str, str | int]:
         return {"serial": f"S-{name}"}
 
     def render(self, device: PciDevice, spec: Spec) -> None:
         where = extension.class_device(
-            spec, device, cls="accel", name=f"accel{device.index}", major=241, minor=device.index
+            spec, device, cls="accel", name=f"accel{device.index}", major=240, minor=device.index
         )
         spec[f"{where}/state"] = extension.text("wedged" if "wedged" in device.faults else "running")
 
@@ -120,7 +120,7 @@ def test_an_outside_kind_is_placed_like_the_labs_own(accel_lab: lab.Lab) -> None
     assert (function / "driver").resolve() == root / "sys/bus/pci/drivers/accel_drv"
     assert (root / "sys/bus/pci/drivers/accel_drv/module").resolve() == root / "sys/module/accel_mod"
     assert (root / "sys/class/accel/accel2/device").resolve() == function
-    assert "241 accel\n" in (root / "proc/devices").read_text()
+    assert "240 accel\n" in (root / "proc/devices").read_text()
     assert "1aaa  Test Vendor\n\t0001  A1 Accelerator" in (root / "usr/share/hwdata/pci.ids").read_text()
     assert accel_lab.check() == []
 

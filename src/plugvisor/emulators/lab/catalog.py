@@ -25,6 +25,31 @@ GiB = 2**30
 
 
 @dataclass(frozen=True, slots=True)
+class NvmlFacts:
+    """What NVML says about an NVIDIA GPU at rest (the lab's NVML stand-in answers these).
+
+    Idle figures, as a real part reads with nothing running on it; the lab's faults move
+    temperature and power (``overheat``) and the ECC counters (``ecc-sbe``/``ecc-dbe``).
+    """
+
+    architecture: int
+    """``nvmlDeviceArchitecture_t``: 7 Ampere, 9 Hopper."""
+    compute_capability: tuple[int, int]
+    memory_bytes: int
+    memory_used_bytes: int
+    """Used at idle (what the driver's own allocations take)."""
+    temperature_c: int
+    power_mw: int
+    power_limit_mw: int
+    clocks_mhz: tuple[int, int, int, int]
+    """Graphics, SM, memory and video clocks at idle (``nvmlClockType_t`` order)."""
+    hot_temperature_c: int
+    """What ``overheat`` reads: past the part's slowdown temperature."""
+    brand: int = 14
+    """``nvmlBrandType_t``; 14 (``NVML_BRAND_NVIDIA``) for data-centre parts."""
+
+
+@dataclass(frozen=True, slots=True)
 class GpuModel:
     """A GPU: its identity and what its driver exposes."""
 
@@ -42,6 +67,11 @@ class GpuModel:
     partitions: bool = False
     """Whether the driver exposes compute/memory partition attributes (MI300)."""
     bars: tuple[BarSpec, ...] = ((0, 16 * MiB, False), (1, 64 * GiB, True), (3, 32 * MiB, True))
+    nvml: NvmlFacts | None = None
+    """NVIDIA GPUs: what NVML reports (None for other vendors)."""
+    vram_bytes: int = 0
+    """AMD GPUs: ``mem_info_vram_total`` (0: the model does not write the attribute)."""
+    vram_used_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +153,40 @@ GPUS: Final[dict[str, GpuModel]] = {
             link_speed="32.0 GT/s PCIe",
             vbios="96.00.74.00.01",
             bars=((0, 16 * MiB, False), (1, 128 * GiB, True), (3, 32 * MiB, True)),
+            nvml=NvmlFacts(
+                architecture=9,
+                compute_capability=(9, 0),
+                memory_bytes=85520809984,
+                memory_used_bytes=575209472,
+                temperature_c=33,
+                power_mw=71000,
+                power_limit_mw=700000,
+                clocks_mhz=(345, 345, 2619, 765),
+                hot_temperature_c=92,
+            ),
+        ),
+        GpuModel(
+            key="nvidia-h200",
+            flavor="nvidia",
+            name="NVIDIA H200",
+            identity=Identity(0x10DE, 0x2335, 0x10DE, 0x18BF, 0x030200, 0xA1),
+            driver="nvidia",
+            link_speed="32.0 GT/s PCIe",
+            vbios="96.00.a5.00.1a",
+            # As a real H200 passed through to a VM reads: three 64-bit BARs (0, 2, 4), each
+            # with a write-combining resource file.
+            bars=((0, 16 * MiB, True), (2, 256 * GiB, True), (4, 32 * MiB, True)),
+            nvml=NvmlFacts(
+                architecture=9,
+                compute_capability=(9, 0),
+                memory_bytes=150754820096,
+                memory_used_bytes=644939776,
+                temperature_c=36,
+                power_mw=92000,
+                power_limit_mw=700000,
+                clocks_mhz=(345, 345, 3201, 765),
+                hot_temperature_c=93,
+            ),
         ),
         GpuModel(
             key="nvidia-a100",
@@ -132,6 +196,17 @@ GPUS: Final[dict[str, GpuModel]] = {
             driver="nvidia",
             link_speed="16.0 GT/s PCIe",
             vbios="92.00.19.00.10",
+            nvml=NvmlFacts(
+                architecture=7,
+                compute_capability=(8, 0),
+                memory_bytes=42949672960,
+                memory_used_bytes=444006400,
+                temperature_c=31,
+                power_mw=54000,
+                power_limit_mw=400000,
+                clocks_mhz=(210, 210, 1215, 585),
+                hot_temperature_c=90,
+            ),
         ),
         GpuModel(
             key="intel-flex-170",
@@ -177,6 +252,8 @@ GPUS: Final[dict[str, GpuModel]] = {
             asic="ip discovery",
             bars=((0, 256 * GiB, True), (2, 2 * MiB, True), (5, 512 * 1024, False)),
             partitions=True,
+            vram_bytes=206141652992,
+            vram_used_bytes=297795584,
         ),
     )
 }
@@ -271,6 +348,7 @@ DEVICE_NAMES: Final[dict[tuple[int, int], str]] = {
     (0x1000, 0xC030): "PEX89000 PCIe Gen 5 Switch",
     (0x8086, 0x347A): "Ice Lake-SP PCI Express Root Port",
     (0x10DE, 0x2330): "GH100 [H100 SXM5 80GB]",
+    (0x10DE, 0x2335): "GH100 [H200 SXM 141GB]",
     (0x10DE, 0x20B0): "GA100 [A100 SXM4 40GB]",
     (0x8086, 0x56C0): "ATS-M [Data Center GPU Flex 170]",
     (0x8086, 0x0BDA): "Ponte Vecchio XT (1 Tile) [Data Center GPU Max 1100]",

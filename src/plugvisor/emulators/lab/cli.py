@@ -79,6 +79,8 @@ def lab_group() -> None:
 def create(root: str, profile: str, mknod: bool, force: bool) -> None:
     """Write an emulated hardware tree (sys/, dev/, proc/) under ROOT."""
     lab = Lab.create(root, profile, mknod=mknod, replace=force)
+    for note in lab.notes:
+        click.echo(f"plugvisor lab: {note}", err=True)
     records = lab.devices()
     vfs = sum(1 for r in records if r.parent)
     click.echo(f"created lab {lab.root} ({len(records) - vfs} devices, {vfs} VFs)")

@@ -37,6 +37,8 @@ class FaultKind(StrEnum):
     OVERHEAT = hwmon.OVERHEAT
     LINK_DEGRADED = pci.LINK_DEGRADED
     RDMA_PORT_DOWN = rdma.PORT_DOWN
+    ECC_DBE = gpu.ECC_DBE
+    ECC_SBE = gpu.ECC_SBE
 
 
 _AER: dict[str, int] = {FaultKind.AER_FATAL: 0, FaultKind.AER_NONFATAL: 1, FaultKind.AER_CORRECTABLE: 2}
@@ -52,15 +54,22 @@ def fault_kind(name: str) -> FaultKind | str:
 
 def applicable(dev: DeviceState) -> tuple[FaultKind | str, ...]:
     """Return the faults that make sense for a device, in a stable order (AER first, then its kind's)."""
-    return (*(FaultKind(f) for f in _AER), *(fault_kind(f) for f in kinds.get(dev.kind).faults(dev)))
+    aer = (FaultKind(f) for f in _AER) if dev.aer_capable else ()
+    return (*aer, *(fault_kind(f) for f in kinds.get(dev.kind).faults(dev)))
 
 
 def parse(kind: str | FaultKind, dev: DeviceState) -> FaultKind | str:
     """Return the fault kind a user named, checked against the device."""
     allowed = applicable(dev)
     fault = fault_kind(str(kind))
+    if gpu.XID in allowed:
+        try:
+            if gpu.parse_xid(str(fault)) is not None:
+                return fault
+        except ValueError as exc:
+            raise errors.UsageError(f"{dev.name}: {exc}") from None
     if fault not in allowed:
-        if fault in {f.value for f in FaultKind}:
+        if fault in {f.value for f in FaultKind} or str(fault).startswith("xid-"):
             problem = f"fault {str(kind)!r} does not apply to {dev.name} ({dev.kind} {dev.model})"
         else:
             problem = f"unknown fault kind {str(kind)!r} for {dev.name} ({dev.kind} {dev.model})"

@@ -214,6 +214,8 @@ def _nodes(root: str) -> list[str]:
     for base, _, files in os.walk(f"{root}/dev"):
         if base.startswith(f"{root}/dev/char") or "by-path" in base:
             continue
+        if base.startswith(f"{root}/dev/nvidia-caps"):
+            continue  # made by nvidia-modprobe for a cdev region with no sysfs device: no dev/char link
         for name in files:
             path = os.path.join(base, name)
             if os.path.islink(path):

@@ -23,10 +23,29 @@ from typing import Any, Final
 from plugvisor.emulators.lab import catalog, hwmon, kinds, majors, pci
 from plugvisor.emulators.lab.catalog import GpuModel
 from plugvisor.emulators.lab.pci import Bdf
-from plugvisor.emulators.lab.spec import Dir, File, Spec, add_link, add_node, text, virtual_device
-from plugvisor.emulators.lab.state import DeviceKind, DeviceState, LabState
+from plugvisor.emulators.lab.profiles import GpuGroup, Profile
+from plugvisor.emulators.lab.spec import Dir, File, Node, Spec, add_link, add_node, text, virtual_device
+from plugvisor.emulators.lab.state import DeviceKind, DeviceState, GpuCounters, LabState
 
 FALLEN_OFF_BUS = "fallen-off-bus"
+ECC_DBE = "ecc-dbe"
+ECC_SBE = "ecc-sbe"
+XID = "xid-<N>"
+"""How the XID faults are listed: ``xid-1`` .. ``xid-65535`` (see :func:`parse_xid`)."""
+XID_RANGE = (1, 65535)
+
+
+def parse_xid(name: str) -> int | None:
+    """Return N of an ``xid-<N>`` fault name, None for another fault; raise ValueError out of range."""
+    if not name.startswith("xid-"):
+        return None
+    number = name.removeprefix("xid-")
+    low, high = XID_RANGE
+    if not number.isascii() or not number.isdigit() or not low <= int(number) <= high:
+        raise ValueError(f"fault {name!r}: expected xid-<N> with N a decimal number in {low}..{high}")
+    return int(number)
+
+
 _UUID_NAMESPACE = uuid.UUID("6d3c1f0e-4a8b-5c2d-9e7f-1a2b3c4d5e6f")
 KFD_NODES = "sys/devices/virtual/kfd/kfd/topology/nodes"
 KFD_PROPERTIES = (
@@ -96,11 +115,14 @@ def render_drm(spec: Spec, fn_path: str, bdf: str, card: int, *, lmem_bytes: int
         spec[f"{card_dir}/gt/gt0/id"] = text(0)
 
 
-def _information(model: GpuModel, dev: DeviceState) -> bytes:
-    """The NVIDIA driver's ``/proc/driver/nvidia/gpus/<BDF>/information``, spacing included."""
+def _information(state: LabState, model: GpuModel, dev: DeviceState) -> bytes:
+    """The NVIDIA driver's ``/proc/driver/nvidia/gpus/<BDF>/information``, spacing included.
+
+    The open kernel module runs the GPU's firmware (GSP) and says which (``GPU Firmware``).
+    """
     lines = [
         f"Model: \t\t {model.name}",
-        "IRQ:   \t\t 0",
+        f"IRQ:   \t\t {dev.irq or 0}",
         f"GPU UUID: \t {dev.uuid}",
         f"Video BIOS: \t {model.vbios}",
         "Bus Type: \t PCIe",
@@ -108,8 +130,10 @@ def _information(model: GpuModel, dev: DeviceState) -> bytes:
         "DMA Mask: \t 0xfffffffffffff",
         f"Bus Location: \t {dev.primary.bdf}",
         f"Device Minor: \t {dev.minor}",
-        "GPU Excluded:\t No",
     ]
+    if state.profile.nvidia_kernel_module == "open":
+        lines.append(f"GPU Firmware: \t {state.profile.nvidia_driver_version}")
+    lines.append("GPU Excluded:\t No")
     return ("\n".join(lines) + "\n").encode()
 
 
@@ -218,6 +242,9 @@ def render(state: LabState, dev: DeviceState) -> Spec:
     driver = None if fallen else fn.driver
     spec: Spec = {}
     extra: dict[str, str] = {}
+    if model.vram_bytes:
+        extra["mem_info_vram_total"] = str(model.vram_bytes)
+        extra["mem_info_vram_used"] = str(model.vram_used_bytes)
     if model.partitions:
         extra = {
             "current_compute_partition": "SPX",
@@ -237,6 +264,8 @@ def render(state: LabState, dev: DeviceState) -> Spec:
             iommu_group=fn.iommu_group,
             link_speed=model.link_speed,
             aer=dev.aer,
+            aer_capable=dev.aer_capable,
+            irq=dev.irq or 0,
             config_readable=not fallen,
             link_degraded=pci.LINK_DEGRADED in dev.faults,
             extra=extra,
@@ -254,7 +283,7 @@ def render(state: LabState, dev: DeviceState) -> Spec:
         add_node(spec, at=f"dev/nvidia{dev.minor}", major=majors.NVIDIA, minor=dev.minor, sys_target=fn.path)
         proc = f"proc/driver/nvidia/gpus/{fn.bdf}"
         spec[proc] = Dir()
-        spec[f"{proc}/information"] = File(_information(model, dev))
+        spec[f"{proc}/information"] = File(_information(state, model, dev))
         spec[f"{proc}/power"] = File(
             b"Runtime D3 status:          Disabled by default\nVideo Memory:               Active\n"
         )
@@ -287,8 +316,36 @@ def _kfd(spec: Spec, state: LabState) -> None:
             spec[f"{d}/io_links/{k}/properties"] = File(io_link(2, node.id, other.id, 21))
 
 
-def _nvidia(spec: Spec) -> None:
-    """Add the NVIDIA driver's shared nodes and procfs entries."""
+def _group(state: LabState, dev: DeviceState) -> GpuGroup:
+    assert dev.group is not None
+    return state.profile.gpus[dev.group]
+
+
+def proc_version(profile: Profile) -> bytes:
+    """``/proc/driver/nvidia/version`` in the loaded module's own words (trailing spaces included).
+
+    The open module prints its build as a real 580 build does (``Release Build (builder@)``);
+    the proprietary one its build date, as 550-series drivers do.
+    """
+    version = profile.nvidia_driver_version
+    if profile.nvidia_kernel_module == "open":
+        return (
+            "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  "
+            f"{version}  Release Build  (nixbld@)  \n"
+            "GCC version:  gcc version 15.3.0 (GCC) \n"
+        ).encode()
+    return (
+        f"NVRM version: NVIDIA UNIX x86_64 Kernel Module  {version}  Tue Mar  5 22:23:56 UTC 2024\n"
+        "GCC version:  gcc version 12.2.0 (Debian 12.2.0-14)\n"
+    ).encode()
+
+
+_MIG_CAPABILITIES = (("config", 1, 0o400), ("monitor", 2, 0o444))
+"""MIG's capabilities: the minor of ``/dev/nvidia-caps/nvidia-cap<N>`` and its mode."""
+
+
+def _nvidia(spec: Spec, profile: Profile) -> None:
+    """Add the NVIDIA driver's shared nodes, procfs entries and module attributes."""
     virtual_device(
         spec,
         "sys/devices/virtual/nvidia/nvidiactl",
@@ -296,13 +353,14 @@ def _nvidia(spec: Spec) -> None:
         majors.NVIDIACTL_MINOR,
         "dev/nvidiactl",
     )
-    virtual_device(
-        spec,
-        "sys/devices/virtual/nvidia/nvidia-modeset",
-        majors.NVIDIA,
-        majors.NVIDIA_MODESET_MINOR,
-        "dev/nvidia-modeset",
-    )
+    if profile.nvidia_modeset:
+        virtual_device(
+            spec,
+            "sys/devices/virtual/nvidia/nvidia-modeset",
+            majors.NVIDIA,
+            majors.NVIDIA_MODESET_MINOR,
+            "dev/nvidia-modeset",
+        )
     virtual_device(spec, "sys/devices/virtual/nvidia-uvm/nvidia-uvm", majors.NVIDIA_UVM, 0, "dev/nvidia-uvm")
     virtual_device(
         spec,
@@ -312,10 +370,18 @@ def _nvidia(spec: Spec) -> None:
         "dev/nvidia-uvm-tools",
     )
     spec["proc/driver/nvidia/gpus"] = Dir()
-    spec["proc/driver/nvidia/version"] = text(
-        "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 22:23:56 UTC 2024\n"
-        "GCC version:  gcc version 12.2.0 (Debian 12.2.0-14)"
-    )
+    spec["proc/driver/nvidia/version"] = File(proc_version(profile))
+    spec["sys/module/nvidia/version"] = text(profile.nvidia_driver_version)
+    for module in ("nvidia_uvm", *(("nvidia_modeset",) if profile.nvidia_modeset else ())):
+        spec[f"sys/module/{module}/initstate"] = text("live")
+        spec[f"sys/module/{module}/refcnt"] = text(0)
+    spec["dev/nvidia-caps"] = Dir()
+    for name, minor, mode in _MIG_CAPABILITIES:
+        # nvidia-modprobe makes these nodes for a char region that has no sysfs device.
+        spec[f"dev/nvidia-caps/nvidia-cap{minor}"] = Node(majors.NVIDIA_CAPS, minor, mode)
+        spec[f"proc/driver/nvidia/capabilities/mig/{name}"] = File(
+            f"DeviceFileMinor: {minor}\nDeviceFileMode: {mode}\nDeviceFileModify: 1\n".encode()
+        )
     spec["proc/driver/nvidia/params"] = text("ModifyDeviceFiles: 1\nDeviceFileUID: 0\nDeviceFileGID: 0")
 
 
@@ -380,7 +446,14 @@ class _GpuKind:
             dev.gpu_id = int.from_bytes(hashlib.sha256(dev.primary.bdf.encode()).digest()[:2], "big") | 1
 
     def finish(self, state: LabState, dev: DeviceState) -> None:
-        return
+        if dev.group is not None and dev.member is not None:
+            dev.aer_capable = _group(state, dev).aer
+            fixed = _group(state, dev).devices
+            if dev.member < len(fixed):
+                dev.uuid = fixed[dev.member].uuid or dev.uuid
+                dev.irq = fixed[dev.member].irq
+        if catalog.GPUS[dev.model].flavor == "nvidia":
+            dev.nvml = GpuCounters()
 
     def render(self, state: LabState, dev: DeviceState) -> Spec:
         return render(state, dev)
@@ -392,7 +465,10 @@ class _GpuKind:
         return catalog.GPUS[dev.model].identity
 
     def faults(self, dev: DeviceState) -> tuple[str, ...]:
-        if catalog.GPUS[dev.model].driver == "amdgpu":  # the lab's GPUs with hwmon temperatures
+        flavor = catalog.GPUS[dev.model].flavor
+        if flavor == "nvidia":  # temperatures and events through NVML
+            return (FALLEN_OFF_BUS, pci.LINK_DEGRADED, hwmon.OVERHEAT, ECC_DBE, ECC_SBE, XID)
+        if flavor == "amd":  # the lab's GPUs with hwmon temperatures
             return (FALLEN_OFF_BUS, pci.LINK_DEGRADED, hwmon.OVERHEAT)
         return (FALLEN_OFF_BUS, pci.LINK_DEGRADED)
 
@@ -400,8 +476,8 @@ class _GpuKind:
         out = kinds.Shared()
         flavors = {catalog.GPUS[d.model].flavor for d in devices}
         if "nvidia" in flavors:
-            out.majors |= {majors.NVIDIA, majors.NVIDIA_UVM}
-            _nvidia(out.spec)
+            out.majors |= {majors.NVIDIA, majors.NVIDIA_UVM, majors.NVIDIA_CAPS}
+            _nvidia(out.spec, state.profile)
         if flavors & {"intel", "amd"}:
             drm_shared(out)
         if "amd" in flavors:

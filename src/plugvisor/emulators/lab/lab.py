@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from plugvisor.emulators.lab import errors, faults, kinds, layout, profiles, render, state
+from plugvisor.emulators.lab import errors, faults, kinds, layout, nvml, profiles, render, state
 from plugvisor.emulators.lab.faults import FaultKind
 from plugvisor.emulators.lab.profiles import Profile
 from plugvisor.emulators.lab.spec import Node
@@ -108,9 +108,11 @@ class Lab:
     root, so several ``Lab`` objects (or processes) on one root agree.
     """
 
-    def __init__(self, tree: FakeTree) -> None:
+    def __init__(self, tree: FakeTree, notes: tuple[str, ...] = ()) -> None:
         self._tree = tree
         self.root = Path(tree.root)
+        self.notes = notes
+        """What creating the lab left out and the user should hear (no C compiler: no NVML)."""
 
     # -- construction ------------------------------------------------------------------------------
 
@@ -152,6 +154,8 @@ class Lab:
                 tree.check_mknod()
             staged = tree.stage(render.whole(st))
             try:
+                if replace and state.exists(real):
+                    nvml.uninstall(tree, state.load(real))
                 if replace:
                     for top in TOP_LEVEL:
                         tree.remove_dir(top)
@@ -162,8 +166,10 @@ class Lab:
                 os.replace(posixpath.join(staged, PCI_IDS), posixpath.join(real, PCI_IDS))
             finally:
                 tree.discard(staged)
+            nvml.start(st)
             state.save(tree, st)
-        return cls(tree)
+            notes = nvml.install(tree, st)
+        return cls(tree, tuple(notes))
 
     @classmethod
     def open(cls, root: str | os.PathLike[str]) -> Lab:
@@ -228,11 +234,17 @@ class Lab:
             dev = st.device(name)
             before = render.family(st, name)
             old = render.devices(st, before)
+            was = {n: st.devices[n].model_copy(deep=True) for n in before}
             mutate(st, dev)
             after = render.family(st, name)
-            new = render.devices(st, list(dict.fromkeys([*before, *after])))
+            touched = list(dict.fromkeys([*before, *after]))
+            for n in touched:
+                if n in was and n in st.devices:
+                    nvml.account(was[n], st.devices[n])
+            new = render.devices(st, touched)
             self._tree.apply(old, new)
             state.save(self._tree, st)
+            nvml.write_state(self._tree, st, touched)
             return _record(st, st.devices[name])
 
     def fault(self, device: str, kind: FaultKind | str) -> DeviceRecord:

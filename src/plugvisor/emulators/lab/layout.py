@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from plugvisor.emulators.lab import errors, kinds
 from plugvisor.emulators.lab.pci import Bdf
-from plugvisor.emulators.lab.profiles import Placement, Profile
+from plugvisor.emulators.lab.profiles import GpuGroup, Placement, Profile
 from plugvisor.emulators.lab.state import (
     BridgeState,
     DeviceState,
@@ -39,6 +39,15 @@ class _Unit:
     group: Placement
     names: list[str]
     buses: int = 1
+    member: int = 0
+    """The unit's first device's place within its group."""
+
+    def fixed_address(self) -> Bdf | None:
+        """The root-bus address the profile gives this unit's GPU (``devices[].pciAddress``), if any."""
+        if not isinstance(self.group, GpuGroup) or self.member >= len(self.group.devices):
+            return None
+        address = self.group.devices[self.member].pci_address
+        return Bdf.parse(address) if address else None
 
 
 @dataclass
@@ -101,6 +110,8 @@ class _Builder:
         self.host_bridges: list[str] = []
         self.iommu_group = 0
         self.ifindex = 2
+        self.taken: set[tuple[int, int]] = set()
+        """(root bus, device number) pairs that devices placed on a root bus hold."""
 
     def group_id(self, count: int = 1) -> int:
         first = self.iommu_group
@@ -111,10 +122,19 @@ class _Builder:
 
     def root_port(self, node: _Node, *, what: str) -> tuple[str, int]:
         """Allocate a root port; return its path and bus."""
+        if node.host_bridges and (node.host_bridges[-1][0], node.host_bridges[-1][1]) in self.taken:
+            root_bus, devno = node.host_bridges[-1]
+            while devno <= MAX_ROOT_PORTS and (root_bus, devno) in self.taken:
+                devno += 1
+            node.host_bridges[-1] = (root_bus, devno)
         if not node.host_bridges or node.host_bridges[-1][1] > MAX_ROOT_PORTS:
             root_bus = node.bus(what=what)
-            node.host_bridges.append((root_bus, 1))
-            self.host_bridges.append(_host_bridge(root_bus))
+            devno = 1
+            while (root_bus, devno) in self.taken:
+                devno += 1
+            node.host_bridges.append((root_bus, devno))
+            if _host_bridge(root_bus) not in self.host_bridges:
+                self.host_bridges.append(_host_bridge(root_bus))
         root_bus, devno = node.host_bridges[-1]
         node.host_bridges[-1] = (root_bus, devno + 1)
         bdf = Bdf.on_bus(root_bus, devno, 0)
@@ -131,9 +151,22 @@ class _Builder:
                 numa_node=node.id,
                 switch=switch,
                 buses=_in_domain(buses),
-                iommu_group=self.group_id(),
+                iommu_group=self.group_id() if self.profile.iommu_groups else None,
             )
         )
+
+    def on_root_bus(self, node: _Node, unit: _Unit, address: Bdf) -> None:
+        """Put ``unit`` directly on the root bus at ``address``, with no root port (a VM's layout)."""
+        root = f"sys/devices/{_host_bridge(address.bus)}"
+        if _host_bridge(address.bus) not in self.host_bridges:
+            self.host_bridges.append(_host_bridge(address.bus))
+        self.taken.add((address.bus, address.device))
+        before = set(self.devices)
+        self.place(unit, node, parent=root, bus=address.bus, switch=None)
+        for name in set(self.devices) - before:
+            for fn in self.devices[name].functions:
+                fn.bdf = str(address)
+                fn.path = f"{root}/{address}"
 
     def attach(self, node: _Node, units: list[_Unit], *, switched: bool) -> None:
         """Put ``units`` on one root port, behind a switch if asked."""
@@ -186,7 +219,12 @@ class _Builder:
     # -- endpoints (the kind modules decide what a unit is; see kinds.py) -----------------------------
 
     def place(self, unit: _Unit, node: _Node, *, parent: str, bus: int, switch: str | None) -> None:
+        before = set(self.devices)
         unit.kind.place(self, unit.names, unit.group, node=node.id, parent=parent, bus=bus, switch=switch)
+        for k, name in enumerate(unit.names):
+            if name in self.devices and name not in before:
+                self.devices[name].group = unit.index
+                self.devices[name].member = unit.member + k
 
     @property
     def profile_name(self) -> str:
@@ -198,7 +236,7 @@ class _Builder:
             path=f"{parent}/{bdf}",
             role=role,  # type: ignore[arg-type]
             driver=driver,
-            iommu_group=self.group_id(),
+            iommu_group=self.group_id() if self.profile.iommu_groups else None,
         )
 
     def next_ifindex(self) -> int:
@@ -235,9 +273,8 @@ def _units(profile: Profile) -> list[tuple[int, _Unit]]:
             for i in range(count):
                 names = [f"{kind.prefix}{counter + k}" for k in range(per_unit)]
                 counter += per_unit
-                out.append(
-                    (nodes[i * len(nodes) // count], _Unit(kind, kind.section, gi, group, names, buses))
-                )
+                unit = _Unit(kind, kind.section, gi, group, names, buses, member=i * per_unit)
+                out.append((nodes[i * len(nodes) // count], unit))
     return out
 
 
@@ -246,7 +283,12 @@ def build(profile: Profile, *, mknod: bool = False) -> LabState:
     builder = _Builder(profile)
     units = _units(profile)
     for node in builder.nodes:
-        mine = [u for n, u in units if n == node.id]
+        for unit in [u for n, u in units if n == node.id]:
+            address = unit.fixed_address()
+            if address is not None:
+                builder.on_root_bus(node, unit, address)
+    for node in builder.nodes:
+        mine = [u for n, u in units if n == node.id and u.fixed_address() is None]
         i = 0
         while i < len(mine):
             unit = mine[i]
@@ -263,6 +305,14 @@ def build(profile: Profile, *, mknod: bool = False) -> LabState:
         NumaState(id=n, cpulist=f"{n * c}-{n * c + c - 1}" if c > 1 else str(n))
         for n in range(profile.numa_nodes)
     ]
+    if not profile.numa_information:
+        # The firmware gave no NUMA information: the kernel reads -1 for every device's node.
+        for dev in builder.devices.values():
+            dev.numa_node = -1
+        for bridge in builder.bridges:
+            bridge.numa_node = -1
+        for switch in builder.switches:
+            switch.numa_node = -1
     state = LabState(
         profile=profile,
         mknod=mknod,

@@ -13,10 +13,13 @@ from typing import Final
 MISC: Final = 10
 NVIDIA: Final = 195
 DRM: Final = 226
-NVIDIA_UVM: Final = 235
+NVIDIA_UVM: Final = 238
+"""As a real node with the 580 driver numbers it (the H200 capture: ``/dev/nvidia-uvm`` 238:0)."""
 KFD: Final = 236
 XCLMGMT: Final = 237
-DFL_FME: Final = 238
+DFL_FME: Final = 235
+NVIDIA_CAPS: Final = 241
+"""``/dev/nvidia-caps/nvidia-cap<N>``: MIG's config (1) and monitor (2) capabilities."""
 DFL_PORT: Final = 239
 VFIO: Final = 242
 UVERBS: Final = 231
@@ -37,6 +40,7 @@ NAMES: Final[dict[int, str]] = {
     NVIDIA: "nvidia",
     DRM: "drm",
     NVIDIA_UVM: "nvidia-uvm",
+    NVIDIA_CAPS: "nvidia-caps",
     KFD: "kfd",
     XCLMGMT: "xclmgmt",
     DFL_FME: "dfl-fme",

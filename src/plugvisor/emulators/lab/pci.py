@@ -207,6 +207,10 @@ class Function:
     """``(primary, secondary, subordinate)`` for bridges."""
     aer: tuple[int, int, int] = (0, 0, 0)
     """Fatal, non-fatal and correctable error counts."""
+    aer_capable: bool = True
+    """False: no AER capability, so no ``aer_dev_*`` files at all (as in a VM)."""
+    irq: int = 0
+    """The ``irq`` attribute (the interrupt line)."""
     config_readable: bool = True
     link_degraded: bool = False
     """The link trained below its capability: current speed one generation down, half the lanes."""
@@ -304,16 +308,17 @@ def render_function(spec: Spec, fn: Function) -> None:
     spec[f"{p}/current_link_width"] = text(current_width)
     spec[f"{p}/max_link_speed"] = text(fn.link_speed)
     spec[f"{p}/max_link_width"] = text(fn.link_width)
-    spec[f"{p}/irq"] = text(0)
+    spec[f"{p}/irq"] = text(fn.irq)
     spec[f"{p}/dma_mask_bits"] = text(64)
     spec[f"{p}/d3cold_allowed"] = File(b"1\n", 0o644)
     spec[f"{p}/config"] = File(config_space(fn), 0o644)
     spec[f"{p}/remove"] = File(b"", 0o200)
     spec[f"{p}/rescan"] = File(b"", 0o200)
-    fatal, nonfatal, correctable = fn.aer
-    spec[f"{p}/aer_dev_fatal"] = _aer_text(AER_UNCORRECTABLE, 3, "TOTAL_ERR_FATAL", fatal)
-    spec[f"{p}/aer_dev_nonfatal"] = _aer_text(AER_UNCORRECTABLE, 5, "TOTAL_ERR_NONFATAL", nonfatal)
-    spec[f"{p}/aer_dev_correctable"] = _aer_text(AER_CORRECTABLE, 0, "TOTAL_ERR_COR", correctable)
+    if fn.aer_capable:
+        fatal, nonfatal, correctable = fn.aer
+        spec[f"{p}/aer_dev_fatal"] = _aer_text(AER_UNCORRECTABLE, 3, "TOTAL_ERR_FATAL", fatal)
+        spec[f"{p}/aer_dev_nonfatal"] = _aer_text(AER_UNCORRECTABLE, 5, "TOTAL_ERR_NONFATAL", nonfatal)
+        spec[f"{p}/aer_dev_correctable"] = _aer_text(AER_CORRECTABLE, 0, "TOTAL_ERR_COR", correctable)
     uevent = [f"PCI_CLASS={ident.class_code:X}", f"PCI_ID={ident.vendor:04X}:{ident.device:04X}"]
     uevent.append(f"PCI_SUBSYS_ID={ident.subsystem_vendor:04X}:{ident.subsystem_device:04X}")
     uevent += [f"PCI_SLOT_NAME={bdf}", f"MODALIAS={ident.modalias}"]

@@ -53,10 +53,30 @@ class Placement(_Strict):
     """Devices behind one PCIe switch; 0 puts each on its own root port."""
 
 
+_BDF = r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$"
+_GPU_UUID = r"^GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"
+
+
+class GpuDevice(_Strict):
+    """Facts a profile fixes for one GPU of a group, as a real node's capture shows them."""
+
+    pci_address: Annotated[str, Field(pattern=_BDF)] | None = None
+    """Where the GPU sits, directly on the host bridge's root bus with no root port above it (as a
+    GPU passed through to a VM does): ``0000:00:06.0``, lower-case hex. Only on bus 0000:00."""
+    uuid: Annotated[str, Field(pattern=_GPU_UUID)] | None = None
+    """NVIDIA GPUs: the ``GPU-`` UUID (lower-case hex), instead of one derived from the address."""
+    irq: Annotated[int, Field(ge=1, le=1023)] | None = None
+    """The interrupt line the driver reports (``information``'s ``IRQ:``, sysfs ``irq``)."""
+
+
 class GpuGroup(Placement):
     """GPUs of one model."""
 
     model: Annotated[str, _known(catalog.GPUS, "GPU")]
+    aer: bool = True
+    """False: the functions have no AER capability, so no ``aer_dev_*`` files (a VM's passed-through GPU)."""
+    devices: list[GpuDevice] = []
+    """Per-GPU facts, in order (at most ``count``); GPUs beyond the list get the lab's own."""
 
 
 class FpgaGroup(Placement):
@@ -136,6 +156,20 @@ class Profile(_Strict):
     nics: list[NicGroup] = []
     device_nodes: list[DeviceNodeSpec] = []
     """Plain device nodes besides the PCI devices, for the ``generic`` kind."""
+    numa_information: bool = True
+    """False: the firmware describes no NUMA (a VM without ACPI SRAT): every PCI function's
+    ``numa_node`` reads -1 and its ``local_cpulist`` is every CPU. Needs ``numaNodes: 1``."""
+    iommu_groups: bool = True
+    """False: the node has no IOMMU, so no ``iommu_group`` links (a VM without a vIOMMU)."""
+    nvidia_driver_version: Annotated[str, Field(pattern=r"^[0-9]{3}\.[0-9]{2,3}(\.[0-9]{2})?$")] = "550.54.15"
+    """The NVIDIA driver's version (``/sys/module/nvidia/version``, procfs, NVML)."""
+    nvidia_kernel_module: Literal["open", "proprietary"] = "proprietary"
+    """Which NVIDIA kernel module is loaded: its wording in ``/proc/driver/nvidia/version``."""
+    nvidia_modeset: bool = True
+    """Whether ``nvidia-modeset`` is loaded (``/dev/nvidia-modeset``); compute-only nodes often lack it."""
+    driver_root: Annotated[str, Field(pattern=r"^/([A-Za-z0-9_.+-]+(/[A-Za-z0-9_.+-]+)*)?$")] = "/"
+    """Where NVIDIA's user-space driver files live (libraries, ``nvidia-smi``), as the gpu
+    resource's ``driverRoot`` option names it: ``/`` puts them in the distribution's places."""
 
 
 def _field_name(loc: tuple[int | str, ...]) -> str:
@@ -164,6 +198,7 @@ def _cross_checks(profile: Profile) -> list[tuple[str, str]]:
             if group.numa_nodes == []:
                 problems.append((f"{section}[{i}].numaNodes", "expected at least one NUMA node"))
     problems += _model_checks(profile)
+    problems += _gpu_checks(profile)
     reserved = sum(size * pages for size, pages in profile.hugepages_per_numa_node.sizes().items())
     if reserved > profile.memory_per_numa_node_gib * 2**20:
         problems.append(
@@ -249,6 +284,77 @@ def _node_checks(profile: Profile) -> list[tuple[str, str]]:
                     "/dev/net/tun, /dev/vhost-net and rdma_cm (misc 200, 238, 58) come with the NICs",
                 )
             )
+    return problems
+
+
+def _fixed_device_checks(profile: Profile) -> list[tuple[str, str]]:
+    """Return the problems of the facts GPU groups fix per device (``devices[]``)."""
+    problems: list[tuple[str, str]] = []
+    seen: dict[tuple[str, str], str] = {}
+    for i, group in enumerate(profile.gpus):
+        if len(group.devices) > group.count:
+            problems.append(
+                (
+                    f"gpus[{i}].devices",
+                    f"{len(group.devices)} entries for count {group.count}; expected at most {group.count}",
+                )
+            )
+        for k, fixed in enumerate(group.devices):
+            where = f"gpus[{i}].devices[{k}]"
+            address, ident = fixed.pci_address, fixed.uuid
+            if address is not None and (not address.startswith("0000:00:") or address[8:10] == "00"):
+                problems.append(
+                    (
+                        f"{where}.pciAddress",
+                        f"{address!r} is not on the root bus; expected 0000:00:<01-1f>.<0-7>",
+                    )
+                )
+            if address is not None and group.per_switch:
+                problems.append(
+                    (f"{where}.pciAddress", "a GPU on the root bus cannot sit behind a switch (perSwitch)")
+                )
+            if ident is not None and catalog.GPUS[group.model].flavor != "nvidia":
+                problems.append((f"{where}.uuid", f"a GPU UUID applies to NVIDIA GPUs, not {group.model}"))
+            for key, value in (("pciAddress", address), ("uuid", ident)):
+                if value is not None and (key, value) in seen:
+                    problems.append((f"{where}.{key}", f"{value} is already {seen[key, value]}'s"))
+                if value is not None:
+                    seen.setdefault((key, value), where)
+    return problems
+
+
+def _gpu_checks(profile: Profile) -> list[tuple[str, str]]:
+    """Return the problems of the GPU groups' fixed facts and the node-wide GPU options."""
+    problems = _fixed_device_checks(profile)
+    fixed_groups = [i for i, g in enumerate(profile.gpus) if any(d.pci_address for d in g.devices)]
+    for i in fixed_groups:
+        group = profile.gpus[i]
+        if any(d.pci_address is None for d in group.devices) or len(group.devices) != group.count:
+            problems.append(
+                (
+                    f"gpus[{i}].devices",
+                    "give every GPU of a group a pciAddress, or none; expected one per count",
+                )
+            )
+    if not profile.numa_information and profile.numa_nodes != 1:
+        problems.append(
+            (
+                "numaInformation",
+                f"false needs numaNodes: 1 (a node without NUMA information), got {profile.numa_nodes}",
+            )
+        )
+    if not profile.iommu_groups and profile.nics:
+        problems.append(
+            ("iommuGroups", "false leaves SR-IOV NICs without IOMMU groups; expected true with nics")
+        )
+    nvidia = any(catalog.GPUS[g.model].flavor == "nvidia" for g in profile.gpus)
+    for key, value, default in (
+        ("nvidiaDriverVersion", profile.nvidia_driver_version, "550.54.15"),
+        ("nvidiaKernelModule", profile.nvidia_kernel_module, "proprietary"),
+        ("driverRoot", profile.driver_root, "/"),
+    ):
+        if value != default and not nvidia:
+            problems.append((key, "applies to a node with NVIDIA GPUs; the profile has none"))
     return problems
 
 

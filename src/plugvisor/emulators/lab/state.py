@@ -95,7 +95,8 @@ class BridgeState(_Model):
     numa_node: int
     switch: str | None
     buses: tuple[int, int, int]
-    iommu_group: int
+    iommu_group: int | None
+    """None on a node without an IOMMU (profile ``iommuGroups: false``)."""
 
 
 class SwitchState(_Model):
@@ -114,6 +115,27 @@ class NumaState(_Model):
     cpulist: str
 
 
+class GpuCounters(_Model):
+    """What NVML counts on an NVIDIA GPU, kept here so the counters only go up across lab changes.
+
+    Times are wall-clock nanoseconds (``time.time_ns()``), the clock the NVML stand-in reads:
+    a fault's events are due at its injection time and every period after it.
+    """
+
+    ecc_volatile: tuple[int, int] = (0, 0)
+    """Single-bit and double-bit ECC errors since the driver last enumerated the GPU (not counting
+    an active ``ecc-*`` fault's, which the stand-in adds from its injection time)."""
+    ecc_aggregate: tuple[int, int] = (0, 0)
+    """The same over the GPU's life (the infoROM's count): a re-plug keeps it."""
+    energy_mj: int = 0
+    energy_at_ns: int = 0
+    """``energy_mj`` is the energy counter at this time; the present draw adds to it since."""
+    fault_since_ns: dict[str, int] = {}
+    """When each active fault was injected."""
+    lost_at_ns: int = 0
+    """When the GPU fell off the bus or was unplugged; 0 while it answers."""
+
+
 class DeviceState(_Model):
     """One lab device and everything decided about it.
 
@@ -130,12 +152,22 @@ class DeviceState(_Model):
     present: bool = True
     faults: list[str] = []
     aer: tuple[int, int, int] = (0, 0, 0)
+    aer_capable: bool = True
+    """False: its functions have no AER capability (no ``aer_dev_*`` files, no AER faults)."""
+    group: int | None = None
+    """Index of the profile group (in its kind's section) the device came from, for per-group options."""
+    member: int | None = None
+    """The device's place within that group (0 for its first device)."""
     # GPUs
     minor: int | None = None
     card: int | None = None
     uuid: str | None = None
     kfd_node: int | None = None
     gpu_id: int | None = None
+    irq: int | None = None
+    """The interrupt line a profile fixed for it (``devices[].irq``); None: the lab's default."""
+    nvml: GpuCounters | None = None
+    """NVIDIA GPUs: what NVML counts (ECC errors, energy, fault times)."""
     # FPGAs
     fpga_index: int | None = None
     afu_id: str | None = None
@@ -199,7 +231,9 @@ class LabState(_Model):
         return self.profile.cpus_per_numa_node * len(self.numa_nodes)
 
     def cpulist(self, numa_node: int) -> str:
-        """Return the CPUs of a NUMA node."""
+        """Return the CPUs of a NUMA node; node -1 (no NUMA information) is every CPU of the node."""
+        if numa_node < 0:
+            return "0" if self.nr_cpus == 1 else f"0-{self.nr_cpus - 1}"
         return self.numa_nodes[numa_node].cpulist
 
     def vfs_of(self, pf: str) -> list[DeviceState]:
@@ -259,7 +293,7 @@ def _device_problems(st: LabState, name: str, dev: DeviceState) -> list[str]:
     problems: list[str] = []
     if dev.name != name or not _NAME.match(name):
         problems.append(f"{where}.name: expected {name!r}, a short name of letters and digits")
-    if not 0 <= dev.numa_node < len(st.numa_nodes):
+    if not -1 <= dev.numa_node < len(st.numa_nodes):
         problems.append(f"{where}.numa_node: {dev.numa_node} is not a NUMA node of this lab")
     if not dev.functions:
         problems.append(f"{where}.functions: expected at least one PCI function")
