@@ -42,7 +42,7 @@ import os
 import platform
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -148,6 +148,12 @@ def library_candidates(paths: HostPaths, driver_root: str) -> list[Path]:
     return found
 
 
+def nvml_bus_id(bdf: str) -> str:
+    """A sysfs PCI address as NVML writes bus IDs: ``0000:3b:00.0`` -> ``00000000:3B:00.0``."""
+    domain, _, rest = bdf.partition(":")
+    return f"{int(domain, 16):08X}:{rest.upper()}" if rest else bdf.upper()
+
+
 def normalized_bus_id(bus_id: str) -> str:
     """NVML's ``00000000:3B:00.0`` as sysfs names it: ``0000:3b:00.0`` (a 16-bit domain, lower case)."""
     domain, sep, rest = bus_id.strip().lower().partition(":")
@@ -216,6 +222,8 @@ class _Gpu:
     handle: Any
     identity: Identity
     health: _Health = field(default_factory=_Health)
+    absent: bool = False
+    """Not in the latest scan's sysfs (unplugged): what NVML says of it then belongs to the GPU that left."""
 
 
 def _text(value: object) -> str:
@@ -361,6 +369,37 @@ class Nvml:
 
     # -- what a scan asks ------------------------------------------------------------
 
+    def track(self, present: Collection[str]) -> None:
+        """Note which GPUs sysfs lists now: one that comes back after it was gone is a new GPU to NVML.
+
+        Its health starts over (an XID the leaving GPU raised is not the
+        returning one's), its handle is looked up again and registered for
+        events again, as the driver gives a re-probed GPU a new one.
+        """
+        for bus_id, gpu in self._gpus.items():
+            if bus_id not in present:
+                gpu.absent = True
+            elif gpu.absent:
+                self._returned(gpu)
+
+    def _returned(self, gpu: _Gpu) -> None:
+        api = self._api
+        with self._lock:
+            gpu.absent = False
+            gpu.health = _Health()
+        try:
+            handle = api.nvmlDeviceGetHandleByPciBusId(nvml_bus_id(gpu.bus_id).encode())
+        except api.NVMLError as exc:
+            self._log.warning("nvml_gpu_back", gpu=gpu.bus_id, handle="kept", error=str(exc))
+            return
+        with self._lock:
+            self._by_handle.pop(_address(gpu.handle), None)
+            gpu.handle = handle
+            self._by_handle[_address(handle)] = gpu.bus_id
+        if self._event_set is not None:
+            self._register(gpu)
+        self._log.info("nvml_gpu_back", gpu=gpu.bus_id, health="starts over")
+
     @property
     def bus_ids(self) -> list[str]:
         """The GPUs NVML knows, by PCI address as sysfs writes it."""
@@ -470,17 +509,22 @@ class Nvml:
         except api.NVMLError as exc:
             self._once(("events",), "nvml_events_unavailable", error=str(exc), effect="no NVML health")
             return False
-        for bus_id, gpu in self._gpus.items():
-            try:
-                supported = int(api.nvmlDeviceGetSupportedEventTypes(gpu.handle)) & _HEALTH_EVENTS
-                api.nvmlDeviceRegisterEvents(gpu.handle, supported or _HEALTH_EVENTS, self._event_set)
-            except api.NVMLError as exc:
-                if exc.value == ERROR_GPU_IS_LOST:
-                    self._mark_lost(bus_id)
-                self._once(("register", bus_id), "nvml_events_not_registered", gpu=bus_id, error=str(exc))
+        for gpu in self._gpus.values():
+            self._register(gpu)
         self._thread = threading.Thread(target=self._wait_loop, name="nvml-events", daemon=True)
         self._thread.start()
         return True
+
+    def _register(self, gpu: _Gpu) -> None:
+        """Register one GPU for the health events it supports (all three when it cannot say)."""
+        api = self._api
+        try:
+            supported = int(api.nvmlDeviceGetSupportedEventTypes(gpu.handle)) & _HEALTH_EVENTS
+            api.nvmlDeviceRegisterEvents(gpu.handle, supported or _HEALTH_EVENTS, self._event_set)
+        except api.NVMLError as exc:
+            if exc.value == ERROR_GPU_IS_LOST:
+                self._mark_lost(gpu.bus_id)
+            self._once(("register", gpu.bus_id), "nvml_events_not_registered", gpu=gpu.bus_id, error=str(exc))
 
     def _wait_loop(self) -> None:
         api = self._api

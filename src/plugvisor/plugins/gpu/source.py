@@ -149,6 +149,8 @@ class GpuSource:
                 continue
             self._problems.report(bdf, "; ".join(gpu.problems) or None)
             gpus.append(gpu)
+        if self.nvml is not None:
+            self.nvml.track(addresses)
         views = self._nvml_views(gpus)
         self._problems.forget_absent([*addresses, *(bdf for bdf, _ in broken)])
         control = self.scanner.control_nodes(sorted({g.function.vendor for g in gpus}))
