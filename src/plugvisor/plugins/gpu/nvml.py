@@ -110,17 +110,17 @@ WAIT_MS: Final = 500
 
 _GPU: Final = {"sensor": "gpu"}
 _READINGS: Final = (
-    ("plugvisor_device_temperature_celsius", _GPU, "temperature", "nvmlDeviceGetTemperature", (0,), 1.0),
-    ("plugvisor_device_power_watts", _GPU, "power", "nvmlDeviceGetPowerUsage", (), 1e-3),
-    ("plugvisor_device_energy_joules", _GPU, "energy", "nvmlDeviceGetTotalEnergyConsumption", (), 1e-3),
-    ("plugvisor_gpu_sm_clock_hertz", {}, "smClock", "nvmlDeviceGetClockInfo", (1,), 1e6),
-    ("plugvisor_gpu_pcie_replays", {}, "pcieReplays", "nvmlDeviceGetPcieReplayCounter", (), 1.0),
-    ("plugvisor_gpu_ecc_errors", {"type": "sbe"}, "eccSbe", "nvmlDeviceGetTotalEccErrors", (0, 0), 1.0),
-    ("plugvisor_gpu_ecc_errors", {"type": "dbe"}, "eccDbe", "nvmlDeviceGetTotalEccErrors", (1, 0), 1.0),
+    ("plugvisor_device_temperature_celsius", _GPU, "temperature", "nvmlDeviceGetTemperature", (0,), 1),
+    ("plugvisor_device_power_watts", _GPU, "power", "nvmlDeviceGetPowerUsage", (), -1000),
+    ("plugvisor_device_energy_joules", _GPU, "energy", "nvmlDeviceGetTotalEnergyConsumption", (), -1000),
+    ("plugvisor_gpu_sm_clock_hertz", {}, "smClock", "nvmlDeviceGetClockInfo", (1,), 1_000_000),
+    ("plugvisor_gpu_pcie_replays", {}, "pcieReplays", "nvmlDeviceGetPcieReplayCounter", (), 1),
+    ("plugvisor_gpu_ecc_errors", {"type": "sbe"}, "eccSbe", "nvmlDeviceGetTotalEccErrors", (0, 0), 1),
+    ("plugvisor_gpu_ecc_errors", {"type": "dbe"}, "eccDbe", "nvmlDeviceGetTotalEccErrors", (1, 0), 1),
 )  # fmt: skip
 """Per-GPU telemetry: family, labels, the field's name in logs, the pynvml function, its arguments after the
 handle (``NVML_TEMPERATURE_GPU``, ``NVML_CLOCK_SM``, ``(UNCORRECTED or CORRECTED, NVML_VOLATILE_ECC)``), and
-the factor to the family's unit (mW, mJ, MHz)."""
+the factor to the family's unit (negative: a divisor, so that 88820 mW is exactly 88.82 W)."""
 
 TAINT_XID: Final = "gpu.plugvisor.io/xid"
 TAINT_ECC: Final = "gpu.plugvisor.io/ecc"
@@ -477,7 +477,8 @@ class Nvml:
             call = getattr(api, function)
             value = self._field(bus_id, name, lambda c=call, a=arguments: c(handle, *a))
             if value is not None:
-                readings.append(Reading(family, float(value) * scale, labels))
+                number = float(value) / -scale if scale < 0 else float(value) * scale
+                readings.append(Reading(family, number, labels))
         utilization = self._field(bus_id, "utilization", lambda: api.nvmlDeviceGetUtilizationRates(handle))
         if utilization is not None:
             readings.append(Reading("plugvisor_gpu_utilization_ratio", utilization.gpu / 100.0))
