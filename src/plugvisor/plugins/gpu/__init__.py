@@ -4,8 +4,8 @@ Discovery reads PCI sysfs by vendor/class (no NVML, no vendor library needed),
 device nodes from devfs, NVIDIA's UUIDs from procfs. Health is recomputed on every
 scan (driver binding, fallen off the bus, AER, link state, nodes present), so a
 recovered GPU is Healthy again. Where NVIDIA's ``libnvidia-ml.so.1`` loads, NVML
-adds identity, XID/ECC health events and telemetry (:mod:`.nvml`). Time-slicing advertises ``replicas`` IDs per GPU;
-GetPreferredAllocation scores sets by PCI-tree distance (see
+adds identity, XID/ECC health events and telemetry (:mod:`.nvml`). Time-slicing
+advertises ``replicas`` IDs per GPU; GetPreferredAllocation scores sets by PCI-tree distance (see
 :mod:`plugvisor.plugins.topology`). With ``cdi: true`` a CDI spec is kept in the
 CDI directory and Allocate returns ``cdi_devices``.
 """

@@ -38,6 +38,7 @@ with one log line; ``GPU_IS_LOST`` makes that GPU unhealthy.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 import threading
@@ -45,7 +46,6 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Final
 
 import structlog
@@ -109,7 +109,7 @@ WAIT_MS: Final = 500
 """How long one event wait blocks: the longest a stop waits for the event thread, and the recovery tick."""
 
 _GPU: Final = {"sensor": "gpu"}
-_READINGS: Final = (
+_READINGS: Final[tuple[tuple[str, dict[str, str], str, str, tuple[int, ...], int], ...]] = (
     ("plugvisor_device_temperature_celsius", _GPU, "temperature", "nvmlDeviceGetTemperature", (0,), 1),
     ("plugvisor_device_power_watts", _GPU, "power", "nvmlDeviceGetPowerUsage", (), -1000),
     ("plugvisor_device_energy_joules", _GPU, "energy", "nvmlDeviceGetTotalEnergyConsumption", (), -1000),
@@ -474,8 +474,7 @@ class Nvml:
             return readings
         api, handle = self._api, gpu.handle
         for family, labels, name, function, arguments, scale in _READINGS:
-            call = getattr(api, function)
-            value = self._field(bus_id, name, lambda c=call, a=arguments: c(handle, *a))
+            value = self._field(bus_id, name, functools.partial(getattr(api, function), handle, *arguments))
             if value is not None:
                 number = float(value) / -scale if scale < 0 else float(value) * scale
                 readings.append(Reading(family, number, labels))
@@ -643,7 +642,7 @@ _loaded: dict[str, str] = {}
 """The path pynvml's handle was set to in this process, under ``"path"``."""
 
 
-def _load(pynvml: ModuleType, paths: HostPaths, driver_root: str) -> str:
+def _load(pynvml: Any, paths: HostPaths, driver_root: str) -> str:
     """Point pynvml at the driver root's ``libnvidia-ml.so.1`` (CDLL of the path); returns what was loaded.
 
     With both roots ``/`` and nothing found in the list, the dynamic loader's

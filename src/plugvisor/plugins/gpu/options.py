@@ -101,7 +101,7 @@ EnableChecks = Annotated[
 
 def _enabled(value: object) -> str | bool:
     if value == "auto" or value is False:
-        return value  # type: ignore[return-value]  # one of the two accepted values
+        return value
     raise ValueError(f"expected 'auto' or false, got {shorten(repr(value))}")
 
 
