@@ -216,3 +216,25 @@ class TestDra:
             node.heal("gpu3")
             await eventually(lambda: "taints" not in published_slice(base)[name], what="the taint gone")
             assert len(published_slice(base)) == 8
+
+    async def test_a_gpu_fallen_off_the_bus_stays_in_the_slice_tainted_lost(
+        self, nvidia_lab, dra_kubelet, base
+    ):
+        node = nvidia_lab()
+        target = gpus(node)["gpu5"]
+        async with running_dra_driver(
+            dra_kubelet, KIND, QUICK, driver=DRIVER, root=Path(node.root)
+        ) as driver:
+            await eventually(lambda: len(published_slice(base)) == 8, what="8 devices in the slice")
+            name = next(n for n, d in driver.devices.items() if d.attributes[PCI_BUS_ID] == target.bdf)
+            node.fault("gpu5", "fallen-off-bus")
+            await eventually(
+                lambda: (
+                    "gpu.plugvisor.io/gpu-lost"
+                    in {t["key"] for t in published_slice(base)[name].get("taints", ())}
+                ),
+                what="the lost GPU's taint",
+            )
+            assert len(published_slice(base)) == 8
+            node.heal("gpu5")
+            await eventually(lambda: "taints" not in published_slice(base)[name], what="the taints gone")
