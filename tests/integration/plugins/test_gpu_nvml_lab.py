@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+import structlog
 
 from plugvisor.common.hostpaths import HostPaths
 from plugvisor.dra.devices import PCI_BUS_ID, SemVer
@@ -62,6 +63,73 @@ async def eventually(predicate, timeout: float = 10.0, what: str = "the conditio
         if loop.time() > deadline:
             raise TimeoutError(f"{what} did not hold within {timeout} s")
         await asyncio.sleep(0.02)
+
+
+H200_OPEN = """
+name: h200-open
+description: one H200 as the real node read, NVIDIA's open kernel module, the driver under /usr/local/nvidia
+nvidiaKernelModule: open
+nvidiaDriverVersion: "580.159.04"
+driverRoot: /usr/local/nvidia
+numaNodes: 1
+numaInformation: false
+gpus:
+  - model: nvidia-h200
+    count: 1
+"""
+
+
+class TestAnOpenModuleNode:
+    """An H200 node as the real one reads: open-module banner, libraries under /usr/local/nvidia, no NUMA."""
+
+    @pytest.fixture
+    def node(self, lab_base):
+        profile = lab_base / "h200-open.yaml"
+        profile.write_text(H200_OPEN)
+        node = lab.Lab.create(str(lab_base / "root"), str(profile))
+        if not any(
+            p.exists() for p in library_candidates(HostPaths(root=Path(node.root)), "/usr/local/nvidia")
+        ):
+            pytest.skip(f"the lab wrote no {LIBRARY} (it needs a C compiler, cc, to build its NVML stand-in)")
+        return node
+
+    async def test_the_slice_has_the_drivers_version_nvmls_identity_and_no_numa_node(
+        self, node, dra_kubelet, base
+    ):
+        options = {"driverRoot": "/usr/local/nvidia"}
+        async with running_dra_driver(
+            dra_kubelet, KIND, options, driver=DRIVER, root=Path(node.root)
+        ) as driver:
+            await eventually(lambda: len(published_slice(base)) == 1, what="the GPU in the slice")
+            (device,) = driver.devices.values()
+        attributes = dict(device.attributes)
+        assert attributes["driverVersion"] == SemVer("580.159.4")
+        assert attributes["productName"] == "NVIDIA H200"
+        assert dict(device.capacity) == {"memory": "143771Mi"}  # 150754820096 bytes
+        assert "resource.kubernetes.io/numaNode" not in attributes
+
+    async def test_without_nvml_the_open_modules_banner_still_gives_the_version(
+        self, node, dra_kubelet, base
+    ):
+        options = {"nvml": {"enabled": False}}
+        async with running_dra_driver(
+            dra_kubelet, KIND, options, driver=DRIVER, root=Path(node.root)
+        ) as driver:
+            await eventually(lambda: len(published_slice(base)) == 1, what="the GPU in the slice")
+            (device,) = driver.devices.values()
+        assert device.attributes["driverVersion"] == SemVer("580.159.4")
+        assert "productName" not in device.attributes and not device.capacity
+
+    async def test_a_wrong_driver_root_runs_on_sysfs_saying_where_it_looked(self, node, dra_kubelet, base):
+        with structlog.testing.capture_logs() as logs:
+            async with running_dra_driver(
+                dra_kubelet, KIND, {}, driver=DRIVER, root=Path(node.root)
+            ) as driver:
+                await eventually(lambda: len(published_slice(base)) == 1, what="the GPU in the slice")
+                (device,) = driver.devices.values()
+        (said,) = [e for e in logs if e["event"] == "nvml_unavailable"]
+        assert "libnvidia-ml.so.1 not found under driverRoot /" in said["reason"]
+        assert "productName" not in device.attributes
 
 
 class TestDevicePlugin:
