@@ -197,6 +197,16 @@ class TestIdentity:
         assert all(nvml.view(b).identity.architecture is None for b in nvml.bus_ids)
         assert [e.get("gpus") for e in logs if e["event"] == "nvml_field_absent"] == ["all"]
 
+    def test_anything_else_pynvml_raises_for_a_field_leaves_only_that_field_out(self):
+        api = FakeNvml()
+
+        def mismatch(_handle):
+            raise pynvml.NVMLLibraryMismatchError("Unversioned function called")
+
+        api.nvmlDeviceGetBrand = mismatch
+        identity = opened(api).view(FIRST).identity
+        assert identity.brand is None and identity.architecture == "Hopper"
+
     def test_a_gpu_whose_bus_id_cannot_be_read_is_skipped_and_the_others_kept(self):
         api = FakeNvml()
         api.errors[("nvmlDeviceGetPciInfo_v3", 1)] = pynvml.NVML_ERROR_GPU_IS_LOST

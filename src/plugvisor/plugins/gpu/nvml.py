@@ -281,6 +281,8 @@ class Nvml:
             if exc.value == ERROR_FUNCTION_NOT_FOUND:
                 raise Unavailable(f"{library} is the wrong version: it has no nvmlInitWithFlags") from None
             raise Unavailable(f"{library}: nvmlInit failed: {exc}") from None
+        except Exception as exc:  # a library that is no NVML can fail any way (a crash aside)
+            raise Unavailable(f"{library}: nvmlInit failed: {type(exc).__name__}: {exc}") from None
         try:
             nvml.enumerate()
         except Unavailable as exc:
@@ -347,7 +349,12 @@ class Nvml:
         )
 
     def _field(self, bus_id: str, name: str, call: Callable[[], Any]) -> Any:
-        """One NVML answer for one GPU, or None with one log line (per GPU and field) saying why."""
+        """One NVML answer for one GPU, or None with one log line (per GPU and field) saying why.
+
+        Besides NVML's own errors, anything pynvml raises (its ``NVMLLibraryMismatchError``, a ctypes
+        error from a library whose signature differs) leaves the field out the same way: a scan or a
+        scrape never fails for one field.
+        """
         try:
             return call()
         except self._api.NVMLError as exc:
@@ -358,6 +365,10 @@ class Nvml:
                 self._once(("absent", name), "nvml_field_absent", field=name, error=str(exc), gpus="all")
                 return None
             self._once(("field", bus_id, name), "nvml_field_absent", gpu=bus_id, field=name, error=str(exc))
+            return None
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            self._once(("field", bus_id, name), "nvml_field_absent", gpu=bus_id, field=name, error=error)
             return None
 
     def _once(self, key: tuple[str, ...], event: str, **values: Any) -> None:
@@ -423,6 +434,8 @@ class Nvml:
         except self._api.NVMLError as exc:
             if exc.value == ERROR_GPU_IS_LOST:
                 self._mark_lost(gpu.bus_id)
+            return
+        except Exception:  # not an answer about the GPU: nothing learned
             return
         with self._lock:
             found, gpu.health.lost = gpu.health.lost, False
