@@ -6,6 +6,8 @@ is chosen by the test, which a library cannot be made to do one field at a time.
 """
 
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -430,3 +432,17 @@ class TestLoading:
         shutil.copy(libm, tmp_path / "lib64/libnvidia-ml.so.1")
         with pytest.raises(Unavailable, match="wrong version: it has no nvmlInitWithFlags"):
             Nvml.open(HostPaths(root=tmp_path), "/", GpuOptions().nvml)
+
+
+def test_the_agent_loading_the_gpu_kind_imports_no_pynvml_and_loads_no_library():
+    """The agent validates configuration with the kind's module: NVML stays for the plugin processes."""
+    probe = (
+        "import sys; from plugvisor.plugins.kinds import get_kind;"
+        "get_kind('gpu').options_model.model_validate({'nvml': {'disableHealthChecks': [48]}});"
+        "maps = open('/proc/self/maps').read();"
+        "print('pynvml' in sys.modules, 'libnvidia-ml' in maps)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert done.stdout.split() == ["False", "False"]
