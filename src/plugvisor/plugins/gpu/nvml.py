@@ -400,8 +400,10 @@ class Nvml:
             gpu.health = _Health()
         try:
             handle = api.nvmlDeviceGetHandleByPciBusId(nvml_bus_id(gpu.bus_id).encode())
-        except api.NVMLError as exc:
-            self._log.warning("nvml_gpu_back", gpu=gpu.bus_id, handle="kept", error=str(exc))
+        except Exception as exc:  # NVML's errors and pynvml's: the old handle is kept, and tried as it is
+            self._log.warning(
+                "nvml_gpu_back", gpu=gpu.bus_id, handle="kept", error=f"{type(exc).__name__}: {exc}"
+            )
             return
         with self._lock:
             self._by_handle.pop(_address(gpu.handle), None)
