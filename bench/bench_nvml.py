@@ -11,6 +11,8 @@ Run: python bench/bench_nvml.py [--starts 10] [--faults 20]
 - XID -> Unhealthy: ``lab fault gpuN xid-79`` -> the kubelet's ListAndWatch
   shows the GPU Unhealthy (the same process, with a 1 s quiet period so that
   ``heal`` brings each GPU back for the next round), p50/p99.
+- XID -> taint: the same as a DRA driver (in this process, slices as files):
+  the fault -> the ``gpu.plugvisor.io/xid`` taint in the ResourceSlice, p50/p99.
 - CPU per scrape: the child's CPU time (``time.process_time``) for NVML's
   telemetry of 8 GPUs (what :meth:`Nvml.readings` asks NVML at each describe),
   and for the whole describe (sysfs AER/link readings too), in this process.
@@ -31,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from node_memory import kernel_pss_kb, node_pss
@@ -40,6 +43,7 @@ from plugvisor.emulators import lab
 from plugvisor.emulators.kubelet import EmulatedKubelet
 from plugvisor.plugins.gpu import KIND
 from plugvisor.plugins.gpu.nvml import LIBRARY, Nvml, library_candidates
+from plugvisor.testing import running_dra_driver
 
 RESOURCE = "plugvisor.io/gpu"
 SHM = Path("/dev/shm")
@@ -119,6 +123,46 @@ async def xid_latency(node: lab.Lab, base: Path, faults: int) -> list[float]:
             await kubelet.wait_for(lambda k: allocatable(k) == 8, timeout=30)
     finally:
         await stop(process, kubelet)
+    return latencies
+
+
+async def until(predicate: Callable[[], bool], pause: float) -> None:
+    """Look every ``pause`` seconds: the slice is a file the driver replaces, nothing announces it."""
+    while not predicate():  # noqa: ASYNC110 - nothing to wait on but the file
+        await asyncio.sleep(pause)
+
+
+async def taint_latency(node: lab.Lab, base: Path, faults: int) -> list[float]:
+    """``xid-79`` -> the taint in the driver's ResourceSlice (the file publisher: the emulated API server)."""
+    kubelet = EmulatedKubelet(
+        base / "kd", objects_dir=base / "api", node_name="n1", write_view=False, pod_resources=False
+    )
+    await kubelet.start()
+    slice_file = base / "api" / "resourceslices" / "gpu.plugvisor.io-n1.json"
+
+    def tainted() -> set[str]:
+        try:
+            devices = json.loads(slice_file.read_text())["spec"]["devices"]
+        except (OSError, ValueError):
+            return set()
+        return {
+            d["attributes"]["resource.kubernetes.io/pciBusID"]["string"] for d in devices if d.get("taints")
+        }
+
+    latencies: list[float] = []
+    try:
+        async with running_dra_driver(kubelet, KIND, WITH, driver="gpu.plugvisor.io", root=Path(node.root)):
+            records = list(node.devices(kind=lab.DeviceKind.GPU))
+            for i in range(faults):
+                gpu = records[i % len(records)]
+                began = time.perf_counter()
+                node.fault(gpu.name, "xid-79")
+                await until(lambda g=gpu: g.bdf in tainted(), 0.002)
+                latencies.append((time.perf_counter() - began) * 1000)
+                node.heal(gpu.name)
+                await until(lambda: not tainted(), 0.01)
+    finally:
+        await kubelet.stop()
     return latencies
 
 
@@ -217,6 +261,12 @@ async def main() -> None:
         print(
             f"xid-79 -> kubelet Unhealthy over {len(latencies)} faults: p50 {pct(latencies, 0.5):.1f} ms,"
             f" p99 {pct(latencies, 0.99):.1f} ms, max {max(latencies):.1f} ms (target < 1000 ms)"
+        )
+        taints = await taint_latency(node, base, args.faults)
+        print(
+            f"xid-79 -> taint in the DRA driver's slice over {len(taints)} faults:"
+            f" p50 {pct(taints, 0.5):.1f} ms,"
+            f" p99 {pct(taints, 0.99):.1f} ms (target < 1000 ms)"
         )
         readings, describe = scrape_cpu(root)
         print(
