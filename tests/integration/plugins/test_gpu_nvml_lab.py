@@ -65,33 +65,52 @@ async def eventually(predicate, timeout: float = 10.0, what: str = "the conditio
         await asyncio.sleep(0.02)
 
 
-H200_OPEN = """
-name: h200-open
-description: one H200 as the real node read, NVIDIA's open kernel module, the driver under /usr/local/nvidia
-nvidiaKernelModule: open
-nvidiaDriverVersion: "580.159.04"
-driverRoot: /usr/local/nvidia
-numaNodes: 1
-numaInformation: false
-gpus:
-  - model: nvidia-h200
-    count: 1
-"""
+REAL_UUID = "GPU-2b75dc85-67dc-fd5d-9317-96e28aca4f63"
 
 
-class TestAnOpenModuleNode:
-    """An H200 node as the real one reads: open-module banner, libraries under /usr/local/nvidia, no NUMA."""
+class TestTheRealH200Node:
+    """plugvisor's view of ``nvidia-h200-vm`` (a real H200 VM reproduced) against what the real node showed:
+    one GPU at 0000:00:06.0 with its UUID, a 32 GT/s x16 link, no NUMA node, the open module's 580.159.04,
+    the driver's files under /usr/local/nvidia, NVML's H200 (Hopper, 9.0, 150754820096 bytes, CUDA 13.0)."""
 
     @pytest.fixture
-    def node(self, lab_base):
-        profile = lab_base / "h200-open.yaml"
-        profile.write_text(H200_OPEN)
-        node = lab.Lab.create(str(lab_base / "root"), str(profile))
+    def node(self, make_lab):
+        node = make_lab("nvidia-h200-vm")
         if not any(
             p.exists() for p in library_candidates(HostPaths(root=Path(node.root)), "/usr/local/nvidia")
         ):
             pytest.skip(f"the lab wrote no {LIBRARY} (it needs a C compiler, cc, to build its NVML stand-in)")
         return node
+
+    async def test_the_device_plugin_sees_one_gpu_by_its_uuid_without_numa_with_its_link_and_nvml(
+        self, node, kubelet, running
+    ):
+        options = {"driverRoot": "/usr/local/nvidia"}
+        async with running(kubelet, node, KIND, options, RESOURCE) as runtime:
+            await kubelet.wait_for(lambda k: allocatable(k) == 1)
+            (device,) = kubelet.resource(RESOURCE).devices.values()
+            snapshot = runtime.snapshot.value
+            described = runtime.watcher._source.describe(snapshot)[REAL_UUID]
+            allocation = await kubelet.allocate(RESOURCE, 1)
+        assert list(kubelet.resource(RESOURCE).devices) == [REAL_UUID]
+        assert device.numa_nodes == ()
+        assert described.pci_address == "0000:00:06.0"
+        link = {
+            (r.family, r.labels.get("link")): r.value for r in described.readings if "pcie_link" in r.family
+        }
+        assert link[("plugvisor_device_pcie_link_speed_gts", "current")] == 32.0
+        assert link[("plugvisor_device_pcie_link_width_lanes", "current")] == 16.0
+        assert not any(r.family == "plugvisor_device_aer_errors" for r in described.readings)
+        identity = snapshot.data.nvml["0000:00:06.0"].identity
+        assert (identity.product_name, identity.architecture, identity.compute_capability) == (
+            "NVIDIA H200",
+            "Hopper",
+            "9.0",
+        )
+        assert identity.memory_bytes == 150754820096
+        assert snapshot.data.system.driver_version == "580.159.04"
+        nodes = sorted(d.container_path for d in allocation.response.devices)
+        assert nodes == ["/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia0", "/dev/nvidiactl"]
 
     async def test_the_slice_has_the_drivers_version_nvmls_identity_and_no_numa_node(
         self, node, dra_kubelet, base
@@ -104,7 +123,12 @@ class TestAnOpenModuleNode:
             (device,) = driver.devices.values()
         attributes = dict(device.attributes)
         assert attributes["driverVersion"] == SemVer("580.159.4")
-        assert attributes["productName"] == "NVIDIA H200"
+        assert (attributes["productName"], attributes["uuid"]) == ("NVIDIA H200", REAL_UUID)
+        assert attributes["cudaDriverVersion"] == SemVer("13.0.0")
+        assert (attributes[PCI_BUS_ID], attributes["resource.kubernetes.io/pcieRoot"]) == (
+            "0000:00:06.0",
+            "pci0000:00",
+        )
         assert dict(device.capacity) == {"memory": "143771Mi"}  # 150754820096 bytes
         assert "resource.kubernetes.io/numaNode" not in attributes
 
