@@ -226,8 +226,8 @@ class DraDriver:
 
     @property
     def devices(self) -> dict[str, PublishedDevice]:
-        """The devices the driver publishes now, by name (healthy ones only, as the slice lists them)."""
-        return {device.name: device for device in self.runtime.pools.value.healthy()}
+        """The devices the driver publishes now, by name, as the slice lists them (healthy or tainted)."""
+        return {device.name: device for device in self.runtime.pools.value.listed()}
 
     @property
     def cdi_dir(self) -> Path:

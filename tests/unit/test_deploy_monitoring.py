@@ -85,3 +85,16 @@ def test_the_rules_alert_on_unhealthy_devices_degraded_links_and_unregistered_re
     for rule in by_name.values():
         assert rule["labels"]["severity"] in {"warning", "critical"}
         assert rule["annotations"]["summary"]
+
+
+def test_the_gpu_panels_and_alerts_use_nvmls_series():
+    queries = " ".join(dashboard_queries())
+    for series in (
+        "plugvisor_gpu_utilization_ratio",
+        "plugvisor_gpu_memory_used_bytes",
+        "plugvisor_gpu_last_xid",
+    ):
+        assert series in queries
+    by_name = {r["alert"]: r for r in rules()}
+    assert {"PlugvisorGpuXid", "PlugvisorGpuLost", "PlugvisorGpuDoubleBitEcc"} <= set(by_name)
+    assert by_name["PlugvisorGpuXid"]["labels"]["severity"] == "critical"

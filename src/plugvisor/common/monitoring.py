@@ -106,6 +106,24 @@ TELEMETRY: Final = {
             labels=("sensor",),
         ),
         Family("plugvisor_device_fan_rpm", "hwmon fan speed of the device.", labels=("sensor",)),
+        Family("plugvisor_gpu_utilization_ratio", "NVML: fraction of time a kernel ran on the GPU (0-1)."),
+        Family(
+            "plugvisor_gpu_memory_copy_utilization_ratio",
+            "NVML: fraction of time the GPU's memory was read or written (0-1).",
+        ),
+        Family("plugvisor_gpu_memory_used_bytes", "NVML: GPU memory (framebuffer) in use."),
+        Family("plugvisor_gpu_memory_total_bytes", "NVML: GPU memory (framebuffer) in all."),
+        Family(
+            "plugvisor_gpu_ecc_errors",
+            "NVML: ECC errors since the driver loaded (volatile), single-bit (sbe) or double-bit (dbe).",
+            counter=True,
+            labels=("type",),
+        ),
+        Family(
+            "plugvisor_gpu_pcie_replays", "NVML: PCIe replays (link-level retries) of the GPU.", counter=True
+        ),
+        Family("plugvisor_gpu_last_xid", "NVML: the last XID reported for the GPU (0 for none since start)."),
+        Family("plugvisor_gpu_sm_clock_hertz", "NVML: streaming multiprocessor clock."),
         Family(
             "plugvisor_device_netdev_up",
             "1 when the network interface's link is up (operstate up and carrier 1), by role (pf or vf).",

@@ -49,6 +49,7 @@ if TYPE_CHECKING:
         PreferredAllocator,
         ReleaseHandler,
         ReleaseWatch,
+        RescanRequester,
         UeventSubscriber,
         resolve_hooks,
     )
@@ -78,6 +79,7 @@ _HOME = {
     "PreferredAllocator": "hooks",
     "ReleaseHandler": "hooks",
     "ReleaseWatch": "hooks",
+    "RescanRequester": "hooks",
     "UeventSubscriber": "hooks",
     "resolve_hooks": "hooks",
     "HostPaths": "plugvisor.common.hostpaths",
@@ -115,6 +117,7 @@ __all__ = [
     "ReleaseHandler",
     "ReleaseWatch",
     "RequestError",
+    "RescanRequester",
     "Snapshot",
     "SocketInUseError",
     "UeventSubscriber",

@@ -15,7 +15,7 @@ its hooks.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -107,6 +107,23 @@ class UeventSubscriber(Protocol):
 
     def uevent_subsystems(self) -> Collection[str]:
         """Return the uevent subsystems whose events should trigger a rescan."""
+        ...
+
+
+@runtime_checkable
+class RescanRequester(Protocol):
+    """**Protocol:** a source that learns of changes by itself and wants a rescan when it does.
+
+    For health that arrives as events of a vendor library (NVML's XID events,
+    waited on by the source's own thread) rather than as files or uevents. The
+    framework calls ``request_rescans`` once discovery runs, with a callable
+    that any thread may call, any number of times: each call asks for a scan
+    as soon as possible (calls while one is pending make one scan). The scan
+    itself stays one-shot and side-effect free, and reads what the event left.
+    """
+
+    def request_rescans(self, rescan: Callable[[], None]) -> None:
+        """Keep ``rescan`` and call it (from any thread) whenever the devices should be scanned again."""
         ...
 
 

@@ -24,7 +24,7 @@ from asyncinotify import Mask, Watch
 
 from plugvisor.common import inotify as inotify_
 from plugvisor.deviceplugin.cell import SnapshotCell
-from plugvisor.deviceplugin.hooks import DeviceSource, UeventSubscriber
+from plugvisor.deviceplugin.hooks import DeviceSource, RescanRequester, UeventSubscriber
 from plugvisor.deviceplugin.snapshot import Snapshot
 from plugvisor.deviceplugin.uevents import UeventListener
 
@@ -159,8 +159,15 @@ class DeviceWatcher:
         return changed
 
     async def run(self) -> None:
-        """Scan, then rescan on every inotify event, matching uevent and ``rescan_interval``, forever."""
+        """Scan, then rescan on every inotify event, matching uevent, source's request and rescan interval."""
         loop = asyncio.get_running_loop()
+        if isinstance(self._source, RescanRequester):
+
+            def rescan() -> None:
+                with contextlib.suppress(RuntimeError):  # the loop is closed: the plugin is stopping
+                    loop.call_soon_threadsafe(self.kick)
+
+            self._source.request_rescans(rescan)
         uevents = self.uevents if self.uevents is not None and self.uevents.open() else None
         if uevents is not None:
             loop.add_reader(uevents.fileno(), uevents.read_ready)

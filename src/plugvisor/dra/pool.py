@@ -50,6 +50,23 @@ class Pool:
         healthy = self.snapshot.devices.healthy_ids
         return [device for name, device in self.devices.items() if self.ids[name] in healthy]
 
+    def listed(self) -> list[PublishedDevice]:
+        """What the slice lists: the healthy devices, and the unhealthy ones that carry a taint.
+
+        A kind that says why a device is unhealthy with a taint (the gpu kind's
+        ``gpu.plugvisor.io/xid``) gets the device published with it, so that
+        ``kubectl get resourceslice`` shows the reason and the scheduler keeps
+        new claims off it; the slice publisher withdraws it instead where the
+        cluster drops taints. An unhealthy device without taints is withdrawn.
+        """
+        healthy = self.snapshot.devices.healthy_ids
+        return [
+            device
+            for name, device in self.devices.items()
+            if self.ids[name] in healthy
+            or any(t.effect in ("NoSchedule", "NoExecute") for t in device.taints)
+        ]
+
     def is_healthy(self, name: str) -> bool:
         """Whether the named device's device is healthy."""
         return self.ids[name] in self.snapshot.devices.healthy_ids

@@ -307,7 +307,7 @@ class DraDriverRuntime:
                 return
 
     async def _publish(self) -> None:
-        """Publish the pool's healthy devices while the kubelet has the driver registered (module docstring).
+        """Publish the pool's listed devices while the kubelet has the driver registered (module docstring).
 
         Each registration publishes once even when the devices did not change:
         the publisher then puts back what was removed meanwhile.
@@ -318,7 +318,7 @@ class DraDriverRuntime:
             self._to_publish.clear()
             if not self._registered:
                 continue
-            wanted = (self.pools.value.healthy(), self._registered)
+            wanted = (self.pools.value.listed(), self._registered)
             if wanted == published:
                 continue
             published = wanted

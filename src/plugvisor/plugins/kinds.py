@@ -83,6 +83,10 @@ class PluginKind(Generic[OptionsT]):
     reads_pci: bool = False
     """Its devices are found on the PCI bus: a host root without ``sys/bus/pci/devices`` is then worth a
     warning (``no_pci_bus``, usually a wrong ``--host-root``); a kind of USB or platform devices sets none."""
+    preload: tuple[str, ...] = ()
+    """Modules the agent's fork server imports for this kind's children (pure Python that starts nothing:
+    no library loaded, no thread), so that each child inherits them instead of importing them again;
+    the kind's own module must not import them, since the agent loads it to validate configuration."""
 
     def build(self, options: OptionsT | Any, paths: HostPaths, *, resource: str) -> DeviceSource:
         """Create the device source for one resource (``options``: validated, or raw keys to validate)."""

@@ -47,6 +47,8 @@ _CAUSES: Final = tuple(
     (re.compile(pattern), code)
     for pattern, code in (
         (r"unreadable|garbage", "unreadable"),
+        (r"gpu lost", "gpu-lost"),
+        (r"double-bit ecc", "ecc-dbe"),
         (r"fallen off the bus", "fallen-off-bus"),
         (r"aer fatal", "aer-fatal"),
         (r"aer nonfatal", "aer-nonfatal"),
@@ -63,11 +65,21 @@ _CAUSES: Final = tuple(
 )
 
 
+_XID: Final = re.compile(r"^xid (\d{1,5})\b")
+
+
 def cause_code(problems: Sequence[str]) -> str | None:
-    """The label word for a device's first problem (``None`` when it has none; ``other`` if unknown)."""
+    """The label word for a device's first problem (``None`` when it has none; ``other`` if unknown).
+
+    An NVML XID is the one number kept in the word (``xid-79``): XIDs are a
+    short fixed list of NVIDIA's, and which one it was is what an alert routes on.
+    """
     if not problems:
         return None
     text = problems[0].lower()
+    xid = _XID.match(text)
+    if xid:
+        return f"xid-{int(xid.group(1))}"
     for pattern, code in _CAUSES:
         if pattern.search(text):
             return code

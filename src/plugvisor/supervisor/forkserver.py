@@ -351,8 +351,9 @@ def _preload(kinds: Sequence[str], dra: bool) -> None:
         importlib.import_module(_DRA_ENTRY).preload()
     kinds_ = importlib.import_module("plugvisor.plugins.kinds")
     for name in kinds:
-        with contextlib.suppress(Exception):  # the child reports a broken kind itself
-            kinds_.get_kind(name)
+        with contextlib.suppress(Exception):  # the child reports a broken kind (or a missing module) itself
+            for module in kinds_.get_kind(name).preload:
+                importlib.import_module(module)
 
 
 def _serve(server: _Server, kinds: Sequence[str], dra: bool) -> int:

@@ -161,3 +161,32 @@ async def test_a_stopped_watcher_leaves_nothing_that_steals_the_next_ones_events
         await until(cell, lambda d: "fresh" in d, timeout=5)
     finally:
         await stop(task)
+
+
+class EventSource:
+    """Devices a thread of its own learns about (as NVML's event thread): it asks for the rescan."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.rescan = None
+
+    def request_rescans(self, rescan) -> None:
+        self.rescan = rescan
+
+    def scan(self) -> Snapshot:
+        return Snapshot([Device(n) for n in self.names])
+
+
+async def test_a_source_with_its_own_events_asks_for_a_rescan_from_another_thread():
+    source = EventSource()
+    cell = SnapshotCell(Snapshot())
+    watcher = DeviceWatcher(source, cell, rescan_interval=3600)
+    task = asyncio.create_task(watcher.run())
+    try:
+        await watcher.first_scan_done.wait()
+        assert source.rescan is not None and list(cell.value.devices) == []
+        source.names.append("gpu0")
+        await asyncio.to_thread(source.rescan)
+        await until(cell, lambda d: list(d) == ["gpu0"])
+    finally:
+        await stop(task)

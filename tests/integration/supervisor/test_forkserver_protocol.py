@@ -315,3 +315,56 @@ def test_the_dra_side_is_preloaded_only_for_a_node_with_dra_entries(tmp_path):
         [True, False, [*device_plugin, "plugvisor.dra.runtime", "plugvisor.dra.kube", "lightkube"]],
         [True, True, [*device_plugin, "plugvisor.dra.runtime"]],
     ]
+
+
+NVML_PRELOADED = textwrap.dedent(
+    """
+    import asyncio, functools, json, os, sys
+    import plugvisor.plugins.entry as entry
+    from plugvisor.supervisor.config import ChildSpec
+    from plugvisor.supervisor.spawner import ForkServerSpawner
+
+    def loaded(path):
+        maps = open("/proc/self/maps").read()
+        with open(path, "w") as out:
+            json.dump(["pynvml" in sys.modules, "libnvidia-ml" in maps], out)
+        return 0
+
+    entry.prepare = lambda args: functools.partial(loaded, args[-1])  # the fork server has it too
+
+    async def main(kinds):
+        woken = asyncio.Event()
+        spawner = ForkServerSpawner(dict(os.environ), preload_kinds=kinds)
+        await spawner.open(woken.set)
+        path = f"{sys.argv[1]}/{'-'.join(kinds)}.json"
+        spawner.spawn(ChildSpec("r", kinds[0], ("plugin", kinds[0], path)), lambda result: None)
+        while not os.path.exists(path) or not any(True for _ in spawner.reap()):
+            woken.clear()
+            try:
+                await asyncio.wait_for(woken.wait(), 0.5)
+            except TimeoutError:
+                pass
+        await spawner.close()
+        with open(path) as result:
+            print(json.dumps([kinds, json.load(result)]))
+
+    for kinds in (["generic"], ["gpu"]):
+        asyncio.run(main(kinds))
+    """
+)
+
+
+def test_a_gpu_nodes_fork_server_preloads_pynvml_and_loads_no_nvidia_library(tmp_path):
+    """pynvml's import is paid once (the fork server), NVML's library only in each gpu child that opens it."""
+    result = subprocess.run(
+        [sys.executable, "-c", NVML_PRELOADED, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert [json.loads(line) for line in result.stdout.splitlines() if line.startswith("[")] == [
+        [["generic"], [False, False]],
+        [["gpu"], [True, False]],
+    ]

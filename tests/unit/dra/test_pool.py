@@ -8,7 +8,7 @@ import structlog
 from plugvisor.common.names import dns_label_problem
 from plugvisor.deviceplugin.devices import Device, Health
 from plugvisor.deviceplugin.snapshot import Snapshot
-from plugvisor.dra.devices import PublishedDevice
+from plugvisor.dra.devices import DeviceTaint, PublishedDevice
 from plugvisor.dra.hooks import with_hash
 from plugvisor.dra.pool import build_pool
 
@@ -36,6 +36,28 @@ class TestBuildPool:
         pool = build_pool(SNAPSHOT, None, driver="d")
         assert [d.name for d in pool.healthy()] == ["a", "c"]
         assert not pool.is_healthy("b")
+
+    def test_an_unhealthy_device_the_kind_tainted_is_listed_with_its_taint_and_an_untainted_one_withdrawn(
+        self,
+    ):
+        taint = DeviceTaint("gpu.plugvisor.io/xid", "79")
+        snapshot = Snapshot(
+            [Device("a"), Device("b", health=Health.UNHEALTHY), Device("c", health=Health.UNHEALTHY)]
+        )
+        answer = {
+            "a": PublishedDevice("a"),
+            "b": PublishedDevice("b", taints=(taint,)),
+            "c": PublishedDevice("c"),
+        }
+        pool = build_pool(snapshot, Describer(answer), driver="d")
+        assert [(d.name, d.taints) for d in pool.listed()] == [("a", ()), ("b", (taint,))]
+        assert [d.name for d in pool.healthy()] == ["a"]
+        assert not pool.is_healthy("b")
+
+    def test_a_taint_that_keeps_no_claim_off_does_not_list_an_unhealthy_device(self):
+        snapshot = Snapshot([Device("b", health=Health.UNHEALTHY)])
+        soft = PublishedDevice("b", taints=(DeviceTaint("example.com/note", effect="None"),))
+        assert build_pool(snapshot, Describer({"b": soft}), driver="d").listed() == []
 
     def test_two_devices_the_kind_names_alike_are_both_offered_under_distinct_names(self):
         answer = {"a": PublishedDevice("same"), "b": PublishedDevice("other"), "c": PublishedDevice("same")}

@@ -128,3 +128,9 @@ class TestCauses:
         assert telemetry.cause_code(["AER fatal counters unreadable: x: garbage"]) == "unreadable"
         assert telemetry.cause_code(["PF ens1 operstate unreadable: x"]) == "unreadable"
         assert telemetry.cause_code(["something new"]) == "other"
+
+    def test_nvml_causes_keep_the_xid_number(self):
+        assert telemetry.cause_code(["xid 79 (NVML XID critical error)"]) == "xid-79"
+        assert telemetry.cause_code(["xid 48 (NVML XID critical error)", "AER fatal"]) == "xid-48"
+        assert telemetry.cause_code(["double-bit ECC error (NVML)"]) == "ecc-dbe"
+        assert telemetry.cause_code(["GPU lost (NVML GPU_IS_LOST)"]) == "gpu-lost"

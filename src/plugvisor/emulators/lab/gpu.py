@@ -242,9 +242,6 @@ def render(state: LabState, dev: DeviceState) -> Spec:
     driver = None if fallen else fn.driver
     spec: Spec = {}
     extra: dict[str, str] = {}
-    if model.vram_bytes:
-        extra["mem_info_vram_total"] = str(model.vram_bytes)
-        extra["mem_info_vram_used"] = str(model.vram_used_bytes)
     if model.partitions:
         extra = {
             "current_compute_partition": "SPX",
@@ -252,6 +249,9 @@ def render(state: LabState, dev: DeviceState) -> Spec:
             "current_memory_partition": "NPS1",
             "available_memory_partition": "NPS1, NPS4",
         }
+    if model.vram_bytes and not fallen:  # amdgpu's attributes: gone with the driver
+        extra["mem_info_vram_total"] = str(model.vram_bytes)
+        extra["mem_info_vram_used"] = str(model.vram_used_bytes)
     pci.render_function(
         spec,
         pci.Function(
@@ -266,6 +266,7 @@ def render(state: LabState, dev: DeviceState) -> Spec:
             aer=dev.aer,
             aer_capable=dev.aer_capable,
             irq=dev.irq or 0,
+            serial_number=_dsn(dev) if model.flavor == "nvidia" else None,
             config_readable=not fallen,
             link_degraded=pci.LINK_DEGRADED in dev.faults,
             extra=extra,
@@ -276,6 +277,8 @@ def render(state: LabState, dev: DeviceState) -> Spec:
     )
     if model.flavor == "amd":
         _kfd_node(spec, state, model, dev)
+    if fn.path.count("/") == 3:  # sys/devices/pciDDDD:BB/<BDF>: on the root bus, as in a VM
+        _acpi_companion(spec, fn.path, fn.address)
     if fallen:
         return spec
     if model.flavor == "nvidia":
@@ -314,6 +317,28 @@ def _kfd(spec: Spec, state: LabState) -> None:
         spec[f"{d}/p2p_links"] = Dir()
         for k, other in enumerate(others):
             spec[f"{d}/io_links/{k}/properties"] = File(io_link(2, node.id, other.id, 21))
+
+
+def _dsn(dev: DeviceState) -> str:
+    """The Device Serial Number NVIDIA GPUs carry, as ``serial_number`` prints it (stable per GPU)."""
+    digest = hashlib.sha256((dev.uuid or dev.name).encode()).digest()
+    return "-".join(f"{b:02x}" for b in (0x48, 0xB0, 0x2D, 0xFF, 0xFF, *digest[:3]))
+
+
+def _acpi_companion(spec: Spec, fn_path: str, address: Bdf) -> None:
+    """The ACPI slot device a root-bus function's ``firmware_node`` points at (a VM's ``_SB.PCI0.Sxx``).
+
+    QEMU's firmware describes each slot of the root bus as ``S<devfn in hex>``; the kernel links
+    the function to it and back (``physical_node``).
+    """
+    host = fn_path.split("/")[2]
+    acpi = f"sys/devices/LNXSYSTM:00/LNXSYBUS:00/PNP0A03:{int(host[3:7], 16):02x}/device:{address.device:02x}"
+    spec[acpi] = Dir()
+    spec[f"{acpi}/path"] = text(f"\\_SB_.PCI0.S{address.device << 3:02X}_")
+    spec[f"{acpi}/adr"] = text(f"0x{address.device << 16 | address.function:08x}")
+    spec[f"{acpi}/uevent"] = File(b"")
+    add_link(spec, f"{acpi}/physical_node", fn_path)
+    add_link(spec, f"{fn_path}/firmware_node", acpi)
 
 
 def _group(state: LabState, dev: DeviceState) -> GpuGroup:

@@ -12,6 +12,7 @@ other, and the tree on disk is always what the state says.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import posixpath
 from collections.abc import Callable
@@ -155,7 +156,8 @@ class Lab:
             staged = tree.stage(render.whole(st))
             try:
                 if replace and state.exists(real):
-                    nvml.uninstall(tree, state.load(real))
+                    with contextlib.suppress(errors.LabError):  # a damaged lab is replaced all the same
+                        nvml.uninstall(tree, state.load(real))
                 if replace:
                     for top in TOP_LEVEL:
                         tree.remove_dir(top)

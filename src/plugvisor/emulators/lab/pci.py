@@ -211,6 +211,8 @@ class Function:
     """False: no AER capability, so no ``aer_dev_*`` files at all (as in a VM)."""
     irq: int = 0
     """The ``irq`` attribute (the interrupt line)."""
+    serial_number: str | None = None
+    """The Device Serial Number capability as ``serial_number`` prints it; None: no such capability."""
     config_readable: bool = True
     link_degraded: bool = False
     """The link trained below its capability: current speed one generation down, half the lanes."""
@@ -363,6 +365,10 @@ def _more(spec: Spec, fn: Function) -> None:
     spec[f"{p}/consistent_dma_mask_bits"] = text(64)
     spec[f"{p}/msi_bus"] = File(b"1\n", 0o644)
     spec[f"{p}/reset_method"] = File(b"flr bus\n" if not fn.bridge_buses else b"pm bus\n", 0o644)
+    spec[f"{p}/reset"] = File(b"", 0o200)
+    spec[f"{p}/ari_enabled"] = text(0)
+    if fn.serial_number is not None:
+        spec[f"{p}/serial_number"] = text(fn.serial_number)
     power = f"{p}/power"
     spec[f"{power}/control"] = File(b"on\n", 0o644)
     spec[f"{power}/runtime_status"] = text("active" if fn.driver else "unsupported")

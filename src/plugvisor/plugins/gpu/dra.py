@@ -1,14 +1,20 @@
 """The gpu kind as a DRA driver: one published device per physical GPU, with what users select on.
 
-Attributes (the driver's domain unless qualified): ``index`` (NVIDIA's minor
-number, or the DRM card number), ``uuid`` (NVIDIA), ``model`` (the driver's
-product name, else the host's PCI ID database), ``vendor`` (``nvidia``,
-``amd``, ``intel``), ``pciDeviceId``, ``driver`` (the kernel module),
-``driverVersion`` (a version: NVIDIA's procfs, else the module's own), and the
-standard ``resource.kubernetes.io/pciBusID``, ``pcieRoot`` and ``numaNode``.
-Capacity ``memory`` where the kernel tells it without a vendor library
-(Intel's ``lmem_total_bytes``, AMD's ``mem_info_vram_total``); NVIDIA's needs
-NVML and is left out.
+Attributes (the driver's domain unless qualified): ``type`` (``gpu``, as
+NVIDIA's driver), ``index`` (NVIDIA's minor number, or the DRM card number),
+``uuid`` (NVIDIA), ``model`` (the driver's product name, else the host's PCI
+ID database), ``vendor`` (``nvidia``, ``amd``, ``intel``), ``pciDeviceId``,
+``driver`` (the kernel module), ``driverVersion`` (a version: NVML's, else
+NVIDIA's procfs, else the module's own), and the standard
+``resource.kubernetes.io/pciBusID``, ``pcieRoot`` and ``numaNode`` (only where
+the kernel knows it). Where NVML answers, NVIDIA GPUs also carry what
+``gpu.nvidia.com`` publishes under the same names and types: ``productName``,
+``brand``, ``architecture``, ``cudaComputeCapability`` and
+``cudaDriverVersion`` (versions), plus ``migEnabled``; and taints while NVML
+health holds them unhealthy (``gpu.plugvisor.io/xid=<n>``, ``.../ecc=dbe``,
+``.../gpu-lost``, NoSchedule). Capacity ``memory`` in bytes: NVML's total for
+NVIDIA, else where the kernel tells it without a vendor library (Intel's
+``lmem_total_bytes``, AMD's ``mem_info_vram_total``).
 
 Names follow the device IDs (``deviceIdStrategy``): ``gpu-6d3c...`` for a UUID,
 ``gpu-0000-3b-00-0`` for a PCI address, ``gpu-3`` for an index. Time-slicing
@@ -20,25 +26,47 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, Final
 
 from plugvisor.common.hostpaths import HostPaths
 from plugvisor.deviceplugin.snapshot import Snapshot
-from plugvisor.dra.devices import AttributeValue, PublishedDevice, SemVer, bytes_quantity
+from plugvisor.dra.devices import AttributeValue, DeviceTaint, PublishedDevice, SemVer, bytes_quantity
 from plugvisor.dra.hooks import dra_device_name
 from plugvisor.plugins import sysfs
 from plugvisor.plugins.draattributes import function_attributes, module_version, read_bytes_count
 from plugvisor.plugins.gpu.discovery import Gpu, parse_information
+from plugvisor.plugins.gpu.nvml import GpuView, System
 from plugvisor.plugins.gpu.options import NVIDIA
 
-_NVIDIA_VERSION: Final = re.compile(r"Kernel Module\s+([0-9][0-9.]*)")
+_NVIDIA_VERSION: Final = re.compile(
+    r"^NVRM version:.*?Kernel Module(?: for \S+)?\s+([0-9]+(?:\.[0-9]+)*)(?=\s|$)", re.MULTILINE
+)
+"""The version in ``/proc/driver/nvidia/version``'s first line, in both wordings the driver has:
+
+- proprietary module: ``NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Sun ...``;
+- open module (the default from Hopper on): ``NVRM version: NVIDIA UNIX Open Kernel Module for x86_64
+  580.159.04  Release Build ...``, where the architecture comes after the words, not before.
+"""
+
+
+def parse_nvidia_version(text: str) -> SemVer | None:
+    """The driver version in the text of ``/proc/driver/nvidia/version`` (either wording), or None."""
+    match = _NVIDIA_VERSION.search(text)
+    return SemVer.tolerant(match.group(1)) if match else None
 
 
 def nvidia_driver_version(paths: HostPaths) -> SemVer | None:
-    """The NVIDIA kernel module's version as ``/proc/driver/nvidia/version`` prints it."""
+    """The NVIDIA kernel module's version: procfs's banner, else ``/sys/module/nvidia/version``.
+
+    The module's own file holds just the number (``580.159.04``) and is there
+    whichever wording the banner uses; procfs comes first because it is what
+    NVIDIA's tools read, the module file covers a banner worded in a way not
+    known here.
+    """
     text = sysfs.read_text(paths.procfs / "driver/nvidia/version")
-    match = _NVIDIA_VERSION.search(text) if isinstance(text, str) else None
-    return SemVer.tolerant(match.group(1)) if match else None
+    found = parse_nvidia_version(text) if isinstance(text, str) else None
+    return found if found is not None else module_version(paths, "nvidia")
 
 
 def memory_bytes(gpu: Gpu) -> int | None:
@@ -57,10 +85,46 @@ def gpu_name(physical: str) -> str:
     return name if name.startswith("gpu-") else dra_device_name(f"gpu-{physical}")
 
 
+def nvml_attributes(view: GpuView, system: System | None) -> dict[str, AttributeValue]:
+    """The attributes NVIDIA's DRA driver publishes from NVML, under its names and types."""
+    identity = view.identity
+    attributes: dict[str, AttributeValue] = {}
+    for name, text in (
+        ("productName", identity.product_name),
+        ("brand", identity.brand),
+        ("architecture", identity.architecture),
+    ):
+        if text:
+            attributes[name] = text[:64]
+    for name, version in (
+        ("cudaComputeCapability", identity.compute_capability),
+        ("driverVersion", system.driver_version if system else None),
+        ("cudaDriverVersion", system.cuda_driver_version if system else None),
+    ):
+        parsed = SemVer.tolerant(version) if version else None
+        if parsed is not None:
+            attributes[name] = parsed
+    if identity.mig_enabled is not None:
+        attributes["migEnabled"] = identity.mig_enabled
+    return attributes
+
+
 def published(
-    paths: HostPaths, snapshot: Snapshot[Any], gpus: Mapping[str, Gpu], physical: Mapping[str, str]
+    paths: HostPaths,
+    snapshot: Snapshot[Any],
+    gpus: Mapping[str, Gpu],
+    physical: Mapping[str, str],
+    *,
+    nvml: Mapping[str, GpuView] = MappingProxyType({}),
+    system: System | None = None,
 ) -> dict[str, PublishedDevice]:
-    """Every physical GPU of the snapshot, by the device ID of its first replica."""
+    """Every physical GPU of the snapshot, by the device ID of its first replica.
+
+    ``nvml``: NVML's view of the GPUs it knows, by PCI address: its attributes
+    join (and its driver version replaces procfs's), its memory total is the
+    ``memory`` capacity, and its health problems become taints, so that a
+    cluster that keeps device taints shows why the GPU takes no new claims.
+    """
     versions: dict[str, SemVer | None] = {}
     answer: dict[str, PublishedDevice] = {}
     taken: set[str] = set()
@@ -69,7 +133,7 @@ def published(
         if gpu is None or name is None or name in taken:
             continue
         taken.add(name)
-        attributes: dict[str, AttributeValue] = function_attributes(gpu.function, paths)
+        attributes: dict[str, AttributeValue] = {"type": "gpu", **function_attributes(gpu.function, paths)}
         if gpu.index is not None:
             attributes["index"] = gpu.index
         if gpu.uuid:
@@ -89,7 +153,13 @@ def published(
             version = versions.get(driver)
         if version is not None:
             attributes["driverVersion"] = version
+        view = nvml.get(gpu.bdf)
         memory = memory_bytes(gpu)
+        taints: tuple[DeviceTaint, ...] = ()
+        if view is not None:
+            attributes.update(nvml_attributes(view, system))
+            memory = view.identity.memory_bytes or memory
+            taints = tuple(DeviceTaint(key, value) for key, value in view.taints)
         capacity = {"memory": bytes_quantity(memory)} if memory is not None else {}
-        answer[device_id] = PublishedDevice(gpu_name(name), attributes, capacity)
+        answer[device_id] = PublishedDevice(gpu_name(name), attributes, capacity, taints)
     return answer

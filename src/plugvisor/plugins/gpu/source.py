@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import Final
 
 import structlog
@@ -19,6 +21,7 @@ from plugvisor.plugins.gpu import cdi
 from plugvisor.plugins.gpu import dra as gpu_dra
 from plugvisor.plugins.gpu.discovery import Gpu, GpuScanner
 from plugvisor.plugins.gpu.driverfiles import DriverFiles, DriverLocator
+from plugvisor.plugins.gpu.nvml import GpuView, Nvml, System, Unavailable
 from plugvisor.plugins.gpu.options import NVIDIA, GpuOptions, IdStrategy
 
 REPLICA_SEPARATOR: Final = "::"
@@ -33,7 +36,7 @@ class GpuScan:
     describes, so every request against one snapshot shares it.
     """
 
-    __slots__ = ("_index", "cdi_devices", "cdi_shared", "gpus", "placements")
+    __slots__ = ("_index", "cdi_devices", "cdi_shared", "gpus", "nvml", "placements", "system")
 
     def __init__(
         self,
@@ -41,12 +44,19 @@ class GpuScan:
         cdi_devices: Mapping[str, tuple[cdi.Node, ...]],
         cdi_shared: tuple[cdi.Node, ...],
         gpus: Mapping[str, Gpu] | None = None,
+        *,
+        nvml: Mapping[str, GpuView] | None = None,
+        system: System | None = None,
     ) -> None:
         self.placements = placements
         self.cdi_devices = cdi_devices
         self.cdi_shared = cdi_shared
         self.gpus: Mapping[str, Gpu] = gpus or {}
         """Each device's GPU as read (path, UUID, problems): what monitoring describes."""
+        self.nvml: Mapping[str, GpuView] = nvml or MappingProxyType({})
+        """NVML's side of each GPU it knows, by PCI address (empty without NVML)."""
+        self.system = system
+        """The driver as NVML reports it (None without NVML)."""
         self._index: topology.TopologyIndex | None = None
 
     @property
@@ -59,11 +69,12 @@ class GpuScan:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, GpuScan):
             return NotImplemented
-        return (self.placements, self.cdi_devices, self.cdi_shared, self.gpus) == (
+        return (self.placements, self.cdi_devices, self.cdi_shared, self.gpus, self.nvml) == (
             other.placements,
             other.cdi_devices,
             other.cdi_shared,
             other.gpus,
+            other.nvml,
         )
 
     def __hash__(self) -> int:
@@ -74,8 +85,10 @@ class GpuSource:
     """Device source for GPUs (the ``gpu`` kind), with preferred-allocation and post-allocate hooks.
 
     Stateless between scans and hooks: what a hook needs travels in the
-    snapshot's :class:`GpuScan`. The only thing kept across scans is which
-    problems were already logged.
+    snapshot's :class:`GpuScan`. Kept across scans: which problems were
+    already logged, and NVML (:mod:`.nvml`), opened by :meth:`start` in the
+    plugin process where the resource can have NVIDIA GPUs and the library
+    loads; its event thread asks for a rescan when a GPU's health changes.
     """
 
     def __init__(self, options: GpuOptions, paths: HostPaths, *, resource: str) -> None:
@@ -87,6 +100,47 @@ class GpuSource:
         self._problems = sysfs.ProblemLog(self._log)
         self._telemetry = telemetry.TelemetryLog(self._log)
         self._driver = DriverLocator(paths, options.driver_root, log=self._log)
+        self.nvml: Nvml | None = None
+        """NVML, between :meth:`start` and :meth:`close`, where it could be opened."""
+        self._rescan: Callable[[], None] = lambda: None
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    def start(self) -> None:
+        """Open NVML where it is wanted and there; say once, with the reason, when it is not."""
+        wanted = self.options.nvml.enabled == "auto" and NVIDIA in self.options.match.vendor_ids()
+        if not wanted:
+            return
+        try:
+            self.nvml = Nvml.open(
+                self.paths, self.options.driver_root, self.options.nvml, resource=self.resource
+            )
+        except Unavailable as exc:
+            reason = str(exc)
+        except Exception as exc:  # a bug or a library gone wrong must not keep the GPUs from the kubelet
+            reason = f"{type(exc).__name__}: {exc}"
+        else:
+            try:
+                self.nvml.watch_events(self._health_changed)
+            except Exception as exc:  # identity and telemetry stay; health is sysfs's alone
+                self._log.error("nvml_events_unavailable", error=f"{type(exc).__name__}: {exc}")
+            return
+        self._log.info(
+            "nvml_unavailable", reason=reason, effect="identity, health and telemetry from sysfs only"
+        )
+
+    def close(self) -> None:
+        """Stop NVML's event thread and shut NVML down."""
+        nvml, self.nvml = self.nvml, None
+        if nvml is not None:
+            nvml.close()
+
+    def _health_changed(self) -> None:
+        self._rescan()
+
+    def request_rescans(self, rescan: Callable[[], None]) -> None:
+        """NVML health events rescan the devices through ``rescan`` (called from the event thread)."""
+        self._rescan = rescan
 
     # -- discovery -----------------------------------------------------------------
 
@@ -104,6 +158,9 @@ class GpuSource:
                 continue
             self._problems.report(bdf, "; ".join(gpu.problems) or None)
             gpus.append(gpu)
+        if self.nvml is not None:
+            self.nvml.track(addresses)
+        views = self._nvml_views(gpus)
         self._problems.forget_absent([*addresses, *(bdf for bdf, _ in broken)])
         control = self.scanner.control_nodes(sorted({g.function.vendor for g in gpus}))
         devices: list[Device] = []
@@ -147,14 +204,32 @@ class GpuSource:
         for gpu in gpus:
             watch.add(gpu.function.path)
             watch.add(gpu.function.path / "drm")
+        system = self.nvml.system if self.nvml is not None else None
         return Snapshot(
-            devices, watch=sorted(watch, key=str), data=GpuScan(placements, cdi_devices, shared, by_id)
+            devices,
+            watch=sorted(watch, key=str),
+            data=GpuScan(placements, cdi_devices, shared, by_id, nvml=views, system=system),
         )
 
+    def _nvml_views(self, gpus: list[Gpu]) -> dict[str, GpuView]:
+        """NVML's view of each NVIDIA GPU it knows; its health problems join the GPU's (in ``gpus``)."""
+        views: dict[str, GpuView] = {}
+        nvml = self.nvml
+        if nvml is None:
+            return views
+        for position, gpu in enumerate(gpus):
+            view = nvml.view(gpu.bdf) if gpu.function.vendor == NVIDIA else None
+            if view is not None:
+                views[gpu.bdf] = view
+                if view.problems:
+                    gpus[position] = dataclasses.replace(gpu, problems=gpu.problems + view.problems)
+        return views
+
     def describe(self, snapshot: Snapshot[GpuScan]) -> Mapping[str, DeviceDescription]:
-        """Monitoring: PCI address, UUID, health cause, AER, PCIe link and hwmon sensors (once per GPU)."""
+        """Monitoring: address, UUID, health cause, AER, PCIe link, hwmon and NVML readings (once per GPU)."""
         gpus = snapshot.data.gpus
         devices = snapshot.devices
+        nvml = self.nvml
         readings: dict[str, tuple[Reading, ...]] = {}
         described: dict[str, DeviceDescription] = {}
         for device_id in devices:
@@ -162,7 +237,10 @@ class GpuSource:
             if gpu is None:
                 continue
             if gpu.bdf not in readings:
-                readings[gpu.bdf] = tuple(telemetry.pci_readings(gpu.bdf, gpu.function.path, self._telemetry))
+                found = telemetry.pci_readings(gpu.bdf, gpu.function.path, self._telemetry)
+                if nvml is not None and gpu.function.vendor == NVIDIA:
+                    found += nvml.readings(gpu.bdf)
+                readings[gpu.bdf] = tuple(found)
             described[device_id] = DeviceDescription(
                 kind="gpu",
                 pci_address=gpu.bdf,
@@ -174,9 +252,12 @@ class GpuSource:
         return described
 
     def dra_devices(self, snapshot: Snapshot[GpuScan]) -> Mapping[str, PublishedDevice]:
-        """DRA: one device per physical GPU, with its identity, placement and memory (see :mod:`.dra`)."""
+        """DRA: one device per physical GPU: identity, placement, memory and taints (see :mod:`.dra`)."""
         physical = {device_id: p.physical for device_id, p in snapshot.data.placements.items()}
-        return gpu_dra.published(self.paths, snapshot, snapshot.data.gpus, physical)
+        data = snapshot.data
+        return gpu_dra.published(
+            self.paths, snapshot, data.gpus, physical, nvml=data.nvml, system=data.system
+        )
 
     def _physical_id(self, gpu: Gpu) -> str:
         strategy = self.options.device_id_strategy

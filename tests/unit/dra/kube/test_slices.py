@@ -434,3 +434,19 @@ async def test_slices_collected_with_a_node_made_anew_come_back_owned_by_the_new
         return bool(slices) and slices[0]["metadata"]["ownerReferences"][0]["uid"] == api.nodes[NODE]
 
     await until(owned_by_the_new_node)
+
+
+async def test_a_gpus_xid_taint_comes_and_goes_with_the_device_kept_in_the_slice(
+    api: FakeApi, publisher: SlicePublisher
+) -> None:
+    xid = PublishedDevice(
+        "gpu-1", attributes={}, capacity={}, taints=(DeviceTaint("gpu.plugvisor.io/xid", "79"),)
+    )
+    await publisher.publish([gpu(0), xid])
+    assert await publisher.wait_synced(WAIT)
+    assert api.pool(DRIVER, NODE)[0]["spec"]["devices"][1]["taints"][0]["key"] == "gpu.plugvisor.io/xid"
+
+    await publisher.publish([gpu(0), PublishedDevice("gpu-1", attributes={}, capacity={})])
+    assert await publisher.wait_synced(WAIT)
+    assert api.published(DRIVER, NODE) == ["gpu-0", "gpu-1"]
+    assert "taints" not in api.pool(DRIVER, NODE)[0]["spec"]["devices"][1]
