@@ -25,8 +25,6 @@ from typing import IO, TYPE_CHECKING, Final
 import structlog
 
 from plugvisor.common import constants
-from plugvisor.common.exitcodes import EXIT_CONFIGURATION
-from plugvisor.common.inotify import InotifyLimitError
 from plugvisor.common.notify import STATUS_SOCKET_ENV
 from plugvisor.common.validation import shorten
 from plugvisor.plugins import kinds
@@ -313,8 +311,6 @@ class Agent:
             reports.open()
             cleanup.callback(reports.close)
             watch = self._open_kubelet_watch()
-            if watch is None:
-                return EXIT_CONFIGURATION
             cleanup.push_async_callback(watch.close)
             if self.config.metrics is not None:
                 # Imported only then: without an endpoint the agent needs no prometheus-client.
@@ -353,18 +349,14 @@ class Agent:
         _log.info("supervisor_stopped")
         return 0
 
-    def _open_kubelet_watch(self) -> KubeletWatch | None:
-        """The kubelet directory's watch, open; None (logged) when the node's inotify budget is spent."""
+    def _open_kubelet_watch(self) -> KubeletWatch:
+        """The kubelet directory's watch, open (polled when the node's inotify budget is spent)."""
         watch = KubeletWatch(
             self.config.kubelet_dir,
             on_kubelet_started=self._on_kubelet_started,
             on_socket_deleted=self._on_socket_deleted,
         )
-        try:
-            watch.open()
-        except InotifyLimitError as exc:
-            _log.error("cannot_run", error=str(exc))
-            return None
+        watch.open()
         return watch
 
     @staticmethod
