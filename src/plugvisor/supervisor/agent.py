@@ -53,6 +53,12 @@ if TYPE_CHECKING:
 
 HOUSEKEEPING_INTERVAL: Final = 1.0
 """The loop wakes at least this often even when nothing happens."""
+STATE_INTERVAL: Final = 0.2
+"""Seconds between two writes of the state file (and systemd's ``STATUS=``) while changes keep coming.
+
+Each write renders every child (O(N)), and a kubelet restart of N resources brings several changes
+per child: written after each, 256 resources cost 80 % of the agent's CPU while they came back
+(bench/bench_scale.py, profiled). Readiness is said at once all the same."""
 MULTIPROC_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
 """prometheus-client picks its multiprocess value class when it is imported, by this variable's presence."""
 
@@ -371,6 +377,7 @@ class Agent:
         clock = supervisor.clock
         stop_bound: float | None = None
         state_retry = False
+        next_state = 0.0
         while True:
             self._wake.clear()
             if state_retry:
@@ -391,25 +398,34 @@ class Agent:
                 supervisor.handle_exit(exit_.pid, exit_.returncode)
             deadline = supervisor.tick()
             self._follow_starts(supervisor.starting_until)
-            if supervisor.dirty:
+            became_ready = supervisor.dirty and supervisor.ready and not ready_sent
+            if supervisor.dirty and (clock.monotonic() >= next_state or became_ready or supervisor.stopping):
                 supervisor.dirty = False
-                if not self._write_state(runtime_dir, supervisor):
-                    state_retry = True
-                if supervisor.ready and not ready_sent and not supervisor.stopping:
-                    ready_sent = True
-                    _log.info("ready", resources=len(supervisor.children))
-                    self.notifier.ready(supervisor.summary())
-                elif not supervisor.stopping:
-                    self.notifier.status(supervisor.summary())
+                next_state = clock.monotonic() + STATE_INTERVAL
+                state_retry = not self._write_state(runtime_dir, supervisor)
+                ready_sent = self._tell_systemd(supervisor, ready_sent=ready_sent)
             if supervisor.stopping and (
                 supervisor.stopped or (stop_bound and clock.monotonic() > stop_bound)
             ):
                 return
             timeout = HOUSEKEEPING_INTERVAL
+            if supervisor.dirty:  # changes not yet written: at the next write's time
+                deadline = next_state if deadline is None else min(deadline, next_state)
             if deadline is not None:
                 timeout = min(timeout, max(0.0, deadline - clock.monotonic()))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
+
+    def _tell_systemd(self, supervisor: Supervisor, *, ready_sent: bool) -> bool:
+        """READY=1 once every resource is registered, STATUS= after; returns whether READY=1 was sent."""
+        if supervisor.stopping:
+            return ready_sent
+        if supervisor.ready and not ready_sent:
+            _log.info("ready", resources=len(supervisor.children))
+            self.notifier.ready(supervisor.summary())
+            return True
+        self.notifier.status(supervisor.summary())
+        return ready_sent
 
     def _write_state(self, runtime_dir: Path, supervisor: Supervisor) -> bool:
         """Best effort: a status file that cannot be written must never stop the supervising.
