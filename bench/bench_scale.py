@@ -325,8 +325,10 @@ def report(size: int, spawner: str, figures: Figures, floor_s: float, floor_kb: 
             f"{max(figures.restarts) * 1000:8.0f} ms"
         )
         for agent_s, children_s, kubelet_s in figures.recovery_cpu:
+            # With `restart` the children that ended took their CPU with them: no figure then.
+            children = f"{children_s:.2f} s" if POLICY.get("onKubeletRestart") == "reregister" else "-"
             print(
-                f"    CPU meanwhile: agent {agent_s:.2f} s, children {children_s:.2f} s (those alive after), "
+                f"    CPU meanwhile: agent {agent_s:.2f} s, children {children}, "
                 f"emulated kubelet {kubelet_s:.2f} s"
             )
     if figures.pss_kb:
