@@ -1,7 +1,7 @@
 """`plugvisor run` at scale: 1, 16, 64 and 256 resources, with the fork server and with `spawner: exec`.
 
 Run: python bench/bench_scale.py [--sizes 1 16 64 256] [--spawners forkserver exec] [--rounds 2]
-                                 [--inotify-limit N]
+                                 [--inotify-limit N] [--inotify-budget N]
 
 Per size and spawner, in rounds (each round a fresh agent, sizes and spawners
 interleaved so that a slow spell of the shared machine hits every case):
@@ -22,11 +22,14 @@ start -> registered and node PSS; the figures are also printed per resource, as
 ratios to them.
 
 Each plugin process holds an inotify instance, and Linux allows 128 per user by
-default (fs.inotify.max_user_instances, shared by every process of the user): a
-size that does not fit in what is free is skipped, saying so. `--inotify-limit N`
-raises the limit to N for the run (root) and puts the old value back afterwards;
-a node with that many resources needs the same. Sizes whose exec children would
-not fit in memory are skipped too. A round that fails keeps its directory (with the
+default (fs.inotify.max_user_instances, shared by every process of the user); the
+children that find none left poll instead (common/inotify.py), and the report says
+how many did. `--inotify-limit N` raises the machine's limit to N for the run (root)
+and puts the old value back afterwards; `--inotify-budget N` runs the agent in a
+user namespace of its own that allows its processes N instances (a real kernel limit,
+on top of the machine's: e.g. 128, the default, whatever this machine's is; it needs
+util-linux's `unshare` and user namespaces). Sizes whose exec children would not fit
+in memory are skipped. A round that fails keeps its directory (with the
 agent's log) and says where.
 """
 
@@ -58,8 +61,10 @@ from plugvisor.emulators.kubelet import EmulatedKubelet
 INOTIFY_LIMIT = Path("/proc/sys/fs/inotify/max_user_instances")
 EXEC_CHILD_MB = 40
 """Room per exec'd child (a fresh interpreter: ~29 MB of its own once started, more while it starts)."""
-INOTIFY_PER_PLUGIN = 1
-"""Instances one plugin holds (its kubelet directory and device watches share one)."""
+
+
+POLICY: dict[str, str] = {}
+"""``onKubeletRestart`` when ``--policy`` gives one (the default otherwise)."""
 
 
 def inotify_in_use() -> int:
@@ -127,7 +132,7 @@ class Node:
                 {
                     "kubeletDir": str(self.kubelet_dir),
                     "hostRoot": str(self.base / "root"),
-                    "supervisor": {"runtimeDir": str(self.runtime_dir), "spawner": spawner},
+                    "supervisor": {"runtimeDir": str(self.runtime_dir), "spawner": spawner, **POLICY},
                     "resources": [
                         {"name": name, "kind": "generic", "paths": [f"/dev/d{index:04d}"]}
                         for index, name in enumerate(self.names)
@@ -149,6 +154,14 @@ class Node:
             if generation is None or latest.get(name) == generation:
                 count += 1
         return count
+
+    def polling(self) -> int:
+        """How many children watch by polling, for want of inotify instances (state.json)."""
+        try:
+            state = json.loads((self.runtime_dir / "state.json").read_text())
+        except (OSError, ValueError):
+            return 0
+        return sum(child.get("watch") == "polling" for child in state["children"])
 
     def restarts(self) -> dict[str, int]:
         """Restarts by cause, summed over the children (state.json)."""
@@ -177,6 +190,9 @@ class Figures:
     restarts: list[float] = field(default_factory=list)
     back: list[int] = field(default_factory=list)
     other_restarts: list[dict[str, int]] = field(default_factory=list)
+    polling: list[int] = field(default_factory=list)
+    recovery_cpu: list[tuple[float, float, float]] = field(default_factory=list)
+    """CPU seconds from the kubelet restart to all back: the agent, its children, the emulated kubelet."""
     failures: list[str] = field(default_factory=list)
 
 
@@ -190,7 +206,15 @@ async def wait_count(count: Callable[[], int], wanted: int, timeout: float) -> t
     return time.perf_counter() - began, got
 
 
-async def one_round(size: int, spawner: str, figures: Figures, timeout: float) -> None:
+def in_budget(budget: int | None, command: list[str]) -> list[str]:
+    """``command``, in a user namespace allowing ``budget`` inotify instances (as it is with None)."""
+    if budget is None:
+        return command
+    script = f'echo {budget} > /proc/sys/user/max_inotify_instances && exec "$@"'
+    return ["unshare", "-U", "-r", "sh", "-c", script, "sh", *command]
+
+
+async def one_round(size: int, spawner: str, figures: Figures, timeout: float, budget: int | None) -> None:
     node = Node(size, spawner)
     kubelet = EmulatedKubelet(node.kubelet_dir, write_view=False, grace_period=300)
     await kubelet.start()
@@ -198,7 +222,8 @@ async def one_round(size: int, spawner: str, figures: Figures, timeout: float) -
     began = time.perf_counter()
     with log.open("wb") as stderr:
         agent = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "plugvisor", "run", "--config", str(node.config), stderr=stderr
+            *in_budget(budget, [sys.executable, "-m", "plugvisor", "run", "--config", str(node.config)]),
+            stderr=stderr,
         )
     try:
         _, got = await wait_count(lambda: node.registered(kubelet), size, timeout)
@@ -208,6 +233,7 @@ async def one_round(size: int, spawner: str, figures: Figures, timeout: float) -
             figures.failures.append(f"start: {got}/{size} registered after {timeout:g} s (log {log})")
             return
         await asyncio.sleep(2.0)  # settled: first rescans, status reports, the PodResources poller
+        figures.polling.append(node.polling())
         pids = descendants(agent.pid)
         alone = node_pss(pids) or {pid: kernel_pss_kb(pid) for pid in pids}
         figures.pss_kb.append(sum(alone.values()))
@@ -216,10 +242,23 @@ async def one_round(size: int, spawner: str, figures: Figures, timeout: float) -
         ticks = cpu_ticks(pids)
         await asyncio.sleep(5.0)
         figures.idle_millicores.append((cpu_ticks(pids) - ticks) / os.sysconf("SC_CLK_TCK") / 5.0 * 1000)
+        agent_ticks, children_ticks = cpu_ticks([agent.pid]), cpu_ticks(pids) - cpu_ticks([agent.pid])
+        kubelet_cpu = time.process_time()
         await kubelet.restart()
         generation = kubelet.generation
         seconds, back = await wait_count(lambda: node.registered(kubelet, generation), size, timeout)
         figures.restarts.append(seconds)
+        # The children's processes as they are now (restarted ones are new): the total is an estimate
+        # with `restart` (the ended processes' CPU is gone with them), exact with `reregister`.
+        now = descendants(agent.pid)
+        figures.recovery_cpu.append(
+            (
+                (cpu_ticks([agent.pid]) - agent_ticks) / os.sysconf("SC_CLK_TCK"),
+                (cpu_ticks([pid for pid in now if pid != agent.pid]) - children_ticks)
+                / os.sysconf("SC_CLK_TCK"),
+                time.process_time() - kubelet_cpu,
+            )
+        )
         figures.back.append(back)
         if back < size:
             figures.failures.append(f"kubelet restart: {back}/{size} back after {timeout:g} s (log {log})")
@@ -260,13 +299,6 @@ async def bare_floor(rounds: int) -> tuple[float, int]:
 
 def fits(size: int, spawner: str) -> str | None:
     """Why ``size`` resources cannot run here now (None: they can)."""
-    free = int(INOTIFY_LIMIT.read_text()) - inotify_in_use()
-    needed = size * INOTIFY_PER_PLUGIN + 4  # the agent's kubelet watch, the emulated kubelet's
-    if needed > free:
-        return (
-            f"needs ~{needed} inotify instances, {free} free (fs.inotify.max_user_instances "
-            f"{INOTIFY_LIMIT.read_text().strip()}, shared by the machine; --inotify-limit raises it)"
-        )
     if spawner == "exec" and size * EXEC_CHILD_MB > available_mb() // 2:
         return f"{size} interpreters need ~{size * EXEC_CHILD_MB} MB, {available_mb()} MB available"
     return None
@@ -278,6 +310,7 @@ def report(size: int, spawner: str, figures: Figures, floor_s: float, floor_kb: 
 
     print(f"{size} resources, spawner {spawner}: {len(figures.starts)} rounds")
     print(f"  registered at start: {figures.registered} of {size}; after the kubelet restart: {figures.back}")
+    print(f"  children watching by polling (no inotify instance left): {figures.polling}")
     for failure in figures.failures:
         print(f"  FAILED {failure}")
     if figures.starts:
@@ -291,6 +324,13 @@ def report(size: int, spawner: str, figures: Figures, floor_s: float, floor_kb: 
             f"  kubelet restart -> all back p50 {p50(figures.restarts) * 1000:8.0f} ms  max "
             f"{max(figures.restarts) * 1000:8.0f} ms"
         )
+        for agent_s, children_s, kubelet_s in figures.recovery_cpu:
+            # With `restart` the children that ended took their CPU with them: no figure then.
+            children = f"{children_s:.2f} s" if POLICY.get("onKubeletRestart") == "reregister" else "-"
+            print(
+                f"    CPU meanwhile: agent {agent_s:.2f} s, children {children}, "
+                f"emulated kubelet {kubelet_s:.2f} s"
+            )
     if figures.pss_kb:
         total = p50(figures.pss_kb) / 1024
         print(
@@ -312,9 +352,18 @@ async def main() -> None:
     parser.add_argument(
         "--inotify-limit", type=int, help="raise fs.inotify.max_user_instances to this (root)"
     )
+    parser.add_argument("--policy", choices=["restart", "reregister"], help="onKubeletRestart [default: its]")
+    parser.add_argument(
+        "--inotify-budget", type=int, help="run the agent in a user namespace allowing this many instances"
+    )
     options = parser.parse_args()
+    if options.policy is not None:
+        POLICY["onKubeletRestart"] = options.policy
+    limit = INOTIFY_LIMIT.read_text().strip()  # noqa: ASYNC240 - before anything runs
     print(
-        f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} (a shared machine: read the ratios)"
+        f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} (a shared machine: read the ratios); "
+        f"fs.inotify.max_user_instances {limit}, {inotify_in_use()} in use"
+        + ("" if options.inotify_budget is None else f", the agent's own budget {options.inotify_budget}")
     )
     with inotify_limit(options.inotify_limit):
         floor_s, floor_kb = await bare_floor(3)
@@ -329,7 +378,8 @@ async def main() -> None:
                 if reason is not None:
                     skipped[(size, spawner)] = reason
                     continue
-                await one_round(size, spawner, figures[(size, spawner)], options.timeout)
+                budget = options.inotify_budget
+                await one_round(size, spawner, figures[(size, spawner)], options.timeout, budget)
         for size, spawner in cases:
             if not figures[(size, spawner)].starts and (size, spawner) in skipped:
                 print(f"{size} resources, spawner {spawner}: skipped, {skipped[(size, spawner)]}")

@@ -1,12 +1,11 @@
-"""One inotify instance per process, shared by every watcher in it.
+"""One inotify instance per process, shared by every watcher in it, and polling when there is none.
 
 Linux counts inotify instances per user, for all of that user's processes
 together: ``fs.inotify.max_user_instances`` is 128 by default, and on a node
 everything that runs as root (the kubelet, the container runtime, every
 daemon) draws from the same 128. A plugin used to open two (one on the kubelet's
 directory, one on its device paths), so an agent of 64 resources needed 129
-instances by itself and the last children crash-looped with ``OSError: [Errno
-24] Too many open files``. Watches are cheap by comparison (8,192 per user by
+instances by itself. Watches are cheap by comparison (8,192 per user by
 default, far more on most distributions; a plugin holds a handful).
 
 :func:`open_watches` hands each watcher a :class:`WatchGroup` on the running
@@ -19,8 +18,28 @@ same directory share it: its mask is the union of theirs (``IN_MASK_ADD``), each
 group sees only the events it asked for, and the watch is removed when the last
 group lets go. The instance closes with its last group.
 
-Running out is an :class:`InotifyLimitError` whose message names the sysctl to
-raise, not a traceback.
+**Without inotify.** A process that cannot have an instance (``EMFILE``: the
+user's instances, or its own descriptors, are spent) or a watch (``ENOSPC``: the
+user's watches are spent) does not refuse to serve: that watch is *polled*
+instead (:class:`_PolledWatch`), and the process says so once
+(``watching_by_polling``, naming the sysctl to raise) and tells whoever asked
+(:func:`on_polling`: a plugin reports it to its agent, which shows it). What
+polling costs is the group's choice, made when it is opened:
+
+- ``poll_interval`` seconds (:data:`POLL_INTERVAL` for the kubelet's directories):
+  the group looks at its directories that often while it waits for an event,
+  and reports what changed as the events inotify would have sent (entries
+  created, deleted, replaced; the directory itself gone). A look is one
+  ``stat``; the directory is listed only when its modification time moved (or
+  was too recent to trust, see :data:`_MTIME_GRAIN_NS`).
+- ``None`` (a plugin's device paths): no events at all; the watcher's periodic
+  rescan, which it has anyway for what inotify never reports (sysfs attributes),
+  is then the only way it notices a change.
+
+A process that fell back stays in that mode: it does not try inotify again (it
+would take an instance another process may be waiting for, and flapping
+between modes would make the mode it reports meaningless); its next start
+tries again.
 """
 
 from __future__ import annotations
@@ -29,25 +48,51 @@ import asyncio
 import collections
 import contextlib
 import errno
+import itertools
+import os
+import stat
+import struct
+import time
 import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Final, Literal
 
-from asyncinotify import Event, Inotify, Mask, Watch
+import structlog
+from asyncinotify import Inotify, Mask, Watch
 
 MAX_QUEUED: Final = 16384
 """Events a group may have unread (the kernel's own default queue length): past that its queue is
 replaced by one ``Q_OVERFLOW``, as the kernel does, so a watcher that stopped reading cannot grow
 the process without bound."""
 
-_ALWAYS: Final = Mask.IGNORED | Mask.Q_OVERFLOW | Mask.UNMOUNT
+POLL_INTERVAL: Final = 0.5
+"""Seconds between two looks at a polled kubelet directory (the device-plugins directory, the plugin
+registry, a DRA driver's socket directories). A kubelet restart is then seen within half a second
+instead of milliseconds: as soon as the kubelet's own plugin watcher, which reconciles every second,
+and far within the grace its device manager gives a resource. Each look is one ``stat`` and a wake-up
+of the process: an idle polling plugin used 1.5 millicores more than one with inotify at 0.25 s
+(2.5 against 1.0, on a loaded 2-core machine), so 256 of them would cost a third of a core; half
+as often, half that.
+"""
+
+_MTIME_GRAIN_NS: Final = 50_000_000
+"""Filesystems stamp times with the kernel's coarse clock (a tick: up to 10 ms), so a change made
+within the same tick as a listing, after it, leaves the directory's time as the listing saw it. A
+listing made within this long of the time it saw is not trusted: the next look lists again."""
+
+_ALWAYS: Final = int(Mask.IGNORED | Mask.Q_OVERFLOW | Mask.UNMOUNT)
 """Delivered to a group whatever it asked for (inotify itself always sends them)."""
+_Q_OVERFLOW: Final = int(Mask.Q_OVERFLOW)
+_IGNORED: Final = int(Mask.IGNORED)
+_EVENT_HEADER: Final = struct.Struct("iIII")
+"""``struct inotify_event`` without its name: wd, mask, cookie, len (the name's bytes, NUL-padded)."""
+_READ_SIZE: Final = 64 * 1024
 
 _PROC_SYS: Final = Path("/proc/sys")
 
-
-class InotifyLimitError(Exception):
-    """The user's inotify budget is spent; the message names the sysctl to raise."""
+WatchMode = Literal["inotify", "polling"]
 
 
 def _limit(name: str) -> str:
@@ -62,101 +107,316 @@ def _limit(name: str) -> str:
     return "unknown"
 
 
-def limit_error(exc: OSError, *, what: str) -> InotifyLimitError | None:
-    """The :class:`InotifyLimitError` that ``exc`` means while doing ``what``; None for other errors."""
+def fallback_reason(exc: OSError, *, what: str) -> str | None:
+    """Why ``exc`` (raised while doing ``what``) means polling instead of inotify; None: not a budget error.
+
+    ``EMFILE`` from ``inotify_init``: the user's instances are spent (or this
+    process's descriptors); ``ENFILE``: the system's file table; ``ENOSPC`` from
+    ``inotify_add_watch``: the user's watches; ``ENOMEM``: the kernel's memory.
+    Other errors (a path that does not exist, or is not a directory) are about the
+    path, not the budget, and polling would fail the same way: they stay errors.
+    """
     if exc.errno == errno.EMFILE:
-        return InotifyLimitError(
+        return (
             f"{what}: too many inotify instances: the limit is per user, for all of that user's processes "
             f"together (fs.inotify.max_user_instances = {_limit('instances')}); raise it, e.g. "
             "`sysctl fs.inotify.max_user_instances=1024` (each plugvisor process uses one), or this "
             "process's open file limit (RLIMIT_NOFILE) is reached"
         )
     if exc.errno == errno.ENOSPC:
-        return InotifyLimitError(
+        return (
             f"{what}: too many inotify watches: the limit is per user, for all of that user's processes "
             f"together (fs.inotify.max_user_watches = {_limit('watches')}); raise it, e.g. "
             "`sysctl fs.inotify.max_user_watches=524288`"
         )
+    if exc.errno in (errno.ENFILE, errno.ENOMEM):
+        return f"{what}: {os.strerror(exc.errno)} (the system's open files or the kernel's memory)"
     return None
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class WatchHandle:
+    """One watch of a group: what :meth:`WatchGroup.add_watch` returns and events point to.
+
+    ``wd`` is the kernel's watch descriptor, or a negative number for a polled
+    watch (never the kernel's).
+    """
+
+    wd: int
+    path: Path
+
+
+@dataclass(frozen=True, slots=True)
+class WatchEvent:
+    """One event, from the kernel or made by a poll: what happened, to which entry, under which watch."""
+
+    mask: Mask
+    name: str
+    """The entry's name in the watched directory; empty for the directory itself and ``Q_OVERFLOW``."""
+    watch: WatchHandle | None
+
+
+_OVERFLOW: Final = WatchEvent(Mask.Q_OVERFLOW, "", None)
+
+
+class _LoopState:
+    """What a loop's watchers share beyond the instance: whether it polls, and who wants to hear."""
+
+    def __init__(self) -> None:
+        self.instance: _Instance | None = None
+        self.polling: str | None = None
+        """Why this loop polls (the first budget error's text); None while everything is inotify."""
+        self.listeners: list[Callable[[str], None]] = []
+
+    def fall_back(self, reason: str) -> None:
+        """Record (and say, once) that some watch of this loop is polled."""
+        if self.polling is not None:
+            return
+        self.polling = reason
+        structlog.get_logger("plugvisor.watch").warning(
+            "watching_by_polling",
+            reason=reason,
+            meaning=f"files are looked at instead: the kubelet's directories every {POLL_INTERVAL:g} s, "
+            "device paths at each periodic rescan; everything keeps working, changes are seen later",
+        )
+        for listener in list(self.listeners):
+            listener(reason)
+
+
+_loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopState] = weakref.WeakKeyDictionary()
+_polled_wds = itertools.count(-1, -1)
+
+
+def _state() -> _LoopState:
+    loop = asyncio.get_running_loop()
+    state = _loops.get(loop)
+    if state is None:
+        state = _loops[loop] = _LoopState()
+    return state
+
+
+def watch_mode() -> tuple[WatchMode, str | None]:
+    """The running loop's mode: ``("inotify", None)``, or ``("polling", why)`` once any watch is polled."""
+    state = _state()
+    return ("inotify", None) if state.polling is None else ("polling", state.polling)
+
+
+def on_polling(listener: Callable[[str], None]) -> Callable[[], None]:
+    """Call ``listener(why)`` when the running loop falls back to polling (at once if it has).
+
+    Returns a function that stops the calls.
+    """
+    state = _state()
+    state.listeners.append(listener)
+    if state.polling is not None:
+        listener(state.polling)
+
+    def stop() -> None:
+        with contextlib.suppress(ValueError):
+            state.listeners.remove(listener)
+
+    return stop
 
 
 class _Instance:
     """The loop's inotify instance and the reader that dispatches its events to the groups."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, state: _LoopState) -> None:
+        self.inotify: Inotify | None = None
+        self._loop = loop
+        self._state = state
+        self.groups: set[WatchGroup] = set()
+        self.wanted: dict[int, dict[WatchGroup, int]] = {}
+        """wd -> the mask each group asked for on that inode (as an integer: tested for every event)."""
+        self.handles: dict[int, tuple[WatchHandle, Watch]] = {}
+        """wd -> the groups' handle and asyncinotify's watch (which ``rm_watch`` takes)."""
+        if state.polling is not None:
+            return  # fell back before: stays so (module docstring)
         try:
             self.inotify = Inotify(sync_timeout=0)
         except OSError as exc:
-            raise limit_error(exc, what="cannot watch files") or exc from None
-        self._loop = loop
-        self.groups: set[WatchGroup] = set()
-        self.wanted: dict[int, dict[WatchGroup, Mask]] = {}
-        """wd -> the mask each group asked for on that inode."""
+            reason = fallback_reason(exc, what="cannot watch files")
+            if reason is None:
+                raise
+            state.fall_back(reason)
+            return
+        os.set_blocking(self.inotify.fd, False)  # pump reads until nothing is left, never waits
         loop.add_reader(self.inotify.fd, self.pump)
 
     def pump(self) -> None:
-        """Move every event the kernel has ready into the groups' queues (never blocks)."""
-        while (event := self.inotify.sync_get()) is not None:
-            self._dispatch(event)
+        """Move every event the kernel has ready into the groups' queues (never blocks).
 
-    def _dispatch(self, event: Event) -> None:
-        if event.mask & Mask.Q_OVERFLOW:
+        Read and parsed here rather than by asyncinotify, whose events cost ~40 microseconds
+        each (a ctypes structure, a ``Path``, several ``Flag`` operations): every plugin sees
+        every file of the kubelet's directory come and go, so a kubelet restart of N resources
+        is about 4 N events in each of N processes, and at 256 resources that was most of
+        the CPU the children spent coming back. Here an event is a ``struct`` unpack and
+        integer tests, and only a delivered one becomes an object.
+        """
+        if self.inotify is None:
+            return
+        fd = self.inotify.fd
+        while True:
+            try:
+                data = os.read(fd, _READ_SIZE)
+            except (BlockingIOError, InterruptedError):
+                return
+            offset, end = 0, len(data)
+            while offset < end:
+                wd, mask, _, length = _EVENT_HEADER.unpack_from(data, offset)
+                offset += _EVENT_HEADER.size
+                name = os.fsdecode(data[offset : offset + length].rstrip(b"\0")) if length else ""
+                offset += length
+                self._dispatch(wd, mask, name)
+            if end < _READ_SIZE // 2:
+                return  # what was ready fitted: nothing more to read now (saves a read that fails)
+
+    def _dispatch(self, wd: int, mask: int, name: str) -> None:
+        if mask & _Q_OVERFLOW:
             for group in self.groups:
-                group.deliver(event)
+                group.deliver(_OVERFLOW)
             return
-        watch = event.watch
-        if watch is None:
+        wanted = self.wanted.get(wd)
+        if wanted is None:
             return
-        wanted = self.wanted.get(watch.wd, {})
-        for group, mask in list(wanted.items()):
-            if event.mask & (mask | _ALWAYS):
+        event: WatchEvent | None = None
+        for group, group_mask in list(wanted.items()):
+            if mask & (group_mask | _ALWAYS):
+                if event is None:
+                    known = self.handles.get(wd)
+                    event = WatchEvent(Mask(mask), name, known[0] if known is not None else None)
                 group.deliver(event)
-        if event.mask & Mask.IGNORED:  # the kernel removed the watch (its inode went, or rm_watch)
-            for group in self.wanted.pop(watch.wd, {}):
-                group.forget(watch.wd)
+        if mask & _IGNORED:  # the kernel removed the watch (its inode went, or rm_watch)
+            self.handles.pop(wd, None)
+            for group in self.wanted.pop(wd, {}):
+                group.forget(wd)
 
-    def add_watch(self, group: WatchGroup, path: Path, mask: Mask) -> Watch:
+    def add_watch(self, group: WatchGroup, path: Path, mask: Mask) -> WatchHandle | None:
+        """A kernel watch for ``group``; None when the budget is spent (the caller polls instead)."""
+        if self.inotify is None:
+            return None
         try:
             watch = self.inotify.add_watch(path, mask | Mask.MASK_ADD)
         except OSError as exc:
-            raise limit_error(exc, what=f"cannot watch {path}") or exc from None
+            reason = fallback_reason(exc, what=f"cannot watch {path}")
+            if reason is None:
+                raise
+            self._state.fall_back(reason)
+            return None
+        known = self.handles.get(watch.wd)
+        handle = known[0] if known is not None else WatchHandle(watch.wd, path)
+        self.handles[watch.wd] = (handle, watch)
         wanted = self.wanted.setdefault(watch.wd, {})
-        wanted[group] = wanted.get(group, Mask.ZERO) | mask
-        return watch
+        wanted[group] = wanted.get(group, 0) | int(mask)
+        return handle
 
-    def rm_watch(self, group: WatchGroup, watch: Watch) -> None:
-        wanted = self.wanted.get(watch.wd)
+    def rm_watch(self, group: WatchGroup, handle: WatchHandle) -> None:
+        wanted = self.wanted.get(handle.wd)
         if wanted is None or wanted.pop(group, None) is None or wanted:
             return  # not ours, or another group still watches that inode
-        del self.wanted[watch.wd]
+        del self.wanted[handle.wd]
+        known = self.handles.pop(handle.wd, None)
+        if self.inotify is None or known is None:
+            return
         with contextlib.suppress(OSError):  # the kernel already dropped it (the inode is gone)
-            self.inotify.rm_watch(watch)
+            self.inotify.rm_watch(known[1])
 
     def leave(self, group: WatchGroup) -> None:
         self.groups.discard(group)
         if self.groups:
             return
-        with contextlib.suppress(RuntimeError, ValueError):  # a closed loop has no readers left
-            self._loop.remove_reader(self.inotify.fd)
-        self.inotify.close()
-        if _instances.get(self._loop) is self:
-            del _instances[self._loop]
+        if self.inotify is not None:
+            with contextlib.suppress(RuntimeError, ValueError):  # a closed loop has no readers left
+                self._loop.remove_reader(self.inotify.fd)
+            self.inotify.close()
+        if self._state.instance is self:
+            self._state.instance = None
 
 
-_instances: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Instance] = weakref.WeakKeyDictionary()
+class _PolledWatch:
+    """A directory (or file) looked at instead of watched: what inotify would have said, by comparison.
+
+    An entry is told apart from a later one of the same name by its inode (the
+    listing's own, no ``stat`` per entry: 256 plugins list a directory of 256
+    sockets), so a ``kubelet.sock`` deleted and created again between two looks
+    is reported as both, unless the filesystem gave the new file the very inode
+    the old one freed. That case is caught all the same where it matters: a
+    starting kubelet also deletes every plugin's socket, and a socket name is
+    never used twice (docs/architecture.md, "Plugin sockets").
+
+    The watched path replaced (another inode) or gone is ``DELETE_SELF`` then
+    ``IGNORED``, as the kernel reports its watch's inode going.
+    """
+
+    def __init__(self, handle: WatchHandle, mask: Mask, *, listing: bool) -> None:
+        self.handle = handle
+        self.mask = mask
+        self._listing = listing
+        info = handle.path.stat()
+        if mask & Mask.ONLYDIR and not stat.S_ISDIR(info.st_mode):
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(handle.path))
+        self._identity = (info.st_dev, info.st_ino)
+        self._is_dir = stat.S_ISDIR(info.st_mode)
+        self._mtime_ns = -1
+        self._trusted = False
+        self._entries: dict[str, int] = {}
+        if listing:
+            self._entries = self._list(info.st_mtime_ns) or {}
+
+    def _list(self, mtime_ns: int) -> dict[str, int] | None:
+        if not self._is_dir:
+            return {}
+        try:
+            with os.scandir(self.handle.path) as entries:
+                listed = {entry.name: entry.inode() for entry in entries}
+        except OSError:
+            return None
+        self._mtime_ns = mtime_ns
+        self._trusted = time.time_ns() - mtime_ns >= _MTIME_GRAIN_NS
+        return listed
+
+    def look(self) -> Iterator[WatchEvent]:
+        """The events since the last look; ends with ``IGNORED`` when the watched inode is gone."""
+        try:
+            info = self.handle.path.stat()
+        except OSError:
+            info = None
+        if info is None or (info.st_dev, info.st_ino) != self._identity:
+            if self.mask & Mask.DELETE_SELF:
+                yield WatchEvent(Mask.DELETE_SELF, "", self.handle)
+            yield WatchEvent(Mask.IGNORED, "", self.handle)
+            return
+        if not self._listing:
+            return
+        if info.st_mtime_ns == self._mtime_ns and self._trusted:
+            return
+        listed = self._list(info.st_mtime_ns)
+        if listed is None:
+            return  # gone between the stat and the listing: the next look says so
+        before, self._entries = self._entries, listed
+        removed = Mask.DELETE if self.mask & Mask.DELETE else Mask.MOVED_FROM
+        created = Mask.CREATE if self.mask & Mask.CREATE else Mask.MOVED_TO
+        for name, identity in before.items():
+            if listed.get(name) != identity and self.mask & (Mask.DELETE | Mask.MOVED_FROM):
+                yield WatchEvent(removed, name, self.handle)
+        for name, identity in listed.items():
+            if before.get(name) != identity and self.mask & (Mask.CREATE | Mask.MOVED_TO):
+                yield WatchEvent(created, name, self.handle)
 
 
-def open_watches() -> WatchGroup:
+def open_watches(*, poll_interval: float | None = None) -> WatchGroup:
     """A new group on the running loop's inotify instance (created on first use).
 
-    Raises :class:`InotifyLimitError` when the instance cannot be created for lack of budget.
+    Never fails for want of budget: a watch that cannot be an inotify one is
+    polled every ``poll_interval`` seconds, or, with None, not at all (the caller
+    has a periodic look of its own): see the module docstring.
     """
     loop = asyncio.get_running_loop()
-    instance = _instances.get(loop)
+    state = _state()
+    instance = state.instance
     if instance is None:
-        instance = _Instance(loop)
-        _instances[loop] = instance
-    group = WatchGroup(instance)
+        instance = state.instance = _Instance(loop, state)
+    group = WatchGroup(instance, poll_interval)
     instance.groups.add(group)
     return group
 
@@ -164,36 +424,76 @@ def open_watches() -> WatchGroup:
 class WatchGroup:
     """One watcher's share of the process's inotify instance: its watches and its events, in order."""
 
-    def __init__(self, instance: _Instance) -> None:
+    def __init__(self, instance: _Instance, poll_interval: float | None) -> None:
         self._instance: _Instance | None = instance
-        self._watches: dict[int, Watch] = {}
-        self._events: collections.deque[Event] = collections.deque()
+        self._poll_interval = poll_interval
+        self._watches: dict[int, WatchHandle] = {}
+        self._polled: dict[int, _PolledWatch] = {}
+        self._events: collections.deque[WatchEvent] = collections.deque()
         self._ready = asyncio.Event()
 
-    def add_watch(self, path: Path, mask: Mask) -> Watch:
-        """Watch ``path`` for ``mask``; raises :class:`InotifyLimitError` when the watch budget is spent."""
-        instance = self._live()
-        watch = instance.add_watch(self, path, mask)
-        self._watches[watch.wd] = watch
-        return watch
+    @property
+    def polled(self) -> frozenset[Path]:
+        """The paths this group polls rather than watches with inotify."""
+        return frozenset(polled.handle.path for polled in self._polled.values())
 
-    def rm_watch(self, watch: Watch) -> None:
+    def add_watch(self, path: Path, mask: Mask) -> WatchHandle:
+        """Watch ``path`` for ``mask``; polled when the inotify budget is spent (module docstring).
+
+        Raises :class:`OSError` for the path's own problems (missing, not a directory
+        with ``ONLYDIR``, not readable), as inotify does.
+        """
+        instance = self._live()
+        handle = instance.add_watch(self, path, mask)
+        if handle is None:
+            handle = WatchHandle(next(_polled_wds), path)
+            self._polled[handle.wd] = _PolledWatch(handle, mask, listing=self._poll_interval is not None)
+        self._watches[handle.wd] = handle
+        return handle
+
+    def rm_watch(self, watch: WatchHandle) -> None:
         """Stop watching (the inode stays watched for other groups that watch it)."""
         self._watches.pop(watch.wd, None)
+        if self._polled.pop(watch.wd, None) is not None:
+            return
         if self._instance is not None:
             self._instance.rm_watch(self, watch)
 
-    async def get(self) -> Event:
+    def _poll(self) -> None:
+        if self._poll_interval is None:
+            return
+        for wd, polled in list(self._polled.items()):
+            for event in polled.look():
+                self.deliver(event)
+                if event.mask & Mask.IGNORED:
+                    del self._polled[wd]
+                    self._watches.pop(wd, None)
+
+    async def get(self) -> WatchEvent:
         """The next event of this group's watches (or a ``Q_OVERFLOW``: anything may have happened)."""
         while not self._events:
             self._ready.clear()
             self._live().pump()
-            if not self._events:
+            self._poll()
+            if self._events:
+                break
+            if self._polled and self._poll_interval is not None:
+                # A timer that wakes the wait, not a timeout that cancels it: an idle poller wakes
+                # several times a second, and a cancellation costs twice the look itself.
+                timer = asyncio.get_running_loop().call_later(self._poll_interval, self._ready.set)
+                try:
+                    await self._ready.wait()
+                finally:
+                    timer.cancel()
+            else:
                 await self._ready.wait()
         return self._events.popleft()
 
-    def sync_get(self) -> Event | None:
-        """The next event if there is one now (the kernel's pending ones included), else None."""
+    def sync_get(self) -> WatchEvent | None:
+        """The next event if there is one now (the kernel's pending ones included), else None.
+
+        Polled watches are looked at by :meth:`get` only, when it waits.
+        """
         if not self._events and self._instance is not None:
             self._instance.pump()
         return self._events.popleft() if self._events else None
@@ -204,8 +504,10 @@ class WatchGroup:
         if instance is None:
             return
         for watch in list(self._watches.values()):
-            instance.rm_watch(self, watch)
+            if watch.wd >= 0:
+                instance.rm_watch(self, watch)
         self._watches.clear()
+        self._polled.clear()
         instance.leave(self)
 
     def __enter__(self) -> WatchGroup:
@@ -216,11 +518,11 @@ class WatchGroup:
 
     # -- for the instance ------------------------------------------------------------
 
-    def deliver(self, event: Event) -> None:
+    def deliver(self, event: WatchEvent) -> None:
         """Queue ``event`` for :meth:`get` (bounded: see :data:`MAX_QUEUED`)."""
         if len(self._events) >= MAX_QUEUED:
             self._events.clear()
-            self._events.append(Event(watch=None, mask=Mask.Q_OVERFLOW, cookie=0, name=None))
+            self._events.append(_OVERFLOW)
         else:
             self._events.append(event)
         self._ready.set()

@@ -15,6 +15,7 @@ lines. The plugin's fields are::
     WAITING=a kubelet: /var/lib/kubelet/device-plugins/kubelet.sock does not exist
                             (what registration waits for; cleared by the next REGISTERED)
     TAKEN_OVER=plugvisor-gpu-1a2b3c-0badc0de.sock   (another plugin of the resource took it over)
+    WATCH=polling: cannot watch files: too many inotify instances ...   (no inotify left: it polls)
 
 The agent's only word back is a signal: SIGTERM stops a plugin, and
 :data:`STOP_FOR_GOOD_SIGNAL` stops a DRA driver whose resource left the

@@ -140,7 +140,14 @@ class KubeletDirState:
         )
 
     def _apply(self, event: DirEvent) -> None:
-        state = self.state.value
+        """Count ``event`` if it concerns us; publish only then.
+
+        Every plugin sees every file of the directory come and go: at a kubelet
+        restart of N resources, N sockets go and N come in each of N processes. Only
+        the few that change the counters may wake the waiters (each wake-up costs
+        them a look at the files), or a restart costs O(N²) wake-ups.
+        """
+        before = state = self.state.value
         if event.change is DirChange.KUBELET_SOCKET_CREATED:
             state = dataclasses.replace(state, kubelet_creations=state.kubelet_creations + 1)
         elif event.change is DirChange.FILE_REMOVED and event.name == self.own_socket:
@@ -156,7 +163,8 @@ class KubeletDirState:
             state = dataclasses.replace(
                 state, kubelet_creations=state.kubelet_creations + 1, overflows=state.overflows + 1
             )
-        self.state.publish(state)
+        if state is not before:
+            self.state.publish(state)
 
     async def run(self) -> None:
         """Turn directory events into DirState changes, forever."""

@@ -37,7 +37,6 @@ from plugvisor.common import constants
 from plugvisor.common import inotify as inotify_
 from plugvisor.common.exitcodes import EXIT_CONFIGURATION, EXIT_FAILURE, EXIT_KUBELET_RESTARTED, EXIT_OK
 from plugvisor.common.hostpaths import HostPaths, beside_kubelet_dir
-from plugvisor.common.inotify import InotifyLimitError
 from plugvisor.common.names import extended_resource_name_problem
 from plugvisor.common.notify import StatusReporter
 from plugvisor.common.sockets import socket_answers, socket_prefix
@@ -277,6 +276,8 @@ class DevicePluginRuntime:
             await self._run(stop)
 
     async def _run(self, stop: asyncio.Event) -> None:
+        # Before any watch is opened, so that the agent hears of a fallback from the first one.
+        stop_hearing = inotify_.on_polling(self._watching_by_polling)
         dir_watch = KubeletDirState(self.config.paths.kubelet_dir)
         dir_watch.open()
         registrar = Registrar(
@@ -312,8 +313,13 @@ class DevicePluginRuntime:
             if self._sweep is not None:
                 await cancel_all([self._sweep])
             dir_watch.close()
+            stop_hearing()
             self.status.close()
             self._log.info("stopped")
+
+    def _watching_by_polling(self, reason: str) -> None:
+        """Tell the agent that this process polls (no inotify budget left): its status shows it."""
+        self.status.send(WATCH=f"polling: {printable(reason)}")
 
     async def _serve_and_register(self, registrar: Registrar) -> None:
         sweep = self._remove_dead_sockets()
@@ -623,7 +629,7 @@ class DevicePluginRuntime:
         number = 0
         served: set[str] = set()
         cuts = CutPacing()
-        with inotify_.open_watches() as watches:
+        with inotify_.open_watches(poll_interval=inotify_.POLL_INTERVAL) as watches:
             socket_watch = RegistrySocketWatch(
                 watches,
                 prefix=socket_prefix(self.config.resource),
@@ -806,7 +812,7 @@ def run_plugin(
     try:
         with asyncio.Runner(loop_factory=plugin_event_loop) as runner:
             runner.run(main())
-    except (ConfigurationError, RegistrationRejectedError, InotifyLimitError) as exc:
+    except (ConfigurationError, RegistrationRejectedError) as exc:
         log.error("cannot_run", error=str(exc))
         return EXIT_CONFIGURATION
     except SocketInUseError as exc:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import structlog
-from asyncinotify import Mask, Watch
+from asyncinotify import Mask
 
 from plugvisor.common import inotify as inotify_
 from plugvisor.deviceplugin.cell import SnapshotCell
@@ -66,7 +66,7 @@ class WatchSet:
     def __init__(self, inotify: inotify_.WatchGroup, mask: Mask = CHANGE_MASK) -> None:
         self._inotify = inotify
         self._mask = mask
-        self._watches: dict[Path, Watch] = {}
+        self._watches: dict[Path, inotify_.WatchHandle] = {}
         self._log = structlog.get_logger("plugvisor.watch")
 
     @property
@@ -83,11 +83,10 @@ class WatchSet:
                 with contextlib.suppress(OSError):  # the kernel already dropped it (directory deleted)
                     self._inotify.rm_watch(watch)
         for path in dirs - set(self._watches):
-            # Vanished in between, or the watch budget is spent: the periodic rescan covers it.
+            # Vanished in between: the periodic rescan covers it (as it covers a watch polled for
+            # want of inotify budget, which add_watch takes care of).
             try:
                 self._watches[path] = self._inotify.add_watch(path, self._mask)
-            except inotify_.InotifyLimitError as exc:
-                self._log.warning("watch_failed", path=str(path), error=str(exc))
             except OSError as exc:
                 self._log.warning("watch_failed", path=str(path), error=os.strerror(exc.errno or 0))
 
@@ -172,7 +171,8 @@ class DeviceWatcher:
         if uevents is not None:
             loop.add_reader(uevents.fileno(), uevents.read_ready)
         try:
-            with inotify_.open_watches() as inotify:  # the process's one instance, shared
+            # The process's one instance, shared; without budget, the rescan interval is the poll.
+            with inotify_.open_watches(poll_interval=None) as inotify:
                 await self._loop(inotify)
         finally:
             if uevents is not None:

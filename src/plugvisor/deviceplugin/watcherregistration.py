@@ -17,7 +17,8 @@ What the kubelet does react to is the socket itself: deleted (or replaced by
 another file), the plugin is deregistered, its devices unhealthy, and it is
 registered again only for a new socket. :class:`RegistrySocketWatch` notices
 this (inotify on the directory, and a look every second in case an event was
-lost) so that the plugin serves a fresh socket at once, as a plugin whose
+lost; polled when the process has no inotify left) so that the plugin serves a
+fresh socket at once, as a plugin whose
 ``kubelet.sock`` registration was wiped does.
 """
 
@@ -153,9 +154,8 @@ class RegistrySocketWatch:
     async def lost(self, path: Path) -> str:
         """Return why the socket at ``path`` (ours, just bound) no longer brings registrations."""
         directory = path.parent
-        # A directory that cannot be watched (gone a moment, the watch budget spent) is looked at
-        # every interval instead.
-        with contextlib.suppress(OSError, inotify_.InotifyLimitError):
+        # A directory that cannot be watched (gone a moment) is looked at every interval instead.
+        with contextlib.suppress(OSError):
             self._watches.add_watch(directory, REGISTRY_MASK)
         identity = SocketIdentity.of(path)
         # The plugins of our resource that may take (or have taken) it over: those serving now, and
@@ -199,7 +199,7 @@ class RegistrySocketWatch:
             except TimeoutError:
                 looked = taken_over_by is not None
                 continue
-            name = str(event.name) if event.name is not None else ""
+            name = event.name
             if self._is_sibling(name) and event.mask & (Mask.CREATE | Mask.MOVED_TO):
                 created = name
             removed = self._is_sibling(name) or bool(event.mask & Mask.Q_OVERFLOW)

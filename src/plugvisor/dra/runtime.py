@@ -36,10 +36,12 @@ import structlog
 import uvloop
 
 from plugvisor.common import constants
+from plugvisor.common import inotify as inotify_
 from plugvisor.common.exitcodes import EXIT_CONFIGURATION, EXIT_FAILURE, EXIT_OK
 from plugvisor.common.hostpaths import HostPaths, beside_kubelet_dir
 from plugvisor.common.names import dra_driver_name_problem, node_name_problem
 from plugvisor.common.notify import STOP_FOR_GOOD_SIGNAL, StatusReporter
+from plugvisor.common.validation import printable
 from plugvisor.deviceplugin.cell import CellClosedError, SnapshotCell
 from plugvisor.deviceplugin.device_monitor import DeviceDescriber, DeviceMonitor
 from plugvisor.deviceplugin.errors import ConfigurationError, SocketInUseError
@@ -248,8 +250,17 @@ class DraDriverRuntime:
         ``withdraw_on_stop`` or ``for_good`` is set by then (the driver is not
         coming back); otherwise they stay for the driver's next process.
         """
-        async with kind_lifecycle(self.hooks.lifecycle, self._log):
-            await self._run(stop, for_good)
+        # Before any watch is opened, so that the agent hears of a fallback from the first one.
+        stop_hearing = inotify_.on_polling(self._watching_by_polling)
+        try:
+            async with kind_lifecycle(self.hooks.lifecycle, self._log):
+                await self._run(stop, for_good)
+        finally:
+            stop_hearing()
+
+    def _watching_by_polling(self, reason: str) -> None:
+        """Tell the agent that this driver polls (no inotify budget left): its status shows it."""
+        self.status.send(WATCH=f"polling: {printable(reason)}")
 
     async def _run(self, stop: asyncio.Event, for_good: asyncio.Event | None) -> None:
         self.preparer.prepared = await asyncio.to_thread(self.load_prepared)

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import stat
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -44,8 +43,9 @@ from typing import Final
 
 import grpc
 import structlog
-from asyncinotify import Inotify, Mask
+from asyncinotify import Mask
 
+from plugvisor.common import inotify as inotify_
 from plugvisor.common.sockets import owner_only, socket_answers, socket_path_problem
 from plugvisor.deviceplugin.errors import ConfigurationError, SocketInUseError
 
@@ -168,9 +168,11 @@ async def keep(
 ) -> None:
     """Serve every socket again as soon as its file disappears; runs until cancelled.
 
-    inotify on each socket's directory wakes this at once; a look every
-    ``check_interval`` seconds covers what inotify cannot see (a directory
-    deleted and made again: the watch went with the old one). A socket another
+    inotify on each socket's directory wakes this at once (on the process's one
+    instance; polled every :data:`~plugvisor.common.inotify.POLL_INTERVAL` seconds
+    when the node's inotify budget is spent); a look every ``check_interval``
+    seconds covers what inotify cannot see (a directory deleted and made again:
+    the watch went with the old one). A socket another
     live process now serves is left to it (:meth:`KeptSocket.stand_by`) until
     nobody answers there. They are served again in their order, each only once
     those before it are ours: the kubelet registers a driver the moment its
@@ -181,7 +183,7 @@ async def keep(
     done about it.
     """
     log = structlog.get_logger("plugvisor.dra.socket")
-    with Inotify() as inotify:
+    with inotify_.open_watches(poll_interval=inotify_.POLL_INTERVAL) as inotify:
         watched: set[Path] = set()
         while True:
             for directory in {kept.path.parent for kept in sockets} - watched:
@@ -211,7 +213,7 @@ async def keep(
             except TimeoutError:
                 continue
             if event.mask & (Mask.DELETE_SELF | Mask.MOVE_SELF | Mask.IGNORED) and event.watch is not None:
-                watched.discard(Path(os.fsdecode(event.watch.path)))
+                watched.discard(event.watch.path)
 
 
 def _served_by_another(path: Path) -> bool:

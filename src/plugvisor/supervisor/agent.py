@@ -25,8 +25,6 @@ from typing import IO, TYPE_CHECKING, Final
 import structlog
 
 from plugvisor.common import constants
-from plugvisor.common.exitcodes import EXIT_CONFIGURATION
-from plugvisor.common.inotify import InotifyLimitError
 from plugvisor.common.notify import STATUS_SOCKET_ENV
 from plugvisor.common.validation import shorten
 from plugvisor.plugins import kinds
@@ -55,6 +53,16 @@ if TYPE_CHECKING:
 
 HOUSEKEEPING_INTERVAL: Final = 1.0
 """The loop wakes at least this often even when nothing happens."""
+STATE_SHARE: Final = 10
+"""After writing the state file (and systemd's ``STATUS=``), the agent waits this many times as long as
+the write took before the next one, so that they take at most about a tenth of its time.
+
+Each write renders every child (O(N)), and a kubelet restart of N resources brings several changes
+per child: written after each, 256 resources cost 80 % of the agent's CPU while they came back
+(bench/bench_scale.py, profiled). A few children write in a fraction of a millisecond, so their
+state stays as fresh as ever; readiness is said at once all the same."""
+STATE_INTERVAL_MAX: Final = 0.5
+"""The longest a change waits to be written, however long writes take."""
 MULTIPROC_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
 """prometheus-client picks its multiprocess value class when it is imported, by this variable's presence."""
 
@@ -313,8 +321,6 @@ class Agent:
             reports.open()
             cleanup.callback(reports.close)
             watch = self._open_kubelet_watch()
-            if watch is None:
-                return EXIT_CONFIGURATION
             cleanup.push_async_callback(watch.close)
             if self.config.metrics is not None:
                 # Imported only then: without an endpoint the agent needs no prometheus-client.
@@ -353,18 +359,14 @@ class Agent:
         _log.info("supervisor_stopped")
         return 0
 
-    def _open_kubelet_watch(self) -> KubeletWatch | None:
-        """The kubelet directory's watch, open; None (logged) when the node's inotify budget is spent."""
+    def _open_kubelet_watch(self) -> KubeletWatch:
+        """The kubelet directory's watch, open (polled when the node's inotify budget is spent)."""
         watch = KubeletWatch(
             self.config.kubelet_dir,
             on_kubelet_started=self._on_kubelet_started,
             on_socket_deleted=self._on_socket_deleted,
         )
-        try:
-            watch.open()
-        except InotifyLimitError as exc:
-            _log.error("cannot_run", error=str(exc))
-            return None
+        watch.open()
         return watch
 
     @staticmethod
@@ -379,6 +381,7 @@ class Agent:
         clock = supervisor.clock
         stop_bound: float | None = None
         state_retry = False
+        next_state = 0.0
         while True:
             self._wake.clear()
             if state_retry:
@@ -399,25 +402,36 @@ class Agent:
                 supervisor.handle_exit(exit_.pid, exit_.returncode)
             deadline = supervisor.tick()
             self._follow_starts(supervisor.starting_until)
-            if supervisor.dirty:
+            became_ready = supervisor.dirty and supervisor.ready and not ready_sent
+            if supervisor.dirty and (clock.monotonic() >= next_state or became_ready or supervisor.stopping):
                 supervisor.dirty = False
-                if not self._write_state(runtime_dir, supervisor):
-                    state_retry = True
-                if supervisor.ready and not ready_sent and not supervisor.stopping:
-                    ready_sent = True
-                    _log.info("ready", resources=len(supervisor.children))
-                    self.notifier.ready(supervisor.summary())
-                elif not supervisor.stopping:
-                    self.notifier.status(supervisor.summary())
+                began = clock.monotonic()
+                state_retry = not self._write_state(runtime_dir, supervisor)
+                ready_sent = self._tell_systemd(supervisor, ready_sent=ready_sent)
+                took = clock.monotonic() - began
+                next_state = clock.monotonic() + min(STATE_SHARE * took, STATE_INTERVAL_MAX)
             if supervisor.stopping and (
                 supervisor.stopped or (stop_bound and clock.monotonic() > stop_bound)
             ):
                 return
             timeout = HOUSEKEEPING_INTERVAL
+            if supervisor.dirty:  # changes not yet written: at the next write's time
+                deadline = next_state if deadline is None else min(deadline, next_state)
             if deadline is not None:
                 timeout = min(timeout, max(0.0, deadline - clock.monotonic()))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
+
+    def _tell_systemd(self, supervisor: Supervisor, *, ready_sent: bool) -> bool:
+        """READY=1 once every resource is registered, STATUS= after; returns whether READY=1 was sent."""
+        if supervisor.stopping:
+            return ready_sent
+        if supervisor.ready and not ready_sent:
+            _log.info("ready", resources=len(supervisor.children))
+            self.notifier.ready(supervisor.summary())
+            return True
+        self.notifier.status(supervisor.summary())
+        return ready_sent
 
     def _write_state(self, runtime_dir: Path, supervisor: Supervisor) -> bool:
         """Best effort: a status file that cannot be written must never stop the supervising.

@@ -154,6 +154,8 @@ class Child:
         """The socket of another plugin of this resource that the kubelet follows now (a second agent's)."""
         self.unregistered_reason: str | None = None
         """Why the process said it lost its registration (a kubelet restart, its socket removed)."""
+        self.polling: str | None = None
+        """Why the process watches files by polling (its WATCH= field: no inotify left); None: inotify."""
 
     @property
     def resource(self) -> str:
@@ -270,6 +272,9 @@ class Child:
             self.slices = shorten(fields["SLICES"], 300)
         if "WAITING" in fields:
             self.waiting = shorten(fields["WAITING"], 300) or None
+        mode, _, why = fields.get("WATCH", "").partition(": ")
+        if mode == "polling":
+            self.polling = shorten(why, 300) or "no reason given"
         lost = fields.get("KUBELET_RESTART") or fields.get("UNREGISTERED")
         if lost:
             self.unregistered_reason = shorten(lost, 300)
@@ -427,6 +432,8 @@ class Child:
             "waiting": self.waiting,
             "taken_over_by": self.taken_over_by,
             "unregistered_reason": self.unregistered_reason,
+            "watch": ("polling" if self.polling is not None else "inotify") if self.pid is not None else None,
+            "watch_reason": self.polling,
         }
 
     # -- internals ------------------------------------------------------------------------
@@ -517,6 +524,6 @@ class Child:
         self.endpoint = None
         self.devices = None
         self.slices = None
-        self.waiting = self.taken_over_by = self.unregistered_reason = None
+        self.waiting = self.taken_over_by = self.unregistered_reason = self.polling = None
         self.stop_deadline = None
         self.killed = False

@@ -122,8 +122,15 @@ class SupervisorCollector(Collector):
             "Whether a DRA driver's ResourceSlices hold its devices as they are now (0: pending or failing).",
             labels=["resource"],
         )
+        polling = GaugeMetricFamily(
+            "plugvisor_watch_polling",
+            "Whether the child watches files by polling (1: no inotify budget was left) or with inotify (0).",
+            labels=["resource"],
+        )
         for child in children:
             resource = child["resource"]
+            if child.get("watch"):
+                polling.add_metric([resource], 1.0 if child["watch"] == "polling" else 0.0)
             info.add_metric([resource, child.get("kind", ""), child.get("mode", "device-plugin")], 1.0)
             if child.get("slices"):
                 slices.add_metric([resource], 1.0 if child["slices"] == "synced" else 0.0)
@@ -143,6 +150,7 @@ class SupervisorCollector(Collector):
             backoff.add_metric([resource], float(child["backoff_delay"] or 0.0))
         supervisor = document["supervisor"]
         yield from (info, up, state, registered, registrations, devices, restarts, looping, backoff, slices)
+        yield polling
         yield CounterMetricFamily(
             "plugvisor_kubelet_restarts",
             "Kubelet restarts the supervisor noticed.",

@@ -96,7 +96,10 @@ def write_state(runtime_dir: Path, document: dict[str, Any]) -> None:
     try:
         # An unpredictable temporary name, never followed if planted as a link (a runtime
         # directory an operator made world-writable); removed if the write fails (a full disk).
-        content = json.dumps(document, indent=1, sort_keys=True) + "\n"
+        # One line: with ``indent`` Python's json falls back to its pure-Python encoder, 5-10x slower,
+        # and the agent writes this after changes of any of up to 256 children (`status --json`
+        # prints it indented for people).
+        content = json.dumps(document, sort_keys=True) + "\n"
         write_atomically(target, content.encode(), durable=False)
     except OSError:
         with contextlib.suppress(OSError):
@@ -309,6 +312,21 @@ def _not_registered_lines(children: list[dict[str, Any]]) -> list[str]:
     return ["not registered:", *lines] if lines else []
 
 
+def _polling_lines(children: list[dict[str, Any]]) -> list[str]:
+    """Why the children that watch by polling do (one line per reason: 200 children share one)."""
+    by_reason: dict[str, list[str]] = {}
+    for child in children:
+        if child.get("watch") == "polling":
+            by_reason.setdefault(str(child.get("watch_reason") or "-"), []).append(str(child["resource"]))
+    lines = []
+    for reason, resources in by_reason.items():
+        named = shorten(", ".join(resources), 200)
+        lines.append(printable(f"  {len(resources)} ({named}): {shorten(reason, 300)}"))
+    if not lines:
+        return []
+    return ["watching files by polling, not inotify (changes are seen later, nothing is lost):", *lines]
+
+
 def _duration(seconds: float | None) -> str:
     if seconds is None:
         return "-"
@@ -351,7 +369,7 @@ def render(document: dict[str, Any]) -> str:
             f"STALE: the agent could not write its state since {written} (no space left? its log says "
             "state_write_failed); below is the state as of then",
         )
-    header = ("RESOURCE", "STATE", "PID", "UPTIME", "RESTARTS", "LAST EXIT", "DEVICES")
+    header = ("RESOURCE", "STATE", "PID", "UPTIME", "RESTARTS", "LAST EXIT", "DEVICES", "WATCH")
     rows = [header]
     for child in children:
         state = child["state"]
@@ -378,9 +396,11 @@ def render(document: dict[str, Any]) -> str:
                 str(child.get("restarts", 0)),
                 last_exit,
                 counts,
+                child.get("watch") or "-",
             )
         )
     lines += _table(rows)
+    lines += _polling_lines(children)
     lines += _not_registered_lines(children)
     lines += _device_lines(document)
     return "\n".join(lines)

@@ -2,10 +2,8 @@
 
 import asyncio
 import contextlib
-import errno
 import os
 
-import pytest
 from asyncinotify import Mask
 
 from plugvisor.common import inotify
@@ -79,18 +77,3 @@ async def test_a_group_that_stops_reading_is_bounded_and_told_it_lost_events(tmp
     finally:
         reader.close()
         idle.close()
-
-
-@pytest.mark.parametrize(
-    ("code", "sysctl"),
-    [(errno.EMFILE, "fs.inotify.max_user_instances"), (errno.ENOSPC, "fs.inotify.max_user_watches")],
-)
-def test_a_spent_budget_is_an_error_naming_the_sysctl(code, sysctl):
-    error = inotify.limit_error(OSError(code, os.strerror(code)), what="cannot watch /x")
-    assert error is not None
-    assert str(error).startswith("cannot watch /x: too many inotify")
-    assert sysctl in str(error)
-
-
-def test_other_errors_are_left_as_they_are():
-    assert inotify.limit_error(OSError(errno.ENOENT, "gone"), what="cannot watch /x") is None

@@ -46,7 +46,7 @@ async def test_start_registers_every_resource_and_reports_it(node, kubelet, agen
     rows = {line.split()[0]: line.split() for line in status.stdout.splitlines()[2:]}
     assert rows[FUSE][1] == "RUNNING"
     assert rows[FUSE][2] == str(children[FUSE]["pid"])
-    assert rows[FUSE][-1] == "4/4"
+    assert rows[FUSE][-2:] == ["4/4", "inotify"]
     port = int(agent.log().split("url='http://127.0.0.1:")[1].split("/")[0])
 
     def get(path):

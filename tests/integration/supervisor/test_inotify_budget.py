@@ -1,33 +1,22 @@
-"""The inotify budget: one instance per process, and a clear error naming the sysctl when it is spent.
+"""The inotify budget: one instance per process, and polling, never a refusal, when it is spent.
 
-Linux counts inotify instances per user for all of the user's processes (128 by default), and every
-engineer and daemon on this machine is root: a test must never spend the real budget. The tests that
-run out do so in a user namespace of their own, whose limit (``user.max_inotify_instances``) only its
-processes see.
+The tests that run out do so in a user namespace of their own, whose limit only its processes see
+(``tests/integration/inotify_budget.py``): the real budget is every root process's on this machine.
 """
 
 import asyncio
-import os
-import shutil
 import subprocess
 import sys
-from pathlib import Path
+import urllib.request
 
 import pytest
 
-from .conftest import RUN, Agent, processes_of, running_registered
+from plugvisor.emulators.kubelet import EmulatedKubelet
 
+from ..inotify_budget import NO_USER_NAMESPACE, inotify_instances, with_inotify_limit
+from .conftest import EXPECTED, RUN, Agent, processes_of, registered_all, running_registered
 
-def inotify_instances(pid: int) -> int:
-    """How many inotify instances process ``pid`` holds (its descriptors that are inotify ones)."""
-    count = 0
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            if os.readlink(fd) == "anon_inode:inotify":
-                count += 1
-        except OSError:
-            continue
-    return count
+needs_user_namespace = pytest.mark.skipif(NO_USER_NAMESPACE is not None, reason=str(NO_USER_NAMESPACE))
 
 
 @pytest.mark.parametrize("spawner", ["forkserver", "exec"])
@@ -41,43 +30,45 @@ async def test_the_agent_and_each_plugin_hold_one_inotify_instance(node, kubelet
     assert {counts[pid] for pid in children} == {1}, counts
     assert counts[agent.pid] == 1
     assert sum(counts.values()) == 1 + len(children), counts  # the fork server holds none
+    assert {child["watch"] for child in agent.children().values()} == {"inotify"}
     assert await agent.stop() == 0
 
 
-def _can_limit_inotify_in_a_user_namespace() -> str | None:
-    if shutil.which("unshare") is None:
-        return "util-linux's unshare is not installed"
-    probe = subprocess.run(
-        ["unshare", "-U", "-r", "sh", "-c", "echo 1 > /proc/sys/user/max_inotify_instances"],
-        capture_output=True,
-        check=False,
-    )
-    return None if probe.returncode == 0 else f"no user namespace here: {probe.stderr.decode().strip()}"
-
-
-NO_USER_NAMESPACE = _can_limit_inotify_in_a_user_namespace()
-
-
-def with_inotify_limit(instances: int, *command: str) -> list[str]:
-    """``command`` in a new user namespace that allows its processes ``instances`` inotify instances."""
-    script = f'echo {instances} > /proc/sys/user/max_inotify_instances && exec "$@"'
-    return ["unshare", "-U", "-r", "sh", "-c", script, "sh", *command]
-
-
-@pytest.mark.skipif(NO_USER_NAMESPACE is not None, reason=str(NO_USER_NAMESPACE))
-def test_a_plugin_without_budget_exits_2_naming_the_sysctl(short_dir):
-    result = subprocess.run(
-        with_inotify_limit(
-            0,
-            sys.executable, "-m", "plugvisor", "plugin", "generic", "--path", "/dev/null",
-            "--kubelet-dir", str(short_dir / "dp"),
-        ),
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
-    assert result.returncode == 2, result.stderr
-    assert "Traceback" not in result.stderr
-    assert "too many inotify instances" in result.stderr
-    assert "fs.inotify.max_user_instances" in result.stderr
+@needs_user_namespace
+async def test_a_plugin_without_inotify_registers_and_notices_kubelet_restarts_by_polling(short_dir):
+    kubelet = EmulatedKubelet(short_dir / "dp", write_view=False, grace_period=30, dial_timeout=2)
+    await kubelet.start()
+    log_path = short_dir / "plugin.log"
+    with log_path.open("wb") as log:
+        plugin = await asyncio.create_subprocess_exec(
+            *with_inotify_limit(
+                0,
+                sys.executable, "-m", "plugvisor", "plugin", "generic", "--resource", "example.com/null",
+                "--path", "/dev/null", "--kubelet-dir", str(short_dir / "dp"),
+            ),
+            stderr=log,
+        )  # fmt: skip
+    try:
+        await kubelet.wait_for(registered_all({"example.com/null": 1}), timeout=30)
+        assert inotify_instances(plugin.pid) == 0
+        for _ in range(2):
+            generation = kubelet.generation
+            await kubelet.restart()
+            await kubelet.wait_for(
+                lambda k, g=generation + 1: (
+                    registered_all({"example.com/null": 1})(k) and k.registrations[-1].generation == g
+                ),
+                timeout=30,
+            )
+    finally:
+        plugin.terminate()
+        assert await plugin.wait() == 0
+        await kubelet.stop()
+    text = log_path.read_text()
+    assert "Traceback" not in text
+    said = [line for line in text.splitlines() if "watching_by_polling" in line]
+    assert len(said) == 1, text
+    assert "fs.inotify.max_user_instances" in said[0]
 
 
 class LimitedAgent(Agent):
@@ -94,24 +85,57 @@ class LimitedAgent(Agent):
         return self
 
 
-@pytest.mark.skipif(NO_USER_NAMESPACE is not None, reason=str(NO_USER_NAMESPACE))
-async def test_children_over_the_budget_say_so_and_the_others_serve(node, kubelet, agents):
-    """Room for the agent and one plugin: that one registers; the two others exit 2 naming the sysctl."""
-    node.write_config()
+def status_of(node) -> str:
+    return subprocess.run(
+        [sys.executable, "-c", "from plugvisor.supervisor.cli import status_command; status_command()",
+         "--runtime-dir", str(node.runtime_dir)],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+
+
+@needs_user_namespace
+async def test_children_over_the_budget_poll_register_and_show_it(node, kubelet, agents):
+    """Room for the agent and one plugin: all three register; the two others poll, and say so."""
+    node.write_config(metrics={"listen": "127.0.0.1:0"})
     agent = LimitedAgent(node)
     await agent.start()
     try:
 
-        def one_serves_two_refused(children):
-            exits = [c["last_exit"] for c in children.values() if c["last_exit"] is not None]
-            registered = [c for c in children.values() if c["registered"]]
-            return len(registered) == 1 and sum(e["cause"] == "config" for e in exits) >= 2
+        def all_registered_two_polling(children):
+            watching = sorted(str(child["watch"]) for child in children.values())
+            return running_registered(children) and watching == ["inotify", "polling", "polling"]
 
-        await agent.wait_state(one_serves_two_refused, timeout=30)
+        await agent.wait_state(all_registered_two_polling, timeout=30)
+        await kubelet.wait_for(registered_all(EXPECTED), timeout=30)
+        polling = [c for c in agent.children().values() if c["watch"] == "polling"]
+        assert all("fs.inotify.max_user_instances" in c["watch_reason"] for c in polling)
+        assert all(c["restarts"] == 0 for c in agent.children().values())
+        rows = {line.split()[0]: line.split() for line in status_of(node).splitlines()[2:5]}
+        assert sorted(row[-1] for row in rows.values()) == ["inotify", "polling", "polling"]
+        assert "watching files by polling, not inotify" in status_of(node)
+        port = int(agent.log().split("url='http://127.0.0.1:")[1].split("/")[0])
+
+        def scrape() -> str:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+                return response.read().decode()
+
+        metrics = await asyncio.to_thread(scrape)
+        for child in agent.children().values():
+            value = "1.0" if child["watch"] == "polling" else "0.0"
+            assert f'plugvisor_watch_polling{{resource="{child["resource"]}"}} {value}' in metrics
+        # The children that poll see the kubelet restart too (the default policy restarts them all).
+        generation = kubelet.generation
+        await kubelet.restart()
+        await kubelet.wait_for(
+            lambda k: (
+                registered_all(EXPECTED)(k)
+                and all(r.generation == generation + 1 for r in k.registrations[-3:])
+            ),
+            timeout=30,
+        )
+        await agent.wait_state(running_registered, timeout=30)
         log = agent.log()
         assert "Traceback" not in log
-        refusals = [line for line in log.splitlines() if "cannot_run" in line]
-        assert refusals
-        assert all("fs.inotify.max_user_instances" in line for line in refusals), refusals
+        assert "cannot_run" not in log
     finally:
         assert await agent.stop() == 0

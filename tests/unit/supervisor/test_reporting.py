@@ -57,10 +57,11 @@ class TestStatusCommand:
             "LAST",
             "EXIT",
             "DEVICES",
+            "WATCH",
         ]
         gpu = lines[2].split()
         assert gpu[:3] == ["example.com/gpu", "RUNNING", str(running.children["example.com/gpu"].pid)]
-        assert gpu[-1] == "3/4"
+        assert gpu[-2:] == ["3/4", "inotify"]
         assert lines[3].split()[1] == "STARTING"
 
     def test_json_output_is_the_full_state_for_scripts(self, running, tmp_path, agent_lock):
@@ -270,7 +271,32 @@ class TestMetrics:
         )
         assert 'plugvisor_dra_slices_synced{resource="example.com/nic"} 0.0' in text
         assert 'plugvisor_dra_slices_synced{resource="example.com/gpu"}' not in text
-        assert output.splitlines()[3].endswith("8/8, slices failing: HTTP 403")
+        assert output.splitlines()[3].endswith("8/8, slices failing: HTTP 403  inotify")
+
+    async def test_a_child_that_polls_for_want_of_inotify_shows_it_until_its_next_process(
+        self, running, tmp_path, agent_lock
+    ):
+        """Its WATCH= report reaches `plugvisor status` (with why) and /metrics; a new process starts over."""
+        child = running.children["example.com/nic"]
+        why = "cannot watch files: too many inotify instances (fs.inotify.max_user_instances = 128)"
+        running.handle_report(child.pid, {"WATCH": f"polling: {why}"})
+
+        text = (await Metrics(running.snapshot, multiproc_dir=tmp_path).render()).decode()
+        document = running.snapshot()
+        document["supervisor"]["pid"] = os.getpid()
+        status_.write_state(tmp_path, document)
+        output = CliRunner().invoke(status_command, ["--runtime-dir", str(tmp_path)]).output.splitlines()
+
+        assert 'plugvisor_watch_polling{resource="example.com/nic"} 1.0' in text
+        assert 'plugvisor_watch_polling{resource="example.com/gpu"} 0.0' in text
+        assert output[3].split()[-1] == "polling"
+        assert output[2].split()[-1] == "inotify"
+        assert output[4].startswith("watching files by polling, not inotify")
+        assert output[5] == f"  1 (example.com/nic): {why}"
+        assert document["children"][1]["watch_reason"] == why
+        child.on_exit(-9)
+        assert running.snapshot()["children"][1]["watch"] is None
+        assert running.snapshot()["children"][1]["watch_reason"] is None
 
 
 class TestSystemdNotifier:
