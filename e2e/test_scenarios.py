@@ -117,6 +117,27 @@ def test_a_lab_fault_lowers_allocatable_and_heal_restores_it(backend: Backend) -
     _wait_allocatable(backend, worker, GPU, count)
 
 
+def test_an_nvml_xid_makes_a_gpu_unhealthy_and_heal_brings_it_back(backend: Backend) -> None:
+    """An XID critical error, reported by NVML (the lab's stand-in library, through pynvml), makes one GPU
+    unhealthy with the XID as the cause; once healed and quiet for the configured period it is back."""
+    worker = _worker(backend, has="gpus")
+    try:
+        backend.lab_read(worker.name, ".plugvisor-lab/nvml/system")
+    except FileNotFoundError:
+        pytest.skip(f"{worker.name}: the lab has no NVML stand-in (no C compiler where it was created)")
+    count = expected_allocatable(worker)[GPU]
+    _wait_allocatable(backend, worker, GPU, count)
+    backend.lab(worker.name, "fault", "gpu2", "xid-79")
+    try:
+        _wait_allocatable(backend, worker, GPU, count - 1)
+        (gpu,) = [c for c in _status(backend, worker, "gpu")["children"] if c["resource"] == GPU]
+        causes = [d["cause"] for d in gpu["devices_detail"] if not d["healthy"]]
+        assert len(causes) == 1 and causes[0].startswith("xid 79"), f"plugvisor status: {gpu}"
+    finally:
+        backend.lab(worker.name, "heal", "gpu2")
+    _wait_allocatable(backend, worker, GPU, count)
+
+
 def test_a_deleted_agent_pod_is_replaced_and_registers_again(backend: Backend) -> None:
     """The DaemonSet's new agent registers every resource of the node again."""
     worker = _worker(backend, has="gpus")
