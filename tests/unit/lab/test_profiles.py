@@ -17,7 +17,9 @@ class TestBuiltins:
         """The product's five profiles ship with the package."""
         assert {"small", "dgx-like", "amd-like", "intel-gpu-like", "big"} <= set(builtin_names())
 
-    @pytest.mark.parametrize("name", ["small", "dgx-like", "amd-like", "intel-gpu-like", "big"])
+    @pytest.mark.parametrize(
+        "name", ["small", "dgx-like", "amd-like", "intel-gpu-like", "big", "nvidia-h200-vm"]
+    )
     def test_builtin_validates(self, name: str) -> None:
         """Every built-in profile passes the same validation as a user's file."""
         assert name == builtin(name).name

@@ -8,9 +8,9 @@
  *
  * State: the lab writes (atomically, by rename) plain "key=value" files under
  * <lab>/.plugvisor-lab/nvml/: "system" (driver, NVML and CUDA versions, GPU count, event
- * period) and "gpu<index>" (one per NVIDIA GPU, in bus order). Every call re-reads the file
- * it needs (a few microseconds), so a fault injected by `plugvisor lab fault` shows on the
- * next call.
+ * period) and "gpu<index>" (one per NVIDIA GPU, in bus order). Every call stat()s the file
+ * it needs and re-reads it when it changed (see load_gpu), so a fault injected by
+ * `plugvisor lab fault` shows on the next call.
  *
  * Events: an active fault has an injection time; the GPU raises its event then and again
  * every period while the fault stays (a GPU that keeps failing until reset). An event set
