@@ -1,4 +1,4 @@
-"""Structured logging for every plugvisor process: one line per event, ``key=value`` or JSON.
+r"""Structured logging for every plugvisor process: one line per event, ``key=value`` or JSON.
 
 Under ``plugvisor run`` the agent and all its children write to the same
 standard error, so a record must reach it whole: each one is rendered to a
@@ -12,6 +12,12 @@ write to a file in one piece at the file's offset.
 
 structlog's filtering bound logger makes a disabled level cost one method call,
 which matters on the Allocate path (allocations are logged at debug).
+
+Many fields carry input from outside (claim names and UIDs from the kubelet,
+device names and paths from files, errors from the other side of a socket), so
+every field is cut to :data:`MAX_LOG_FIELD` characters, saying how long it was,
+as errors are: a megabyte claim name must not make a megabyte line. The
+renderers escape control characters (``repr`` in key=value, ``\uXXXX`` escapes in JSON).
 """
 
 from __future__ import annotations
@@ -26,6 +32,11 @@ from typing import Any, Final, Literal, TextIO
 
 import click
 import structlog
+
+from plugvisor.common.validation import shorten
+
+MAX_LOG_FIELD: Final = 1000
+"""The most characters of one field a log line carries; the rest is cut (:func:`cut_long_fields`)."""
 
 LogFormat = Literal["kv", "json"]
 LOG_LEVELS: Final = ("debug", "info", "warning", "error")
@@ -83,6 +94,26 @@ class _StdlibBridge(logging.Handler):
             )
 
 
+def cut_long_fields(
+    _logger: object, _method: str, event_dict: structlog.typing.EventDict
+) -> structlog.typing.EventDict:
+    """A structlog processor: every field longer than :data:`MAX_LOG_FIELD` cut, saying how long it was.
+
+    A container (a list of device IDs, a mapping) over the limit becomes the
+    start of its ``repr``. Tracebacks are not fields yet when this runs
+    (``exc_info`` is rendered after it), so they stay whole.
+    """
+    for key, value in event_dict.items():
+        if isinstance(value, str):
+            if len(value) > MAX_LOG_FIELD:
+                event_dict[key] = shorten(value, MAX_LOG_FIELD)
+        elif isinstance(value, list | tuple | dict | set | frozenset):
+            shown = repr(value)
+            if len(shown) > MAX_LOG_FIELD:
+                event_dict[key] = shorten(shown, MAX_LOG_FIELD)
+    return event_dict
+
+
 def configure_logging(*, level: str = "info", fmt: LogFormat = "kv", stream: TextIO | None = None) -> None:
     """Configure structlog for a plugvisor process (idempotent; last call wins).
 
@@ -103,6 +134,7 @@ def configure_logging(*, level: str = "info", fmt: LogFormat = "kv", stream: Tex
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            cut_long_fields,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True, key="ts"),
             structlog.processors.format_exc_info,

@@ -26,6 +26,7 @@ from typing import Any, Final
 import structlog
 
 from plugvisor.common.atomicfile import write_atomically
+from plugvisor.common.validation import bounded
 from plugvisor.dra.cluster import AllocatedDevice, ClaimError, PublishState
 from plugvisor.dra.devices import PublishedDevice, device_json
 
@@ -90,8 +91,9 @@ class FileClaimReader:
             raise ClaimError(f"{path}: cannot read the claim: {exc}") from None
         found = claim.get("metadata", {}).get("uid") if isinstance(claim, dict) else None
         if found != uid:
+            shown = bounded(str(found), 140)
             raise ClaimError(
-                f"{namespace}/{name} now has UID {found}, not {uid}: the claim was deleted and created again"
+                f"{namespace}/{name} now has UID {shown}, not {uid}: the claim was deleted and created again"
             )
         try:
             return allocation_results(claim)

@@ -399,9 +399,8 @@ def _check_ref(claim: ClaimRef) -> None:
     if missing:
         raise PrepareError(f"claim {claim}: the kubelet's request has no {', '.join(missing)}")
     problem = _ref_problem(claim)
-    if problem is not None:
-        shown = ClaimRef(*(shorten(_escaped(part)) for part in (claim.namespace, claim.name, claim.uid)))
-        raise PrepareError(f"claim {shown}: the kubelet's request is invalid: {problem}")
+    if problem is not None:  # the reference shows itself cut and escaped
+        raise PrepareError(f"claim {claim}: the kubelet's request is invalid: {problem}")
 
 
 def _ref_problem(claim: ClaimRef) -> str | None:
@@ -420,8 +419,3 @@ def _ref_problem(claim: ClaimRef) -> str | None:
     if node_name_problem(claim.name) is not None:  # a claim's name is a DNS subdomain, as a node's
         return "the name is not a DNS subdomain"
     return None if dns_label_problem(claim.namespace) is None else "the namespace is not a DNS label"
-
-
-def _escaped(text: str) -> str:
-    """``text`` on one line and in ASCII, for an error message."""
-    return text.encode("unicode_escape").decode("ascii")

@@ -98,3 +98,12 @@ class TestSlices:
         (tmp_path / "resourceslices").unlink()
         await publisher.publish([PublishedDevice("a")])
         assert publisher.generation == 1
+
+
+class TestClaimFilesFromOutside:
+    async def test_a_megabyte_uid_in_the_file_is_shown_cut(self, tmp_path):
+        write_claim(tmp_path, "default", "c", "u" * (1 << 20), [])
+        with pytest.raises(ClaimError) as caught:
+            await FileClaimReader(tmp_path).allocated_devices(namespace="default", name="c", uid="u1")
+        assert len(str(caught.value)) < 600
+        assert f"({1 << 20} characters)" in str(caught.value)
