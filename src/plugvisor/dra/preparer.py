@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +42,7 @@ from typing import Any, TypeVar
 import structlog
 
 from plugvisor.common.names import dns_label_problem, node_name_problem
-from plugvisor.common.validation import shorten
+from plugvisor.common.validation import bounded, shorten
 from plugvisor.deviceplugin.allocation import build_allocation
 from plugvisor.deviceplugin.cell import SnapshotCell
 from plugvisor.deviceplugin.hooks import ContainerAllocation, Hooks
@@ -76,9 +77,37 @@ def base_request(request: str) -> str:
 
 
 def _names(names: Sequence[str]) -> str:
-    shown = [shorten(name, 80) for name in list(dict.fromkeys(names))[:_SHOWN_NAMES]]
-    more = f" and {len(names) - _SHOWN_NAMES} more" if len(names) > _SHOWN_NAMES else ""
+    """Device names for a message: the first few distinct ones, cut and escaped, and how many more."""
+    distinct = list(dict.fromkeys(names))
+    shown = [bounded(name, 80) for name in distinct[:_SHOWN_NAMES]]
+    more = f" and {len(distinct) - _SHOWN_NAMES} more" if len(distinct) > _SHOWN_NAMES else ""
     return "[" + ", ".join(f'"{name}"' for name in shown) + "]" + more
+
+
+def _repeated(names: Sequence[str]) -> str:
+    """The names given more than once, each with how many times: ``["gpu-0" 3 times]``."""
+    counts = [(name, count) for name, count in Counter(names).items() if count > 1]
+    shown = [f'"{bounded(name, 80)}" {count} times' for name, count in counts[:_SHOWN_NAMES]]
+    more = f" and {len(counts) - _SHOWN_NAMES} more" if len(counts) > _SHOWN_NAMES else ""
+    return "[" + ", ".join(shown) + "]" + more
+
+
+def request_name_problem(request: str) -> str | None:
+    """Why a result's request name is none an API server allows, or None.
+
+    A claim's request is named by a DNS label (at most 63 characters), a
+    prioritized list's choice by ``REQUEST/SUBREQUEST``, each a DNS label. The
+    request becomes part of the CDI device's name and of the spec, as the UID
+    does, so anything else (a NUL, a ``/`` too many, a megabyte) is refused
+    before anything is written.
+    """
+    parts = request.split("/")
+    if len(parts) <= 2 and all(dns_label_problem(part) is None for part in parts):
+        return None
+    return (
+        f'request name "{bounded(request, 80)}" is not a DNS label (at most 63 lowercase letters, digits '
+        "and '-', a letter or digit at each end), nor two joined by '/' (a request and its sub-request)"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,9 +217,14 @@ class ClaimPreparer:
                 f"claim {claim}: devices {_names(elsewhere)} are not in this node's pool {self.pool_name!r} "
                 f"of driver {self.driver}"
             )
+        for device in mine:
+            problem = request_name_problem(device.request)
+            if problem is not None:
+                raise PrepareError(f"claim {claim}: {problem}")
         names = [d.device for d in mine]
         if len(set(names)) != len(names):
-            raise PrepareError(f"claim {claim}: its allocation names a device twice: {_names(names)}")
+            twice = _repeated(names)
+            raise PrepareError(f"claim {claim}: its allocation names a device more than once: {twice}")
         unknown = [name for name in names if name not in pool.ids]
         if unknown:
             raise PrepareError(

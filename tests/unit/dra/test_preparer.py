@@ -216,7 +216,52 @@ class TestPrepareRefusals:
 
     async def test_a_device_named_twice(self, node):
         node.claims.allocate(CLAIM, "gpu-0", "gpu-0")
-        assert "names a device twice" in await self.refused(node)
+        assert 'names a device more than once: ["gpu-0" 2 times]' in await self.refused(node)
+
+    async def test_a_device_named_ten_thousand_times_is_counted_right(self, node):
+        node.claims.allocate(CLAIM, *["gpu-0"] * 10_000, "gpu-1", "gpu-1")
+        message = await self.refused(node)
+        assert 'names a device more than once: ["gpu-0" 10000 times, "gpu-1" 2 times]' in message
+        assert "more" not in message.partition("once")[2]
+
+    @pytest.mark.parametrize(
+        "request_name",
+        [
+            "a b\x00c",
+            "../../x",
+            "x" * (1 << 20),
+            "Gpus",
+            "gpus/",
+            "/big",
+            "gpus/big/x",
+            "",
+            "-gpus",
+            "g" * 64,
+        ],
+        ids=[
+            "nul-space",
+            "escaping",
+            "1MB",
+            "uppercase",
+            "empty-sub",
+            "empty-base",
+            "two-slashes",
+            "empty",
+            "leading-dash",
+            "64-chars",
+        ],
+    )
+    async def test_a_request_name_no_api_server_makes_prepares_nothing(self, node, request_name):
+        node.claims.allocate(CLAIM, "gpu-0", request=request_name)
+        message = await self.refused(node)
+        assert "request name" in message and "DNS label" in message
+        assert len(message) < 600 and "\x00" not in message
+        assert not node.cdi_dir.exists() and node.checkpoint.load() == {}
+
+    async def test_a_request_name_of_63_characters_and_a_sub_request_prepare(self, node):
+        node.claims.allocate(CLAIM, "gpu-0", request=f"{'g' * 63}/{'b' * 63}")
+        prepared = await node.preparer().prepare(CLAIM, budget=BUDGET)
+        assert prepared.devices[0].request_names == ("g" * 63,)
 
     async def test_no_device_of_this_driver(self, node):
         node.claims.allocate(CLAIM, "vf-0", driver="nic.example.com")
