@@ -114,6 +114,34 @@ def cut_long_fields(
     return event_dict
 
 
+_last_error: str | None = None
+
+
+def note_error(text: str) -> None:
+    """Remember ``text`` as this process's latest error (what it says to its agent when it fails).
+
+    Every error-level log record is noted this way; messages written otherwise
+    (a command's usage error printed by click) are noted by their writer.
+    """
+    global _last_error  # noqa: PLW0603 - one per process, like the process's standard error
+    _last_error = "; ".join(line.strip() for line in text.splitlines() if line.strip())[:2000]
+
+
+def last_error() -> str | None:
+    """The latest error this process logged or noted (see :func:`note_error`), if any."""
+    return _last_error
+
+
+def remember_errors(
+    _logger: object, method: str, event_dict: structlog.typing.EventDict
+) -> structlog.typing.EventDict:
+    """A structlog processor: an error-level record is noted as ``event: error`` (:func:`note_error`)."""
+    if method in ("error", "critical", "exception", "fatal"):
+        error = event_dict.get("error")
+        note_error(f"{event_dict.get('event')}: {error}" if error else str(event_dict.get("event")))
+    return event_dict
+
+
 def configure_logging(*, level: str = "info", fmt: LogFormat = "kv", stream: TextIO | None = None) -> None:
     """Configure structlog for a plugvisor process (idempotent; last call wins).
 
@@ -135,6 +163,7 @@ def configure_logging(*, level: str = "info", fmt: LogFormat = "kv", stream: Tex
         processors=[
             structlog.contextvars.merge_contextvars,
             cut_long_fields,
+            remember_errors,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True, key="ts"),
             structlog.processors.format_exc_info,
