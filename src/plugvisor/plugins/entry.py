@@ -29,7 +29,12 @@ import structlog
 from plugvisor.common import constants, proctitle
 from plugvisor.common.exitcodes import EXIT_FAILURE, EXIT_KUBELET_RESTARTED, EXIT_OK, EXIT_USAGE
 from plugvisor.common.grpcenv import quiet_grpc_core
-from plugvisor.common.hostpaths import HostPaths, host_root_problem, kubelet_dir_problem
+from plugvisor.common.hostpaths import (
+    HostPaths,
+    host_root_problem,
+    kubelet_dir_problem,
+    missing_kubelet_dir_problem,
+)
 from plugvisor.common.logs import configure_logging, last_error, log_options, note_error
 from plugvisor.common.notify import StatusReporter
 from plugvisor.common.sockets import live_instances
@@ -446,7 +451,10 @@ def _check_host(kind: PluginKind[Any], host: HostPaths, resource: str) -> None:
     """
     for option, problem in (
         ("--host-root", host_root_problem(host.root)),
-        ("--kubelet-dir", kubelet_dir_problem(host.kubelet_dir)),
+        (
+            "--kubelet-dir",
+            kubelet_dir_problem(host.kubelet_dir) or missing_kubelet_dir_problem(host.kubelet_dir),
+        ),
     ):
         if problem is not None:
             refuse(f"plugvisor plugin {kind.name}: {option}: {problem}")
