@@ -151,6 +151,19 @@ class ClaimPreparer:
         self._claims = claims
         self._lock = asyncio.Lock()
         self._log = structlog.get_logger("plugvisor.dra").bind(driver=driver)
+        self._take_release_markers()
+
+    def _take_release_markers(self) -> None:
+        """Claims the checkpoint lists that a release marker says were released: released, unrecorded.
+
+        An earlier process of this driver ran their release hooks but could not
+        write the checkpoint (:func:`plugvisor.dra.cdi.mark_released`); their
+        devices are free, and the kubelet's retry only records it.
+        """
+        for uid in cdi.released(self.cdi_dir, self.driver) & self.prepared.keys():
+            self._log.info("claim_released_before", claim=str(self.prepared[uid].claim))
+            del self.prepared[uid]
+            self._unrecorded.add(uid)
 
     def device_names(self) -> dict[str, str]:
         """The name in the pool of each device a prepared claim holds: names the next pools must keep."""
@@ -166,6 +179,7 @@ class ClaimPreparer:
         async with self._lock:
             self.prepared = await asyncio.to_thread(load)
             self._unrecorded.clear()
+            await asyncio.to_thread(self._take_release_markers)
 
     # -- prepare -----------------------------------------------------------------------
 
@@ -344,13 +358,21 @@ class ClaimPreparer:
         telling two stories.
         """
         await asyncio.to_thread(self.checkpoint.save, claims.values())
+        recorded, self._unrecorded = self._unrecorded, set()
         self.prepared = claims
-        self._unrecorded.clear()
+        for uid in recorded - claims.keys():  # the file says it now: the markers are done with
+            try:
+                await asyncio.to_thread(cdi.unmark_released, self.cdi_dir, self.driver, uid)
+            except OSError as exc:
+                self._log.warning("release_marker_not_removed", uid=uid, error=exc.strerror or str(exc))
 
     async def _record(self, prepared: PreparedClaim) -> None:
         """Add the claim to the checkpoint; undo the spec when the checkpoint cannot be written."""
         claims = {**self.prepared, prepared.claim.uid: prepared}
         try:
+            # Prepared anew after a release the file never recorded (or a marker left behind): the
+            # marker goes first, so that no restart takes this preparation for the released one.
+            await asyncio.to_thread(cdi.unmark_released, self.cdi_dir, self.driver, prepared.claim.uid)
             await asyncio.shield(self._commit(claims))
         except OSError as exc:
             if prepared.cdi_spec is not None:
@@ -406,6 +428,15 @@ class ClaimPreparer:
                 await asyncio.shield(self._commit(dict(self.prepared)))
             except OSError as exc:
                 self._log.warning("claim_released_but_still_recorded", claim=str(claim), error=str(exc))
+                try:
+                    await asyncio.to_thread(cdi.mark_released, self.cdi_dir, self.driver, claim.uid)
+                except OSError as marker:
+                    self._log.error(
+                        "release_marker_not_written",
+                        claim=str(claim),
+                        error=marker.strerror or str(marker),
+                        effect="a restart before the checkpoint is written runs its release hooks again",
+                    )
                 raise PrepareError(
                     f"claim {claim}: cannot record its removal in {self.checkpoint.path}: "
                     f"{exc.strerror or exc}"

@@ -519,6 +519,47 @@ class TestFullDisk:
         assert (node.kind.deallocated, node.kind.scrubbed) == ([["GPU-0"]], [["GPU-0"]])
         assert node.checkpoint.load() == {} and preparer.prepared == {}
 
+    async def test_a_driver_restarted_before_the_removal_was_recorded_does_not_release_again(
+        self, full_disk_node
+    ):
+        node = full_disk_node
+        node.claims.allocate(CLAIM, "gpu-0")
+        node.claims.allocate(OTHER, "gpu-1")
+        preparer = node.preparer()
+        await preparer.prepare(CLAIM, budget=BUDGET)
+        await preparer.prepare(OTHER, budget=BUDGET)
+        node.disks.fill(KUBELET)
+        with pytest.raises(PrepareError, match=NO_SPACE):
+            await preparer.unprepare(CLAIM, budget=BUDGET)
+        assert set(node.checkpoint.load()) == {"uid-1", "uid-2"}  # the file could not say it
+        restarted = node.preparer()  # a new driver process, the disk still full
+        assert set(restarted.prepared) == {"uid-2"}  # uid-1 is known released, its device free
+        with pytest.raises(PrepareError, match=NO_SPACE):
+            await restarted.unprepare(CLAIM, budget=BUDGET)  # the kubelet's retry: only the write is left
+        node.disks.free(KUBELET)
+        await node.preparer().unprepare(CLAIM, budget=BUDGET)  # and once more after another restart
+        assert node.kind.scrubbed == [["GPU-0"]]  # released once, whatever the restarts
+        assert set(node.checkpoint.load()) == {"uid-2"}
+        assert sorted(path.name for path in CDI.iterdir()) == [cdi.spec_file_name(DRIVER, "uid-2")]
+
+    async def test_a_claim_prepared_again_after_a_restart_with_a_half_recorded_unprepare_is_prepared(
+        self, full_disk_node
+    ):
+        node = full_disk_node
+        node.claims.allocate(CLAIM, "gpu-0")
+        preparer = node.preparer()
+        await preparer.prepare(CLAIM, budget=BUDGET)
+        node.disks.fill(KUBELET)
+        with pytest.raises(PrepareError, match=NO_SPACE):
+            await preparer.unprepare(CLAIM, budget=BUDGET)
+        node.disks.free(KUBELET)
+        again = await node.preparer().prepare(CLAIM, budget=BUDGET)  # a new pod of the claim
+        assert node.kind.reset == [["GPU-0"], ["GPU-0"]]
+        restarted = node.preparer()
+        assert restarted.prepared == {"uid-1": again}  # the new preparation is no released one
+        await restarted.unprepare(CLAIM, budget=BUDGET)
+        assert node.kind.scrubbed == [["GPU-0"], ["GPU-0"]]
+
     async def half_unprepared(self, node):
         """A preparer whose claim was released but not recorded (a full disk); the disk has room again."""
         node.claims.allocate(CLAIM, "gpu-0")
