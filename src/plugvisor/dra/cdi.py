@@ -162,6 +162,7 @@ def mark_released(directory: Path, driver: str, claim_uid: str) -> None:
     take the claim for prepared and release it again. The CDI directory is
     usually a tmpfs, not the full disk of the checkpoint.
     """
+    directory.mkdir(parents=True, exist_ok=True)  # a claim without edits wrote no spec there yet
     path = directory / release_marker(driver, claim_uid)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     os.close(fd)
