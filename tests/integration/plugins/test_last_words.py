@@ -24,9 +24,8 @@ def agent_socket():
 
 def run_plugin(path, *args):
     env = {**os.environ, notify.STATUS_SOCKET_ENV: str(path)}
-    return subprocess.run(
-        [sys.executable, "-m", "plugvisor", "plugin", *args], env=env, capture_output=True, text=True, timeout=60
-    )
+    argv = [sys.executable, "-m", "plugvisor", "plugin", *args]
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, check=False)
 
 
 def said(sock):
