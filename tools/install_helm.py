@@ -73,9 +73,38 @@ def install(target: Path) -> str:
     return f"helm {VERSION} built with {go} into {helm}"
 
 
+USAGE = "usage: python tools/install_helm.py [DIR]  (DIR: an absolute directory; default: this Python's)"
+
+
+def target_problem(args: list[str]) -> str | None:
+    """Why ``args`` name no directory to install into, or None: checked before anything is created.
+
+    An option (``--help`` aside, answered before) or a relative path would
+    otherwise become a directory of that name wherever the command runs.
+    """
+    if len(args) > 1:
+        return f"expected one directory, got {len(args)}: {' '.join(args)[:200]}"
+    if not args:
+        return None
+    target = args[0]
+    if not target.startswith("/"):
+        return f"{target[:200]!r}: expected an absolute directory"
+    if Path(target).exists() and not Path(target).is_dir():
+        return f"{target[:200]}: exists and is not a directory"
+    return None
+
+
 def main(argv: list[str]) -> int:
-    """Install into ``argv[1]``, or into the directory of this Python's scripts."""
-    target = Path(argv[1]) if len(argv) > 1 else Path(sys.executable).parent
+    """Install into ``argv[1]``, or into the directory of this Python's scripts; 2 for bad input."""
+    args = argv[1:]
+    if args and args[0] in ("-h", "--help"):
+        print(f"{USAGE}\n\n{__doc__.split(chr(10) + chr(10))[0]}")
+        return 0
+    problem = target_problem(args)
+    if problem is not None:
+        print(f"install_helm.py: {problem}", file=sys.stderr)
+        return 2
+    target = Path(args[0]) if args else Path(sys.executable).parent
     print(install(target))
     return 0
 

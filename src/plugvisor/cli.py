@@ -117,7 +117,7 @@ LAZY_COMMANDS: Final = {
     ),
     "kubelet": LazyCommand(
         "plugvisor.emulators.kubelet.cli:kubelet_command",
-        "Run an emulated kubelet's device-plugin side on DIR (SIGHUP restarts it like a real kubelet).",
+        "Run an emulated kubelet (device plugins, DRA drivers' registration) on DIR (SIGHUP restarts it).",
     ),
     "lab": LazyCommand(
         "plugvisor.emulators.lab.cli:lab_group",

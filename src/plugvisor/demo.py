@@ -40,7 +40,7 @@ from plugvisor.emulators.lab.profiles import GpuGroup, builtin
 from plugvisor.supervisor import status as status_
 
 try:
-    from rich.console import Console, Group
+    from rich.console import Console, Group, RenderableType
     from rich.live import Live
     from rich.table import Table
     from rich.text import Text
@@ -56,6 +56,47 @@ REFRESH_SECONDS: Final = 0.2
 MONITOR_INTERVAL: Final = 0.25
 """Seconds between PodResources polls and telemetry samples: fast, so the story need not wait
 (the agent's defaults are 5 and 10)."""
+
+
+VIEW_PRIORITY: Final = (0, 2, 1, 3)
+"""Which tables of the live view stay when the terminal is short: the node's resources (the allocatable
+drop), the GPUs (health, owner, temperature), the agent's children, the pods."""
+MIN_LOG_LINES: Final = 5
+MAX_LOG_LINES: Final = 14
+
+
+def fit_view(
+    console: Console, sections: Sequence[RenderableType], log: Sequence[Text], *, priority: Sequence[int]
+) -> Group:
+    """The tables that fit the console's height, in their order, then the newest narration lines.
+
+    A live view taller than the terminal loses its bottom (rich crops it), and
+    one wider wraps every line: an 80x24 terminal never showed the allocatable
+    drop. Each table is measured at the console's width; tables are taken in
+    ``priority`` order while :data:`MIN_LOG_LINES` of narration still fit,
+    and the narration gets the rest (at most :data:`MAX_LOG_LINES`), newest
+    last. One line is left for the live display's cursor.
+    """
+    options = console.options
+    budget = console.size.height - 1
+    heights = [len(console.render_lines(section, options, pad=False)) for section in sections]
+    chosen: set[int] = set()
+    used = 0
+    for index in priority:
+        if used + heights[index] + MIN_LOG_LINES <= budget:
+            chosen.add(index)
+            used += heights[index]
+    room = min(MAX_LOG_LINES, budget - used)
+    shown: list[Text] = []
+    for line in reversed(log):
+        lines = len(console.render_lines(line, options, pad=False))
+        if lines > room:
+            break
+        shown.insert(0, line)
+        room -= lines
+    return Group(
+        *(section for index, section in enumerate(sections) if index in chosen), Text("\n").join(shown)
+    )
 
 
 @dataclass
@@ -192,13 +233,9 @@ class Demo:
         return table
 
     def _view(self) -> Group:
-        return Group(
-            self._resource_table(),
-            self._children_table(),
-            self._gpu_table(),
-            self._pods_table(),
-            Text("\n").join(self.log[-14:]),
-        )
+        """The live view, fitted to the terminal's height (see :func:`fit_view`)."""
+        sections = [self._resource_table(), self._children_table(), self._gpu_table(), self._pods_table()]
+        return fit_view(self.console, sections, self.log, priority=VIEW_PRIORITY)
 
     async def _refresh(self) -> None:
         while self.live is not None:
@@ -609,7 +646,11 @@ def _node() -> Iterator[Node]:
 def demo_command(keep: bool, pace: float, live: bool | None) -> None:
     """Run a whole emulated node: lab, kubelet, supervised plugins, faults, crashes, restarts."""
     configure_logging(level="warning")
-    console = Console(highlight=False, width=max(100, shutil.get_terminal_size((110, 24)).columns))
+    # A terminal gets the live view at its own size (a wider one would wrap every line); printed
+    # output (no terminal) keeps room for the tables' long cells.
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console = Console(highlight=False, width=max(100, shutil.get_terminal_size((110, 24)).columns))
     use_live = console.is_terminal if live is None else live
 
     async def main() -> int:

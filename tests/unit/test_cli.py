@@ -132,3 +132,15 @@ def test_structlog_imported_before_plugvisor_is_left_alone():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.split() == ["False"]
+
+
+def test_the_kubelets_help_says_what_it_does_for_dra_drivers():
+    out = subprocess.run(
+        [sys.executable, "-m", "plugvisor", "kubelet", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    flat = " ".join(out.split())
+    assert "DRA drivers" in flat and "docs/dra.md" in flat

@@ -27,6 +27,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -58,9 +59,52 @@ func main() { etcdmain.Main(os.Args) }
 """
 
 
+# A Go module's release tag (what the module proxy serves), e.g. v1.37.2 or v2.4.0-rc.1: never a path.
+_TAG = re.compile(r"v(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)(-[0-9A-Za-z.-]{1,64})?")
+# A Debian package name (Debian policy 5.6.1): lowercase letters, digits, + - . ; two characters at least.
+_PACKAGE = re.compile(r"[a-z0-9][a-z0-9+.-]{1,99}")
+
+
+class VersionsError(Exception):
+    """versions.toml is missing, not TOML, or holds something that is not what is expected; one line."""
+
+
 def versions() -> dict[str, dict[str, object]]:
-    """The pinned versions (read at each call: the file is small and the script short-lived)."""
-    return tomllib.loads(VERSIONS.read_text())
+    """The pinned versions, checked (read at each call: the file is small and the script short-lived).
+
+    Raises :class:`VersionsError` naming the file and the key: a version becomes a
+    directory name (the cache) and a module query, so anything but a release tag
+    (``../../../tmp/evil``) is refused before it is used, and ``packages`` must be
+    a list of Debian package names (a string would be read letter by letter).
+    """
+    try:
+        document = tomllib.loads(VERSIONS.read_text())
+    except OSError as exc:
+        raise VersionsError(f"{VERSIONS}: cannot read it: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise VersionsError(f"{VERSIONS}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise VersionsError(f"{VERSIONS}: not valid TOML: {exc}") from None
+    for table in ("kubernetes", "etcd", "containerd"):
+        section = document.get(table)
+        if not isinstance(section, dict):
+            raise VersionsError(f'{VERSIONS}: [{table}]: missing table (expected version = "vX.Y.Z")')
+        version = section.get("version")
+        if not isinstance(version, str) or not _TAG.fullmatch(version):
+            raise VersionsError(
+                f'{VERSIONS}: {table}.version: expected a release tag such as "v1.2.3", got {version!r:.80}'
+            )
+    debian = document.get("debian")
+    packages = debian.get("packages") if isinstance(debian, dict) else None
+    if not isinstance(packages, list) or not all(isinstance(p, str) for p in packages):
+        raise VersionsError(
+            f'{VERSIONS}: debian.packages: expected a list of package names, such as ["runc"], '
+            f"got {packages!r:.80}"
+        )
+    wrong = [p for p in packages if not _PACKAGE.fullmatch(p)]
+    if wrong:
+        raise VersionsError(f"{VERSIONS}: debian.packages: {wrong[0]!r:.80} is not a Debian package name")
+    return document
 
 
 def cache_root(override: str | None = None) -> Path:
@@ -392,7 +436,12 @@ def main(argv: list[str] | None = None) -> int:
         " (tox -e e2e-local: its suite then skips, naming what is missing)",
     )
     args = parser.parse_args(argv)
-    root = cache_root(args.cache)
+    try:
+        root = cache_root(args.cache)
+        versions()  # every key checked now, before anything is done
+    except VersionsError as error:
+        print(f"[build] {error}", file=sys.stderr)
+        return 2
     if args.print_bin_dir:
         print(root / "bin")
         return 0

@@ -2,7 +2,7 @@
 
     python3 tools/kubernetes/images.py                 # build what changed, print each step and its time
     python3 tools/kubernetes/images.py --json          # the same, then a summary for programs on stdout
-    python3 tools/kubernetes/images.py --image plugvisor-lab:e2e=lab   # another tag, from stage "lab"
+    python3 tools/kubernetes/images.py --image plugvisor-lab:e2e=emulators   # another tag, from a stage
     python3 tools/kubernetes/images.py --import /tmp/pv/containerd.sock --ctr /path/to/ctr
 
 What it makes (run as root; only the standard library, so it runs before any virtualenv exists):
@@ -245,6 +245,16 @@ def _instructions(dockerfile: str) -> Iterator[tuple[str, str]]:
         if text:
             instruction, _, rest = text.partition(" ")
             yield instruction.upper(), rest.strip()
+
+
+def dockerfile_stages(dockerfile: str) -> list[str]:
+    """The named stages of a Dockerfile, in order (``FROM image AS name``; names are case-insensitive)."""
+    stages = []
+    for instruction, rest in _instructions(dockerfile):
+        words = [word for word in rest.split() if not word.startswith("--")]
+        if instruction == "FROM" and len(words) >= 3 and words[-2].lower() == "as":
+            stages.append(words[-1].lower())
+    return stages
 
 
 def dockerfile_sources(dockerfile: str) -> list[str]:
@@ -858,6 +868,16 @@ def plan(args: argparse.Namespace) -> Plan:
     dockerfile = (args.dockerfile or args.repo / "Dockerfile").resolve()
     if not dockerfile.is_file():
         raise UsageError(f"--dockerfile {dockerfile}: expected a Dockerfile")
+    try:
+        stages = dockerfile_stages(dockerfile.read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--dockerfile {dockerfile}: cannot read it: {exc}") from None
+    for spec, text in zip(specs, args.images or [DEFAULT_IMAGE], strict=True):
+        if spec.target is not None and spec.target.lower() not in stages:
+            raise UsageError(
+                f"--image {text!r}: the Dockerfile has no stage {spec.target!r} (its stages: "
+                f"{', '.join(stages) or 'none named'})"
+            )
     ca_bundle = Path(args.ca_bundle) if args.ca_bundle else None
     if ca_bundle is not None and not ca_bundle.is_file():
         raise UsageError(f"--ca-bundle {ca_bundle}: expected a PEM file of certificate authorities")

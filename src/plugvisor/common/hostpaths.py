@@ -17,6 +17,7 @@ it, so no read and no write of any kind can be led out of the host root by a lin
 
 from __future__ import annotations
 
+import difflib
 import errno
 import os
 import stat
@@ -144,6 +145,45 @@ def kubelet_dir_problem(path: Path) -> str | None:
     nobody else made may well be a typo.
     """
     return writable_dir_problem(path, purpose="plugins create their sockets there", create=False)
+
+
+KUBELET_DIR_NAME: Final = "device-plugins"
+"""The name a kubelet gives its device-plugins directory, under its root dir (``--root-dir``)."""
+
+
+def missing_kubelet_dir_problem(path: Path) -> str | None:
+    """Why a ``kubeletDir`` that does not exist is a mistake rather than a kubelet not started yet, or None.
+
+    A kubelet creates ``<root-dir>/device-plugins`` when it starts, in a root
+    dir that exists once it is installed (its configuration, its
+    ``plugins_registry``), and the directory stays across its restarts and the
+    node's reboots. So a missing ``kubeletDir`` whose parent exists is a
+    kubelet that has not started yet: it is created (mode 0750, as the kubelet
+    would) and waited on, saying so. Refused, with nothing created:
+
+    - a missing parent too (``/var/lib/kubelt/device-plugins``): no kubelet
+      root there, the path is a typo, or the agent started before the kubelet
+      was ever installed (the systemd unit's ``Restart=`` retries);
+    - a last component that is a near miss of ``device-plugins``
+      (``device-plugin``): no kubelet writes there. Any other name is taken
+      as given (an emulated kubelet's directory may have any name).
+    """
+    if path.exists() or path.is_symlink():
+        return None
+    if not path.parent.is_dir():
+        return (
+            f"{path}: does not exist, nor does {path.parent}: a kubelet creates <root-dir>/"
+            f"{KUBELET_DIR_NAME} in its existing root dir when it starts; a typo? (nothing was created)"
+        )
+    name = path.name
+    if name != KUBELET_DIR_NAME and difflib.get_close_matches(
+        name.lower(), [KUBELET_DIR_NAME], n=1, cutoff=0.8
+    ):
+        return (
+            f"{path}: does not exist; did you mean {path.parent / KUBELET_DIR_NAME}? (a kubelet names its "
+            f"directory {KUBELET_DIR_NAME}; nothing was created)"
+        )
+    return None
 
 
 def host_root_problem(root: Path) -> str | None:

@@ -1,4 +1,4 @@
-"""Structured logging for every plugvisor process: one line per event, ``key=value`` or JSON.
+r"""Structured logging for every plugvisor process: one line per event, ``key=value`` or JSON.
 
 Under ``plugvisor run`` the agent and all its children write to the same
 standard error, so a record must reach it whole: each one is rendered to a
@@ -12,6 +12,12 @@ write to a file in one piece at the file's offset.
 
 structlog's filtering bound logger makes a disabled level cost one method call,
 which matters on the Allocate path (allocations are logged at debug).
+
+Many fields carry input from outside (claim names and UIDs from the kubelet,
+device names and paths from files, errors from the other side of a socket), so
+every field is cut to :data:`MAX_LOG_FIELD` characters, saying how long it was,
+as errors are: a megabyte claim name must not make a megabyte line. The
+renderers escape control characters (``repr`` in key=value, ``\uXXXX`` escapes in JSON).
 """
 
 from __future__ import annotations
@@ -26,6 +32,11 @@ from typing import Any, Final, Literal, TextIO
 
 import click
 import structlog
+
+from plugvisor.common.validation import shorten
+
+MAX_LOG_FIELD: Final = 1000
+"""The most characters of one field a log line carries; the rest is cut (:func:`cut_long_fields`)."""
 
 LogFormat = Literal["kv", "json"]
 LOG_LEVELS: Final = ("debug", "info", "warning", "error")
@@ -83,6 +94,54 @@ class _StdlibBridge(logging.Handler):
             )
 
 
+def cut_long_fields(
+    _logger: object, _method: str, event_dict: structlog.typing.EventDict
+) -> structlog.typing.EventDict:
+    """A structlog processor: every field longer than :data:`MAX_LOG_FIELD` cut, saying how long it was.
+
+    A container (a list of device IDs, a mapping) over the limit becomes the
+    start of its ``repr``. Tracebacks are not fields yet when this runs
+    (``exc_info`` is rendered after it), so they stay whole.
+    """
+    for key, value in event_dict.items():
+        if isinstance(value, str):
+            if len(value) > MAX_LOG_FIELD:
+                event_dict[key] = shorten(value, MAX_LOG_FIELD)
+        elif isinstance(value, list | tuple | dict | set | frozenset):
+            shown = repr(value)
+            if len(shown) > MAX_LOG_FIELD:
+                event_dict[key] = shorten(shown, MAX_LOG_FIELD)
+    return event_dict
+
+
+_last_error: str | None = None
+
+
+def note_error(text: str) -> None:
+    """Remember ``text`` as this process's latest error (what it says to its agent when it fails).
+
+    Every error-level log record is noted this way; messages written otherwise
+    (a command's usage error printed by click) are noted by their writer.
+    """
+    global _last_error  # noqa: PLW0603 - one per process, like the process's standard error
+    _last_error = "; ".join(line.strip() for line in text.splitlines() if line.strip())[:2000]
+
+
+def last_error() -> str | None:
+    """The latest error this process logged or noted (see :func:`note_error`), if any."""
+    return _last_error
+
+
+def remember_errors(
+    _logger: object, method: str, event_dict: structlog.typing.EventDict
+) -> structlog.typing.EventDict:
+    """A structlog processor: an error-level record is noted as ``event: error`` (:func:`note_error`)."""
+    if method in ("error", "critical", "exception", "fatal"):
+        error = event_dict.get("error")
+        note_error(f"{event_dict.get('event')}: {error}" if error else str(event_dict.get("event")))
+    return event_dict
+
+
 def configure_logging(*, level: str = "info", fmt: LogFormat = "kv", stream: TextIO | None = None) -> None:
     """Configure structlog for a plugvisor process (idempotent; last call wins).
 
@@ -103,6 +162,8 @@ def configure_logging(*, level: str = "info", fmt: LogFormat = "kv", stream: Tex
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            cut_long_fields,
+            remember_errors,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True, key="ts"),
             structlog.processors.format_exc_info,

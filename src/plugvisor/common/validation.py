@@ -87,6 +87,18 @@ def printable(text: str) -> str:
     return "".join(char if char.isprintable() else char.encode("unicode_escape").decode() for char in text)
 
 
+def bounded(text: str, limit: int = 80) -> str:
+    """Input from outside as it may be shown: cut as errors are (:func:`shorten`), then escaped.
+
+    Claim names and UIDs from the kubelet, names and paths read from files
+    others write, errors from the other side of a socket: anything printed in a
+    log field, a status line or a gRPC answer goes through this, so that a
+    megabyte name gives a line of a few hundred characters and no control
+    character reaches a terminal or a log shipper.
+    """
+    return printable(shorten(text, limit))
+
+
 def field_path(loc: tuple[int | str, ...]) -> str:
     """Render a pydantic error location as ``a.b[0].c`` using the user's key names."""
     out = ""

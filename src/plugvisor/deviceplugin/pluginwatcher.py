@@ -21,11 +21,16 @@ import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Final
 
 import grpc
 import structlog
 
 from plugvisor.api.pluginregistration.v1 import api_pb2 as reg_pb2
+from plugvisor.common.validation import bounded
+
+MAX_ERROR_LENGTH: Final = 400
+"""The characters of a refusal's reason logged: it comes from the other side of a socket."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +84,7 @@ class RegistrationService:
         started = self._info_at if self._info_at is not None else time.monotonic()
         verdict = Verdict(request.plugin_registered, request.error, round(time.monotonic() - started, 6))
         if not verdict.registered:
-            self._log.warning("registration_refused", error=verdict.error)
+            self._log.warning("registration_refused", error=bounded(verdict.error, MAX_ERROR_LENGTH))
         self.verdicts.put_nowait(verdict)
         return reg_pb2.RegistrationStatusResponse()
 

@@ -41,7 +41,7 @@ from plugvisor.api.pluginregistration.v1 import api_pb2 as reg_pb2
 from plugvisor.common import constants
 from plugvisor.common import inotify as inotify_
 from plugvisor.common.sockets import BIND_TO_LISTEN, is_instance_name, socket_answers, socket_files
-from plugvisor.common.validation import shorten
+from plugvisor.common.validation import bounded
 from plugvisor.deviceplugin.registration import SIBLING_CUT_WAIT, SIBLING_STOPPED, SocketIdentity
 
 MAX_ERROR_LENGTH: Final = 400
@@ -106,7 +106,7 @@ class WatcherRegistrar:
         started = self._info_at if self._info_at is not None else time.monotonic()
         verdict = Verdict(request.plugin_registered, request.error, round(time.monotonic() - started, 6))
         if not verdict.registered:
-            self._log.warning("registration_refused", error=shorten(verdict.error, MAX_ERROR_LENGTH))
+            self._log.warning("registration_refused", error=bounded(verdict.error, MAX_ERROR_LENGTH))
         self._verdicts.put_nowait(verdict)
         return reg_pb2.RegistrationStatusResponse()
 

@@ -145,6 +145,53 @@ def exists(directory: Path, file_name: str) -> bool:
     return False
 
 
+RELEASED_SUFFIX: Final = ".released"
+"""A claim's release marker ends so: no CDI runtime reads it (they read ``*.json`` and ``*.yaml``)."""
+
+
+def release_marker(driver: str, claim_uid: str) -> str:
+    """The file saying a claim was released though the checkpoint lists it (``...-claim_<uid>.released``)."""
+    return spec_file_name(driver, claim_uid).removesuffix(".json") + RELEASED_SUFFIX
+
+
+def mark_released(directory: Path, driver: str, claim_uid: str) -> None:
+    """Leave the claim's release marker (an empty file: it needs an inode, no data block); :class:`OSError`.
+
+    For an unprepare whose release hooks ran but whose checkpoint could not be
+    written (a full disk): a driver restarted before the next write must not
+    take the claim for prepared and release it again. The CDI directory is
+    usually a tmpfs, not the full disk of the checkpoint.
+    """
+    directory.mkdir(parents=True, exist_ok=True)  # a claim without edits wrote no spec there yet
+    path = directory / release_marker(driver, claim_uid)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    os.close(fd)
+    sync_directory(directory)
+
+
+def unmark_released(directory: Path, driver: str, claim_uid: str) -> None:
+    """Remove the claim's release marker if it is there (:class:`OSError` for anything but its absence)."""
+    try:
+        (directory / release_marker(driver, claim_uid)).unlink()
+    except FileNotFoundError:
+        return
+    sync_directory(directory)
+
+
+def released(directory: Path, driver: str) -> set[str]:
+    """The UIDs of the claims whose release marker is in ``directory`` (none when it cannot be read)."""
+    prefix = f"{vendor(driver)}-{CLASS}_"
+    try:
+        names = [path.name for path in directory.iterdir()]
+    except OSError:
+        return set()
+    return {
+        name[len(prefix) : -len(RELEASED_SUFFIX)]
+        for name in names
+        if name.startswith(prefix) and name.endswith(RELEASED_SUFFIX)
+    }
+
+
 def recover(directory: Path, driver: str) -> tuple[dict[str, PreparedClaim], list[str]]:
     """The prepared claims the driver's specs in ``directory`` record, and what could not be read.
 

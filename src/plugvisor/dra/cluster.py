@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from plugvisor.common.validation import shorten
+from plugvisor.common.validation import bounded, shorten
 from plugvisor.dra.devices import PublishedDevice
 
 
@@ -31,7 +31,13 @@ class ClaimRef:
     uid: str
 
     def __str__(self) -> str:
-        return f"{self.namespace}/{self.name} (uid {self.uid})"
+        """The reference for a log field or an error, each part cut and escaped: it comes from the kubelet.
+
+        The limits are just above what an API server makes (a 63-character
+        namespace, a 253-character name, a UUID), so every valid reference is
+        shown whole.
+        """
+        return f"{bounded(self.namespace, 70)}/{bounded(self.name, 260)} (uid {bounded(self.uid, 140)})"
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,7 @@ from typing import Any, Final
 import structlog
 
 from plugvisor.common.atomicfile import write_atomically
+from plugvisor.common.validation import bounded, shorten
 from plugvisor.dra.cluster import AllocatedDevice, ClaimError, PublishState
 from plugvisor.dra.devices import PublishedDevice, device_json
 
@@ -45,27 +46,91 @@ def slice_path(directory: Path, driver: str, pool: str) -> Path:
     return directory / SLICES_DIR / f"{driver}-{pool}.json"
 
 
+class ClaimObjectError(ValueError):
+    """A claim file that is no ResourceClaim the API server would store; the message names the field."""
+
+
+class NotAllocatedError(LookupError):
+    """A ResourceClaim without ``status.allocation``: the scheduler has not allocated it (yet)."""
+
+
 def _read_json(path: Path) -> Any:
+    """The file's JSON; :class:`ClaimObjectError` for one over the size limit or not JSON."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     with os.fdopen(fd, "rb") as handle:
-        return json.loads(handle.read(_MAX_OBJECT_BYTES))
+        content = handle.read(_MAX_OBJECT_BYTES + 1)
+    if len(content) > _MAX_OBJECT_BYTES:
+        raise ClaimObjectError(f"larger than {_MAX_OBJECT_BYTES >> 20} MiB, no claim is")
+    try:
+        return json.loads(content)
+    except ValueError as exc:
+        raise ClaimObjectError(f"not JSON: {shorten(str(exc), 200)}") from None
+
+
+def _kind_of(value: object) -> str:
+    """What a JSON value is, for a message: ``null``, ``a list``, ``7``."""
+    if value is None:
+        return "null"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return bounded(json.dumps(value), 40)
+
+
+def _object(value: object, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, dict):
+        raise ClaimObjectError(f"{where}: expected an object, got {_kind_of(value)}")
+    return value
+
+
+def _claim_object(document: object) -> Mapping[str, Any]:
+    if not isinstance(document, dict):
+        raise ClaimObjectError(f"not a ResourceClaim: expected a JSON object, got {_kind_of(document)}")
+    return document
+
+
+def _string(result: Mapping[str, Any], key: str, where: str) -> str:
+    value = result.get(key)
+    if not isinstance(value, str):
+        raise ClaimObjectError(f"{where}.{key}: expected a string, got {_kind_of(value)}")
+    return value
 
 
 def allocation_results(claim: Mapping[str, Any]) -> list[AllocatedDevice]:
-    """A ResourceClaim object's ``status.allocation.devices.results``; raises ``KeyError``/``TypeError``."""
-    results = claim["status"]["allocation"]["devices"]["results"]
+    """A ResourceClaim object's ``status.allocation.devices.results``, each field of the type the API has.
+
+    Raises :class:`NotAllocatedError` when the claim has no allocation, and
+    :class:`ClaimObjectError`, naming the field, for a value of the wrong type:
+    ``adminAccess: "false"`` is refused, not read as true (a non-empty string),
+    which would share a device another claim holds.
+    """
+    status = claim.get("status")
+    if status is None or _object(status, "status").get("allocation") is None:
+        raise NotAllocatedError
+    allocation = _object(status["allocation"], "status.allocation")
+    devices = _object(allocation.get("devices"), "status.allocation.devices")
+    results = devices.get("results")
+    where = "status.allocation.devices.results"
     if not isinstance(results, list):
-        raise TypeError("status.allocation.devices.results must be a list")
-    return [
-        AllocatedDevice(
-            request=str(result["request"]),
-            driver=str(result["driver"]),
-            pool=str(result["pool"]),
-            device=str(result["device"]),
-            admin_access=bool(result.get("adminAccess", False)),
+        raise ClaimObjectError(f"{where}: expected a list, got {_kind_of(results)}")
+    allocated = []
+    for index, item in enumerate(results):
+        entry = f"{where}[{index}]"
+        result = _object(item, entry)
+        admin = result.get("adminAccess")
+        if admin is not None and not isinstance(admin, bool):
+            raise ClaimObjectError(f"{entry}.adminAccess: expected true or false, got {_kind_of(admin)}")
+        allocated.append(
+            AllocatedDevice(
+                request=_string(result, "request", entry),
+                driver=_string(result, "driver", entry),
+                pool=_string(result, "pool", entry),
+                device=_string(result, "device", entry),
+                admin_access=bool(admin),
+            )
         )
-        for result in results
-    ]
+    return allocated
 
 
 class FileClaimReader:
@@ -83,20 +148,25 @@ class FileClaimReader:
         if "/" in namespace or "/" in name or namespace in {"", ".", ".."} or name in {"", ".", ".."}:
             raise ClaimError(f"resourceclaims {name!r} in namespace {namespace!r}: not a valid name")
         try:
-            claim = _read_json(path)
+            claim = _claim_object(_read_json(path))
+            found = _string(_object(claim.get("metadata"), "metadata"), "uid", "metadata")
         except FileNotFoundError:
             raise ClaimError(f'resourceclaims "{name}" not found in namespace "{namespace}"') from None
-        except (OSError, ValueError) as exc:
-            raise ClaimError(f"{path}: cannot read the claim: {exc}") from None
-        found = claim.get("metadata", {}).get("uid") if isinstance(claim, dict) else None
+        except OSError as exc:
+            raise ClaimError(f"{path}: cannot read the claim: {exc.strerror or exc}") from None
+        except ClaimObjectError as exc:
+            raise ClaimError(f"{path}: {exc}") from None
         if found != uid:
+            shown = bounded(found, 140)
             raise ClaimError(
-                f"{namespace}/{name} now has UID {found}, not {uid}: the claim was deleted and created again"
+                f"{namespace}/{name} now has UID {shown}, not {uid}: the claim was deleted and created again"
             )
         try:
             return allocation_results(claim)
-        except (KeyError, TypeError):
+        except NotAllocatedError:
             raise ClaimError(f"{namespace}/{name} is not allocated") from None
+        except ClaimObjectError as exc:
+            raise ClaimError(f"{path}: {exc}") from None
 
 
 class FileSlicePublisher:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +42,7 @@ from typing import Any, TypeVar
 import structlog
 
 from plugvisor.common.names import dns_label_problem, node_name_problem
-from plugvisor.common.validation import shorten
+from plugvisor.common.validation import bounded, shorten
 from plugvisor.deviceplugin.allocation import build_allocation
 from plugvisor.deviceplugin.cell import SnapshotCell
 from plugvisor.deviceplugin.hooks import ContainerAllocation, Hooks
@@ -76,9 +77,37 @@ def base_request(request: str) -> str:
 
 
 def _names(names: Sequence[str]) -> str:
-    shown = [shorten(name, 80) for name in list(dict.fromkeys(names))[:_SHOWN_NAMES]]
-    more = f" and {len(names) - _SHOWN_NAMES} more" if len(names) > _SHOWN_NAMES else ""
+    """Device names for a message: the first few distinct ones, cut and escaped, and how many more."""
+    distinct = list(dict.fromkeys(names))
+    shown = [bounded(name, 80) for name in distinct[:_SHOWN_NAMES]]
+    more = f" and {len(distinct) - _SHOWN_NAMES} more" if len(distinct) > _SHOWN_NAMES else ""
     return "[" + ", ".join(f'"{name}"' for name in shown) + "]" + more
+
+
+def _repeated(names: Sequence[str]) -> str:
+    """The names given more than once, each with how many times: ``["gpu-0" 3 times]``."""
+    counts = [(name, count) for name, count in Counter(names).items() if count > 1]
+    shown = [f'"{bounded(name, 80)}" {count} times' for name, count in counts[:_SHOWN_NAMES]]
+    more = f" and {len(counts) - _SHOWN_NAMES} more" if len(counts) > _SHOWN_NAMES else ""
+    return "[" + ", ".join(shown) + "]" + more
+
+
+def request_name_problem(request: str) -> str | None:
+    """Why a result's request name is none an API server allows, or None.
+
+    A claim's request is named by a DNS label (at most 63 characters), a
+    prioritized list's choice by ``REQUEST/SUBREQUEST``, each a DNS label. The
+    request becomes part of the CDI device's name and of the spec, as the UID
+    does, so anything else (a NUL, a ``/`` too many, a megabyte) is refused
+    before anything is written.
+    """
+    parts = request.split("/")
+    if len(parts) <= 2 and all(dns_label_problem(part) is None for part in parts):
+        return None
+    return (
+        f'request name "{bounded(request, 80)}" is not a DNS label (at most 63 lowercase letters, digits '
+        "and '-', a letter or digit at each end), nor two joined by '/' (a request and its sub-request)"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +151,19 @@ class ClaimPreparer:
         self._claims = claims
         self._lock = asyncio.Lock()
         self._log = structlog.get_logger("plugvisor.dra").bind(driver=driver)
+        self._take_release_markers()
+
+    def _take_release_markers(self) -> None:
+        """Claims the checkpoint lists that a release marker says were released: released, unrecorded.
+
+        An earlier process of this driver ran their release hooks but could not
+        write the checkpoint (:func:`plugvisor.dra.cdi.mark_released`); their
+        devices are free, and the kubelet's retry only records it.
+        """
+        for uid in cdi.released(self.cdi_dir, self.driver) & self.prepared.keys():
+            self._log.info("claim_released_before", claim=str(self.prepared[uid].claim))
+            del self.prepared[uid]
+            self._unrecorded.add(uid)
 
     def device_names(self) -> dict[str, str]:
         """The name in the pool of each device a prepared claim holds: names the next pools must keep."""
@@ -137,6 +179,7 @@ class ClaimPreparer:
         async with self._lock:
             self.prepared = await asyncio.to_thread(load)
             self._unrecorded.clear()
+            await asyncio.to_thread(self._take_release_markers)
 
     # -- prepare -----------------------------------------------------------------------
 
@@ -188,9 +231,14 @@ class ClaimPreparer:
                 f"claim {claim}: devices {_names(elsewhere)} are not in this node's pool {self.pool_name!r} "
                 f"of driver {self.driver}"
             )
+        for device in mine:
+            problem = request_name_problem(device.request)
+            if problem is not None:
+                raise PrepareError(f"claim {claim}: {problem}")
         names = [d.device for d in mine]
         if len(set(names)) != len(names):
-            raise PrepareError(f"claim {claim}: its allocation names a device twice: {_names(names)}")
+            twice = _repeated(names)
+            raise PrepareError(f"claim {claim}: its allocation names a device more than once: {twice}")
         unknown = [name for name in names if name not in pool.ids]
         if unknown:
             raise PrepareError(
@@ -310,13 +358,21 @@ class ClaimPreparer:
         telling two stories.
         """
         await asyncio.to_thread(self.checkpoint.save, claims.values())
+        recorded, self._unrecorded = self._unrecorded, set()
         self.prepared = claims
-        self._unrecorded.clear()
+        for uid in recorded - claims.keys():  # the file says it now: the markers are done with
+            try:
+                await asyncio.to_thread(cdi.unmark_released, self.cdi_dir, self.driver, uid)
+            except OSError as exc:
+                self._log.warning("release_marker_not_removed", uid=uid, error=exc.strerror or str(exc))
 
     async def _record(self, prepared: PreparedClaim) -> None:
         """Add the claim to the checkpoint; undo the spec when the checkpoint cannot be written."""
         claims = {**self.prepared, prepared.claim.uid: prepared}
         try:
+            # Prepared anew after a release the file never recorded (or a marker left behind): the
+            # marker goes first, so that no restart takes this preparation for the released one.
+            await asyncio.to_thread(cdi.unmark_released, self.cdi_dir, self.driver, prepared.claim.uid)
             await asyncio.shield(self._commit(claims))
         except OSError as exc:
             if prepared.cdi_spec is not None:
@@ -372,6 +428,15 @@ class ClaimPreparer:
                 await asyncio.shield(self._commit(dict(self.prepared)))
             except OSError as exc:
                 self._log.warning("claim_released_but_still_recorded", claim=str(claim), error=str(exc))
+                try:
+                    await asyncio.to_thread(cdi.mark_released, self.cdi_dir, self.driver, claim.uid)
+                except OSError as marker:
+                    self._log.error(
+                        "release_marker_not_written",
+                        claim=str(claim),
+                        error=marker.strerror or str(marker),
+                        effect="a restart before the checkpoint is written runs its release hooks again",
+                    )
                 raise PrepareError(
                     f"claim {claim}: cannot record its removal in {self.checkpoint.path}: "
                     f"{exc.strerror or exc}"
@@ -399,9 +464,8 @@ def _check_ref(claim: ClaimRef) -> None:
     if missing:
         raise PrepareError(f"claim {claim}: the kubelet's request has no {', '.join(missing)}")
     problem = _ref_problem(claim)
-    if problem is not None:
-        shown = ClaimRef(*(shorten(_escaped(part)) for part in (claim.namespace, claim.name, claim.uid)))
-        raise PrepareError(f"claim {shown}: the kubelet's request is invalid: {problem}")
+    if problem is not None:  # the reference shows itself cut and escaped
+        raise PrepareError(f"claim {claim}: the kubelet's request is invalid: {problem}")
 
 
 def _ref_problem(claim: ClaimRef) -> str | None:
@@ -420,8 +484,3 @@ def _ref_problem(claim: ClaimRef) -> str | None:
     if node_name_problem(claim.name) is not None:  # a claim's name is a DNS subdomain, as a node's
         return "the name is not a DNS subdomain"
     return None if dns_label_problem(claim.namespace) is None else "the namespace is not a DNS label"
-
-
-def _escaped(text: str) -> str:
-    """``text`` on one line and in ASCII, for an error message."""
-    return text.encode("unicode_escape").decode("ascii")

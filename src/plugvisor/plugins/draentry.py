@@ -29,7 +29,6 @@ import click
 import pydantic
 
 from plugvisor.common import constants
-from plugvisor.common.exitcodes import EXIT_USAGE
 from plugvisor.common.hostpaths import HostPaths, kubelet_dir_problem
 from plugvisor.common.logs import configure_logging
 from plugvisor.common.names import dra_driver_name_problem
@@ -110,13 +109,11 @@ def _connect(driver: str, node_name: str, objects_dir: Path | None, kubelet_sock
         kube = importlib.import_module(KUBE_MODULE)
         connect, config_error = kube.connect, kube.KubeConfigError
     except (ImportError, AttributeError) as exc:
-        click.echo(
+        entry.refuse(
             f"plugvisor plugin --mode dra: this installation has no Kubernetes API client ({KUBE_MODULE}: "
             f"{exc}); install plugvisor[dra], or give --objects-dir DIR to run the driver with claims and "
-            "slices as files",
-            err=True,
+            "slices as files"
         )
-        sys.exit(EXIT_USAGE)
 
     async def api(on_state: Callable[[PublishState], None]) -> tuple[ClaimReader, SlicePublisher]:
         try:
@@ -135,7 +132,7 @@ def _connect(driver: str, node_name: str, objects_dir: Path | None, kubelet_sock
     return api
 
 
-@click.command("plugin")
+@click.command("plugin", cls=entry.LastWordsCommand)
 @click.argument("kind")
 @click.option(
     "--mode",
@@ -216,8 +213,7 @@ def dra_plugin_command(
     try:
         options = plugin_kind.options_model.model_validate(raw)
     except pydantic.ValidationError as exc:
-        click.echo(f"plugvisor plugin {kind}: invalid options\n{describe(exc, source=source_name)}", err=True)
-        sys.exit(EXIT_USAGE)
+        entry.refuse(f"plugvisor plugin {kind}: invalid options\n{describe(exc, source=source_name)}")
     driver_name = driver or f"{kind}.plugvisor.io"
     entry.set_title(kind, driver_name, dra=True)
     problem = dra_driver_name_problem(driver_name)
@@ -249,13 +245,11 @@ def dra_plugin_command(
         )
         source = plugin_kind.build(options, host, resource=kind_resource(driver_name, kind))
     except ConfigurationError as exc:
-        click.echo(f"plugvisor plugin {kind}: {exc}", err=True)
-        sys.exit(EXIT_USAGE)
+        entry.refuse(f"plugvisor plugin {kind}: {exc}")
     for directory in (config.driver_dir, config.registry_dir):
         problem = kubelet_dir_problem(directory)
         if problem is not None:
-            click.echo(f"plugvisor plugin {kind}: {problem}", err=True)
-            sys.exit(EXIT_USAGE)
+            entry.refuse(f"plugvisor plugin {kind}: {problem}")
     objects = objects_dir.absolute() if objects_dir else None
     connect = _connect(driver_name, config.node_name, objects, host.kubelet_socket)
     sys.exit(run_driver(config, source, connect=connect))

@@ -20,19 +20,25 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 import pydantic
 import structlog
 
 from plugvisor.common import constants, proctitle
-from plugvisor.common.exitcodes import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
+from plugvisor.common.exitcodes import EXIT_FAILURE, EXIT_KUBELET_RESTARTED, EXIT_OK, EXIT_USAGE
 from plugvisor.common.grpcenv import quiet_grpc_core
-from plugvisor.common.hostpaths import HostPaths, host_root_problem, kubelet_dir_problem
-from plugvisor.common.logs import configure_logging, log_options
+from plugvisor.common.hostpaths import (
+    HostPaths,
+    host_root_problem,
+    kubelet_dir_problem,
+    missing_kubelet_dir_problem,
+)
+from plugvisor.common.logs import configure_logging, last_error, log_options, note_error
+from plugvisor.common.notify import StatusReporter
 from plugvisor.common.sockets import live_instances
-from plugvisor.common.validation import describe, huge_integer_problem, json_integer, shorten
+from plugvisor.common.validation import bounded, describe, huge_integer_problem, json_integer, shorten
 from plugvisor.plugins.kinds import PluginKind, UnknownKindError, get_kind
 
 # The framework's runtime (and so grpc) is imported when a plugin starts, after this.
@@ -126,7 +132,35 @@ def kind_options(
     return raw, source_name
 
 
-class _ModeDispatch(click.Command):
+class LastWordsCommand(click.Command):
+    """A plugin command whose failure's reason goes to the agent too (:func:`tell_agent_why`).
+
+    Every way a plugin process fails once its command line is parsed passes
+    here (a usage error, options the kind refuses, ``cannot_run``, a bug), in
+    both modes and for both spawners, so this is where its last words are said.
+    """
+
+    def invoke(self, ctx: click.Context) -> Any:
+        """Run the command; on a failure, tell the agent why before the process exits."""
+        try:
+            return super().invoke(ctx)
+        except click.exceptions.Exit:
+            raise
+        except click.ClickException as exc:
+            tell_agent_why(exc.exit_code, exc.format_message())
+            raise
+        except SystemExit as exc:
+            if isinstance(exc.code, int) or exc.code is None:
+                tell_agent_why(exc.code)
+            else:
+                tell_agent_why(EXIT_FAILURE, str(exc.code))
+            raise
+        except Exception as exc:
+            tell_agent_why(EXIT_FAILURE, f"{type(exc).__name__}: {exc}")
+            raise
+
+
+class _ModeDispatch(LastWordsCommand):
     """``plugvisor plugin``: a command line with ``--mode dra`` goes to the DRA driver's command (draentry).
 
     Dispatched before parsing, since the two modes take different options, for
@@ -149,6 +183,34 @@ class _ModeDispatch(click.Command):
         if ctx.command is not self:
             return ctx.command.invoke(ctx)
         return super().invoke(ctx)
+
+
+def tell_agent_why(code: int | None, message: str | None = None) -> None:
+    """Send the agent this process's last error (``ERROR=``) when it ends with a failure status.
+
+    ``message``, else the latest error it logged or printed
+    (:func:`~plugvisor.common.logs.last_error`). Sent before the process exits,
+    so the agent (which reads its status socket before it handles exits) keeps
+    it with the exit: ``plugvisor status`` and ``/readyz`` say why a resource
+    loops, not only the log. Nothing is sent without an agent.
+    """
+    if code in (None, EXIT_OK, EXIT_KUBELET_RESTARTED):
+        return
+    why = message or last_error()
+    if not why:
+        return
+    reporter = StatusReporter()
+    try:
+        reporter.send(ERROR=bounded(" ".join(why.split()), 300))
+    finally:
+        reporter.close()
+
+
+def refuse(message: str) -> NoReturn:
+    """Print ``message`` as the command's error and exit 2 (it is also the process's last error)."""
+    click.echo(message, err=True)
+    note_error(message)
+    sys.exit(EXIT_USAGE)
 
 
 @click.command("plugin", cls=_ModeDispatch)
@@ -318,8 +380,7 @@ def plugin_command(
         options = plugin_kind.options_model.model_validate(raw)
     except pydantic.ValidationError as exc:
         problems = describe(exc, source=source_name, model=plugin_kind.options_model)
-        click.echo(f"plugvisor plugin {kind}: invalid options\n{problems}", err=True)
-        sys.exit(EXIT_USAGE)
+        refuse(f"plugvisor plugin {kind}: invalid options\n{problems}")
     if spec_root is not None and not spec_root.is_absolute():
         raise click.BadParameter(f"{spec_root} must be an absolute path", param_hint="--spec-root")
     resource_name = resource or f"plugvisor.io/{kind}"
@@ -343,8 +404,7 @@ def plugin_command(
         )
         source = plugin_kind.build(options, host, resource=resource_name)
     except ConfigurationError as exc:
-        click.echo(f"plugvisor plugin {kind}: {exc}", err=True)
-        sys.exit(EXIT_USAGE)
+        refuse(f"plugvisor plugin {kind}: {exc}")
     _check_not_served(kind, resource_name, (host.kubelet_dir, config.registry_dir), replace=replace)
     on_ready = None
     if metrics_listen:
@@ -391,11 +451,13 @@ def _check_host(kind: PluginKind[Any], host: HostPaths, resource: str) -> None:
     """
     for option, problem in (
         ("--host-root", host_root_problem(host.root)),
-        ("--kubelet-dir", kubelet_dir_problem(host.kubelet_dir)),
+        (
+            "--kubelet-dir",
+            kubelet_dir_problem(host.kubelet_dir) or missing_kubelet_dir_problem(host.kubelet_dir),
+        ),
     ):
         if problem is not None:
-            click.echo(f"plugvisor plugin {kind.name}: {option}: {problem}", err=True)
-            sys.exit(EXIT_USAGE)
+            refuse(f"plugvisor plugin {kind.name}: {option}: {problem}")
     if kind.reads_pci and not (host.sysfs / "bus/pci/devices").is_dir():
         structlog.get_logger("plugvisor.plugin").warning(
             "no_pci_bus",
@@ -426,14 +488,12 @@ def _check_not_served(kind: str, resource: str, directories: Sequence[Path], *, 
             meaning="the kubelet will follow this plugin; the other keeps running until stopped",
         )
         return
-    click.echo(
+    refuse(
         f"plugvisor plugin {kind}: {resource} is already served on this node by the plugin on "
         f"{', '.join(str(path) for path in live)}; a second plugin for one resource makes the kubelet drop "
         "the first, and an older kubelet marks every device unhealthy once either stops. Stop the other "
-        "(`plugvisor status` shows the agent's), or pass --replace to take the resource over.",
-        err=True,
+        "(`plugvisor status` shows the agent's), or pass --replace to take the resource over."
     )
-    sys.exit(EXIT_USAGE)
 
 
 def _serve_metrics(listen: str) -> None:

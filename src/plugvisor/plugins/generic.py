@@ -28,7 +28,7 @@ import structlog
 
 from plugvisor.common.hostpaths import HostPaths
 from plugvisor.common.validation import absolute_path
-from plugvisor.deviceplugin.devices import MAX_DEVICE_ID_LENGTH, Device, DeviceSpec, Mount
+from plugvisor.deviceplugin.devices import MAX_DEVICE_ID_LENGTH, Device, DeviceSpec, Health, Mount
 from plugvisor.deviceplugin.snapshot import Snapshot
 from plugvisor.plugins.kinds import PluginKind
 
@@ -177,6 +177,20 @@ class GenericSource:
                     devices.append(self._device(device_id, group.paths, chosen))
         return Snapshot(devices, watch=self._watch_dirs())
 
+    def _reaches_something(self, local: Path) -> bool:
+        """Whether a matched path leads to a file when its links are followed inside the host root.
+
+        A glob matches a dangling link too. The spec names the link itself (the
+        runtime follows it on the host, where an absolute target means the
+        host's own tree, and a link such as ``/dev/disk/by-id/...`` keeps
+        following its device), so it is checked as the runtime will see it:
+        resolved inside the root, never through this process's own ``/``.
+        """
+        try:
+            return self.paths.inside(local).exists()
+        except OSError:  # a link loop
+            return False
+
     def _device(self, device_id: str, specs: Sequence[PathSpec], chosen: Sequence[Path]) -> Device:
         nodes: list[DeviceSpec] = []
         mounts: list[Mount] = []
@@ -187,7 +201,9 @@ class GenericSource:
                 nodes.append(DeviceSpec(container_path, host_path, spec.permissions))
             else:
                 mounts.append(Mount(container_path, host_path, spec.read_only))
-        return Device(device_id, specs=nodes, mounts=mounts)
+        reachable = all(self._reaches_something(local) for local in chosen)
+        health = Health.HEALTHY if reachable else Health.UNHEALTHY
+        return Device(device_id, health=health, specs=nodes, mounts=mounts)
 
     def _watch_dirs(self) -> list[Path]:
         """The directories where a matching path could appear or vanish.

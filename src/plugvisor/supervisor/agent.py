@@ -164,6 +164,7 @@ class Agent:
         self.supervisor: Supervisor | None = None
         self.metrics_address: tuple[str, int] | None = None
         self._state_error: str | None = None
+        self._reports: ReportListener | None = None
         self._follow_starts: Callable[[Callable[[float], float]], None] = lambda _: None
         """After each tick: /metrics gives way to children being started (``metrics.ScrapeGate``)."""
         self._limiter: StartLimiter | None = None
@@ -320,6 +321,7 @@ class Agent:
             reports = ReportListener(report_path, self._on_report)
             reports.open()
             cleanup.callback(reports.close)
+            self._reports = reports
             watch = self._open_kubelet_watch()
             cleanup.push_async_callback(watch.close)
             if self.config.metrics is not None:
@@ -398,8 +400,7 @@ class Agent:
                 self._reload_requested = False
                 if not supervisor.stopping:
                     self._reload(supervisor, announce=ready_sent)
-            for exit_ in supervisor.spawner.reap():
-                supervisor.handle_exit(exit_.pid, exit_.returncode)
+            self._handle_exits(supervisor)
             deadline = supervisor.tick()
             self._follow_starts(supervisor.starting_until)
             became_ready = supervisor.dirty and supervisor.ready and not ready_sent
@@ -432,6 +433,17 @@ class Agent:
             return True
         self.notifier.status(supervisor.summary())
         return ready_sent
+
+    def _handle_exits(self, supervisor: Supervisor) -> None:
+        """The children's exits since the last round, each after the datagrams its process sent.
+
+        A process's last words (``ERROR=``) are in the status socket's queue before
+        it exits: read first, its exit record carries them.
+        """
+        if self._reports is not None:
+            self._reports.drain()
+        for exit_ in supervisor.spawner.reap():
+            supervisor.handle_exit(exit_.pid, exit_.returncode)
 
     def _write_state(self, runtime_dir: Path, supervisor: Supervisor) -> bool:
         """Best effort: a status file that cannot be written must never stop the supervising.
@@ -472,6 +484,7 @@ class Agent:
             if not isinstance(exc, ConfigError):
                 error = f"{self.config_path}: {type(exc).__name__}: {shorten(error, 300)}"
             _log.error("reload_rejected", error=error, keeping="the running configuration")
+            supervisor.reload_rejected(error)
             if announce:
                 self.notifier.ready(
                     f"reload rejected, running the previous configuration; {supervisor.summary()}"

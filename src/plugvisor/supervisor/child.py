@@ -37,7 +37,7 @@ import structlog
 
 from plugvisor.common.exitcodes import EXIT_CONFIGURATION, EXIT_KUBELET_RESTARTED
 from plugvisor.common.notify import STOP_FOR_GOOD_SIGNAL
-from plugvisor.common.validation import shorten
+from plugvisor.common.validation import bounded, shorten
 from plugvisor.supervisor import states
 from plugvisor.supervisor.backoff import BackoffPolicy
 from plugvisor.supervisor.clock import Clock
@@ -97,6 +97,8 @@ class ExitRecord:
     detail: str
     wall: float
     uptime: float
+    error: str | None = None
+    """The process's own last words (its ``ERROR=`` datagram): why it failed, cut and escaped."""
 
 
 class Child:
@@ -153,6 +155,10 @@ class Child:
         self.taken_over_by: str | None = None
         """The socket of another plugin of this resource that the kubelet follows now (a second agent's)."""
         self.unregistered_reason: str | None = None
+        self._error: str | None = None
+        """What the current process said was its last error (``ERROR=``), kept for its exit record."""
+        self._said_no_device = False
+        """Whether ``resource_matches_no_device`` was logged (once, until a device appears)."""
         """Why the process said it lost its registration (a kubelet restart, its socket removed)."""
         self.polling: str | None = None
         """Why the process watches files by polling (its WATCH= field: no inotify left); None: inotify."""
@@ -238,8 +244,11 @@ class Child:
             cause = self.restart_after_stop or "stopped"
         else:
             cause = classify_exit(returncode)
-        self.last_exit = ExitRecord(cause, returncode, detail, self._clock.wall(), round(uptime, 3))
-        self._log.info("child_exited", pid=self.pid, status=detail, cause=cause, uptime=round(uptime, 3))
+        error, self._error = self._error, None
+        self.last_exit = ExitRecord(cause, returncode, detail, self._clock.wall(), round(uptime, 3), error)
+        self._log.info(
+            "child_exited", pid=self.pid, status=detail, cause=cause, uptime=round(uptime, 3), error=error
+        )
         self._forget_process()
         if self.state is states.STOPPING:
             restart, self.restart_after_stop = self.restart_after_stop, None
@@ -266,15 +275,8 @@ class Child:
             healthy, _, total = devices.partition("/")
             if healthy.isdigit() and total.isdigit():
                 self.devices = (int(healthy), int(total))
-        if "ENDPOINT" in fields:
-            self.endpoint = fields["ENDPOINT"]
-        if "SLICES" in fields:
-            self.slices = shorten(fields["SLICES"], 300)
-        if "WAITING" in fields:
-            self.waiting = shorten(fields["WAITING"], 300) or None
-        mode, _, why = fields.get("WATCH", "").partition(": ")
-        if mode == "polling":
-            self.polling = shorten(why, 300) or "no reason given"
+                self._note_device_count()
+        self._note_texts(fields)
         lost = fields.get("KUBELET_RESTART") or fields.get("UNREGISTERED")
         if lost:
             self.unregistered_reason = shorten(lost, 300)
@@ -302,6 +304,39 @@ class Child:
             self.waiting = self.taken_over_by = self.unregistered_reason = None
             if self.state is states.STARTING:
                 self.change_state(states.RUNNING)
+
+    def _note_texts(self, fields: Mapping[str, str]) -> None:
+        """The datagram's free-text fields, each cut: last error, endpoint, slices, waits, watch mode."""
+        if "ERROR" in fields:
+            self._error = bounded(fields["ERROR"], 300) or None
+        if "ENDPOINT" in fields:
+            self.endpoint = fields["ENDPOINT"]
+        if "SLICES" in fields:
+            self.slices = shorten(fields["SLICES"], 300)
+        if "WAITING" in fields:
+            self.waiting = shorten(fields["WAITING"], 300) or None
+        mode, _, why = fields.get("WATCH", "").partition(": ")
+        if mode == "polling":
+            self.polling = shorten(why, 300) or "no reason given"
+
+    @property
+    def matches_no_device(self) -> bool:
+        """The process serves and found no device at all (a vendor ID typo, a wrong hostRoot?)."""
+        return self.devices is not None and self.devices[1] == 0 and self.state in states.ALIVE
+
+    def _note_device_count(self) -> None:
+        if not self.matches_no_device:
+            self._said_no_device = False
+            return
+        if not self._said_no_device:
+            self._said_no_device = True
+            self._log.warning(
+                "resource_matches_no_device",
+                pid=self.pid,
+                kind=self.spec.kind,
+                hint="the kind's selection (vendor, device class, paths) finds nothing under hostRoot: a "
+                "typo? It registers with 0 devices; devices that appear later are picked up",
+            )
 
     def on_kubelet_restart(self, *, kubelet_wall: float | None, restart: bool) -> bool:
         """The kubelet restarted (its socket is newer than ``kubelet_wall``... our registration).
@@ -426,7 +461,14 @@ class Child:
             else None,
             "last_exit": None
             if exit_ is None
-            else {"cause": exit_.cause, "status": exit_.detail, "at": exit_.wall, "uptime": exit_.uptime},
+            else {
+                "cause": exit_.cause,
+                "status": exit_.detail,
+                "at": exit_.wall,
+                "uptime": exit_.uptime,
+                "error": exit_.error,
+            },
+            "matches_no_device": self.matches_no_device,
             "spawn_error": self.spawn_error,
             "slices": self.slices,
             "waiting": self.waiting,
@@ -446,6 +488,7 @@ class Child:
         self.spawning = True
         self._cancel_spawn = False
         self.pid = None
+        self._error = None
         self.started_at = self._clock.monotonic()
         self.started_wall = self._clock.wall()
         self.killed = False

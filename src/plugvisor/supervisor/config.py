@@ -31,6 +31,7 @@ from plugvisor.common.hostpaths import (
     beside_kubelet_dir,
     host_root_problem,
     kubelet_dir_problem,
+    missing_kubelet_dir_problem,
     writable_dir_problem,
 )
 from plugvisor.common.names import dra_driver_name_problem, extended_resource_name_problem, node_name_problem
@@ -396,7 +397,10 @@ def load_node_config(path: Path) -> NodeConfig:
     problems = [
         f"{path}: {field}: {problem}"
         for field, problem in (
-            ("kubeletDir", kubelet_dir_problem(config.kubelet_dir)),
+            (
+                "kubeletDir",
+                kubelet_dir_problem(config.kubelet_dir) or missing_kubelet_dir_problem(config.kubelet_dir),
+            ),
             ("hostRoot", host_root_problem(config.host_root)),
         )
         if problem is not None

@@ -61,6 +61,10 @@ CHUNK: Final = 64 * 1024
 """Bytes of a body written before waiting for the client to take them."""
 SEND_DEADLINE: Final = 30.0
 """Seconds a client has to take a whole response (a reader that stalls holds a rendering alive)."""
+STALLED_AFTER: Final = 2.0
+"""Seconds a scrape's client may take nothing of its body while another scrape waits for a send slot;
+then it gives way (its connection is closed), so clients that ask and never read cannot hold /metrics.
+More than :data:`START_PRIORITY`: a body paused for a child's start is not the client's stall."""
 REQUEST_DEADLINE: Final = 5.0
 """Seconds a client has to send its request line and headers."""
 MAX_REQUEST_LINE: Final = 16 * 1024
@@ -400,7 +404,8 @@ class HttpServer:
     ``/healthz`` and ``/readyz`` are answered at once, whatever scrapes are doing:
     a scrape renders in slices and streams its body :data:`CHUNK` bytes at a time
     (so a slow reader costs a socket buffer, not a copy of the body), at most
-    :data:`MAX_SCRAPES` at once (others wait for their turn), each within
+    :data:`MAX_SCRAPES` at once (others wait for their turn, and a client that has
+    taken nothing for :data:`STALLED_AFTER` seconds gives its turn away), each within
     :data:`SEND_DEADLINE`; beyond :data:`MAX_CONNECTIONS` open connections, the one
     that has been silent the longest is closed for a new one (a new one is closed at
     once when none is silent). A request whose line or headers exceed
@@ -418,6 +423,8 @@ class HttpServer:
         self._port = port
         self._server: asyncio.Server | None = None
         self._scrapes = asyncio.Semaphore(MAX_SCRAPES)
+        self._sending: dict[asyncio.StreamWriter, float] = {}
+        """Scrapes holding a send slot, with when their client last took a piece of the body."""
         self._connections = 0
         self._silent: dict[asyncio.StreamWriter, None] = {}
         """Connections that have not sent their whole request yet, oldest first."""
@@ -531,31 +538,72 @@ class HttpServer:
             target = urllib.parse.urlsplit(target).path or "/"
         return parts[0], target.split("?", 1)[0]
 
-    async def _scrape(self, writer: asyncio.StreamWriter, *, head_only: bool) -> None:
-        async with self._scrapes:
+    async def _take_slot(self) -> None:
+        """Wait for a send slot; every :data:`STALLED_AFTER` seconds of waiting, a stalled holder gives way.
+
+        A holder is stalled when its client has taken nothing for that long (its
+        socket buffer full, the rest of the body waiting): the one stalled the
+        longest is closed. Clients that read, however slowly, keep their slot.
+        """
+        while True:
             try:
-                body = await self._metrics.acquire()
-            except Exception:
-                self._log.exception("metrics_render_failed")
-                message = b"rendering the metrics failed; the agent's log says why\n"
-                writer.write(_head("500 Internal Server Error", "text/plain", len(message)) + message)
-                await writer.drain()
+                async with asyncio.timeout(STALLED_AFTER):
+                    await self._scrapes.acquire()
+            except TimeoutError:
+                self._evict_stalled()
+            else:
                 return
-            try:
-                async with asyncio.timeout(SEND_DEADLINE):
-                    writer.write(_head("200 OK", prometheus_client.CONTENT_TYPE_LATEST, len(body.data)))
-                    if not head_only:
-                        view = memoryview(body.data)
-                        pause = self._metrics.gate.pacer()
-                        for offset in range(0, len(view), CHUNK):
-                            writer.write(view[offset : offset + CHUNK])
-                            await writer.drain()
-                            # drain() returns without yielding while the client keeps up: a fast
-                            # client would otherwise have the loop for its whole body.
-                            await pause()
-                    await writer.drain()
-            finally:
-                self._metrics.release(body)
+
+    def _evict_stalled(self) -> None:
+        now = time.monotonic()
+        stalled = [(since, writer) for writer, since in self._sending.items() if now - since >= STALLED_AFTER]
+        if not stalled:
+            return
+        since, writer = min(stalled, key=lambda item: item[0])
+        del self._sending[writer]
+        self._log.info("metrics_stalled_client_closed", stalled_for=round(now - since, 3))
+        writer.transport.abort()
+
+    async def _scrape(self, writer: asyncio.StreamWriter, *, head_only: bool) -> None:
+        await self._take_slot()
+        self._sending[writer] = time.monotonic()
+        try:
+            await self._send_scrape(writer, head_only=head_only)
+        finally:
+            self._sending.pop(writer, None)
+            self._scrapes.release()
+
+    def _progressed(self, writer: asyncio.StreamWriter) -> None:
+        if writer in self._sending:
+            self._sending[writer] = time.monotonic()
+
+    async def _send_scrape(self, writer: asyncio.StreamWriter, *, head_only: bool) -> None:
+        """Render (or reuse) the body and send it in pieces, each piece noted as progress."""
+        try:
+            body = await self._metrics.acquire()
+        except Exception:
+            self._log.exception("metrics_render_failed")
+            message = b"rendering the metrics failed; the agent's log says why\n"
+            writer.write(_head("500 Internal Server Error", "text/plain", len(message)) + message)
+            await writer.drain()
+            return
+        try:
+            async with asyncio.timeout(SEND_DEADLINE):
+                writer.write(_head("200 OK", prometheus_client.CONTENT_TYPE_LATEST, len(body.data)))
+                if not head_only:
+                    view = memoryview(body.data)
+                    pause = self._metrics.gate.pacer()
+                    for offset in range(0, len(view), CHUNK):
+                        writer.write(view[offset : offset + CHUNK])
+                        await writer.drain()
+                        self._progressed(writer)
+                        # drain() returns without yielding while the client keeps up: a fast
+                        # client would otherwise have the loop for its whole body.
+                        await pause()
+                        self._progressed(writer)
+                await writer.drain()
+        finally:
+            self._metrics.release(body)
 
     def _respond(self, path: str) -> tuple[str, str, bytes]:
         if path == "/healthz":

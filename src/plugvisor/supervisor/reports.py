@@ -43,9 +43,10 @@ class ReportListener:
         with owner_only():
             sock.bind(str(self.path))
         self._sock = sock
-        asyncio.get_running_loop().add_reader(sock.fileno(), self._drain)
+        asyncio.get_running_loop().add_reader(sock.fileno(), self.drain)
 
-    def _drain(self) -> None:
+    def drain(self) -> None:
+        """Deliver every datagram waiting now (also called before exits are handled, see the agent)."""
         sock = self._sock
         if sock is None:
             return

@@ -292,10 +292,21 @@ def _table(rows: Sequence[tuple[str, ...]]) -> list[str]:
 
 
 def _not_registered_lines(children: list[dict[str, Any]]) -> list[str]:
-    """Why each resource that is not registered is not, when its process said so."""
+    """Why each resource that is not registered is not, when its process said so.
+
+    A process that failed said why in its last words (``last_exit.error``):
+    that line is shown for a resource in backoff or starting again, so that a
+    crash loop's cause is here, not only in the log.
+    """
     lines = []
     for child in children:
-        if child.get("registered") or child.get("state") not in ("STARTING", "RUNNING"):
+        if child.get("registered"):
+            continue
+        last = child.get("last_exit") or {}
+        failed = f"{last.get('cause')} ({last.get('status')}): {last.get('error')}"
+        if child.get("state") not in ("STARTING", "RUNNING"):
+            if last.get("error"):
+                lines.append(printable(f"  {child['resource']}: {failed}"))
             continue
         if child.get("taken_over_by"):
             why = (
@@ -306,6 +317,8 @@ def _not_registered_lines(children: list[dict[str, Any]]) -> list[str]:
             why = f"waiting for {child['waiting']}"
         elif child.get("unregistered_reason"):
             why = f"registering again: {child['unregistered_reason']}"
+        elif last.get("error"):
+            why = failed
         else:
             continue
         lines.append(printable(f"  {child['resource']}: {why}"))
@@ -361,6 +374,15 @@ def render(document: dict[str, Any]) -> str:
                 "slower to start; restart the agent to bring the fork server back"
             )
         )
+    rejected = supervisor.get("reload_rejected")
+    if isinstance(rejected, dict):
+        at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(rejected.get("at") or 0))
+        lines.append(
+            printable(
+                f"last reload (SIGHUP) rejected at {at}, running the previous configuration: "
+                f"{shorten(str(rejected.get('error')), 600)}"
+            )
+        )
     stale = document.get("stale")
     if stale is not None:
         written = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stale["written_at"]))
@@ -402,5 +424,9 @@ def render(document: dict[str, Any]) -> str:
     lines += _table(rows)
     lines += _polling_lines(children)
     lines += _not_registered_lines(children)
+    nothing = [child["resource"] for child in children if child.get("matches_no_device")]
+    if nothing:
+        lines.append("no device found (check the kind's vendor, class or paths, and hostRoot):")
+        lines += [printable(f"  {resource}: matches no device") for resource in nothing]
     lines += _device_lines(document)
     return "\n".join(lines)

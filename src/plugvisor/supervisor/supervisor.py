@@ -24,6 +24,7 @@ import structlog
 
 from plugvisor.common.constants import KUBELET_SOCKET_NAME
 from plugvisor.common.sockets import SOCKET_PREFIX, socket_answers, socket_files, socket_prefix
+from plugvisor.common.validation import bounded
 from plugvisor.supervisor import states
 from plugvisor.supervisor.backoff import BackoffPolicy
 from plugvisor.supervisor.child import CAUSE_RELOAD, CAUSE_UNREGISTERED, Child
@@ -93,6 +94,8 @@ class Supervisor:
         self.stopping = False
         self.dirty = True
         self.config_source: str | None = None
+        self.rejected_reload: tuple[str, float] | None = None
+        """The last SIGHUP's refused file's error and when, until a reload is taken."""
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -143,6 +146,7 @@ class Supervisor:
         Returns the resources in each group (for the log).
         """
         self.config = config
+        self.rejected_reload = None
         policy = backoff_policy(config)
         specs = self.specs(config)
         summary: dict[str, list[str]] = {"added": [], "removed": [], "changed": [], "unchanged": []}
@@ -361,16 +365,30 @@ class Supervisor:
             child.state is states.RUNNING and child.registered for child in self.children.values()
         )
 
+    def reload_rejected(self, error: str) -> None:
+        """A SIGHUP's file was refused (the running configuration kept): shown until a reload is taken."""
+        self.rejected_reload = (bounded(error, 600), self.clock.wall())
+        self.dirty = True
+
     def readiness(self) -> tuple[bool, str]:
-        """``(ready, explanation)`` for ``/readyz``: each resource not registered, with why when known."""
+        """``(ready, explanation)`` for ``/readyz``: each resource not registered, with why when known.
+
+        A rejected reload does not make the node unready (the previous
+        configuration serves on) but is said, with the file's error.
+        """
+        rejected = ""
+        if self.rejected_reload is not None:
+            rejected = (
+                f"; last reload rejected, running the previous configuration: {self.rejected_reload[0]}"
+            )
         if self.ready:
-            return True, f"ready: {len(self.children)} resources registered"
+            return True, f"ready: {len(self.children)} resources registered{rejected}"
         waiting = [
             child.resource + (f" ({why})" if (why := unregistered_why(child)) else "")
             for child in self.children.values()
             if not child.registered
         ]
-        return False, "not registered: " + ", ".join(waiting)
+        return False, "not registered: " + ", ".join(waiting) + rejected
 
     def summary(self) -> str:
         """One line for systemd's STATUS=."""
@@ -380,6 +398,7 @@ class Supervisor:
         for label, resources in (
             ("crash-looping", [child.resource for child in children if child.crash_looping]),
             ("taken over by another plugin", [child.resource for child in children if child.taken_over_by]),
+            ("no device", [child.resource for child in children if child.matches_no_device]),
         ):
             if resources:
                 text += f"; {label}: " + ", ".join(resources)
@@ -401,6 +420,9 @@ class Supervisor:
                 "on_kubelet_restart": self.config.supervisor.on_kubelet_restart,
                 "config": self.config_source,
                 "spawner_fallback": self.spawner.fallback,
+                "reload_rejected": None
+                if self.rejected_reload is None
+                else {"error": self.rejected_reload[0], "at": self.rejected_reload[1]},
             },
             "children": [child.snapshot() for child in self.all_children()],
         }
@@ -410,7 +432,11 @@ def unregistered_why(child: Child) -> str | None:
     """Why ``child`` is not registered, as far as the agent knows (its process said so)."""
     if child.taken_over_by is not None:
         return f"taken over by {child.taken_over_by}"
-    return child.waiting or child.unregistered_reason
+    said = child.waiting or child.unregistered_reason
+    if said is None and child.last_exit is not None and child.last_exit.error is not None:
+        last = child.last_exit
+        return f"{last.cause} ({last.detail}): {last.error}"
+    return said
 
 
 def remove_dead_socket(path: Path) -> bool:

@@ -110,3 +110,49 @@ async def test_beyond_the_cap_the_longest_silent_connection_gives_way_to_a_new_o
             writer.close()
     finally:
         await server.close()
+
+
+class BigBody:
+    """A metrics source whose body is far larger than any socket buffer (a node with very many series)."""
+
+    def __init__(self, size: int) -> None:
+        from plugvisor.supervisor.metrics import ScrapeGate
+
+        self.data = b"x" * size
+        self.gate = ScrapeGate()
+
+    async def acquire(self):
+        return self
+
+    def release(self, body) -> None:
+        pass
+
+
+async def test_scrapes_that_stall_mid_body_give_way_to_a_scrape_that_reads(monkeypatch):
+    """Every send slot taken by clients that asked and then take nothing: a real scrape still gets
+    its whole answer (a stalled one gives way), long before the send deadline would free a slot."""
+    import socket
+
+    from plugvisor.supervisor import metrics as metrics_
+
+    monkeypatch.setattr(metrics_, "MAX_SCRAPES", 4)
+    monkeypatch.setattr(metrics_, "SEND_DEADLINE", 3600.0)  # a stalled slot is never freed by the deadline
+    source = BigBody(64 << 20)
+    server = metrics_.HttpServer(source, lambda: (True, "ready"), host="127.0.0.1", port=0)
+    await server.start()
+    stalled = []
+    try:
+        _, port = server.address
+        for _ in range(4):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", port))
+            sock.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+            stalled.append(sock)  # never read
+        answer = await asyncio.wait_for(request(port, b"GET /metrics HTTP/1.0\r\n\r\n"), 120)
+        assert answer.startswith(b"HTTP/1.0 200 OK") and answer.endswith(source.data[-100:])
+        assert len(answer) > len(source.data)
+    finally:
+        for sock in stalled:
+            sock.close()
+        await server.close()

@@ -1,4 +1,4 @@
-"""No kubelet (not running yet, or a kubeletDir typo): say once what is waited for, and show it in status.
+"""No kubelet yet: say once what is waited for, and show it in status; a kubeletDir typo: refused, named.
 
 It used to look like a hang: the directory was created silently, every child stayed STARTING and
 `plugvisor status` said "0/3 registered" with no reason; a standalone plugin logged nothing after
@@ -8,6 +8,8 @@ It used to look like a hang: the directory was created silently, every child sta
 import asyncio
 import subprocess
 import sys
+
+import pytest
 
 from plugvisor.emulators.kubelet import EmulatedKubelet
 
@@ -26,7 +28,8 @@ def all_waiting(children) -> bool:
 
 
 async def test_the_agent_says_once_what_it_waits_for_and_status_shows_it(node, agents):
-    node.kubelet_dir = node.base / "kubelet" / "device-plugins"  # nobody made it: a typo, or no kubelet yet
+    (node.base / "kubelet").mkdir()  # a kubelet root: the kubelet makes device-plugins when it starts
+    node.kubelet_dir = node.base / "kubelet" / "device-plugins"
     node.write_config()
     agent = await agents()
     await agent.wait_state(all_waiting, timeout=30)
@@ -70,3 +73,24 @@ async def test_a_standalone_plugin_says_what_it_waits_for(short_dir):
         _, rest = await asyncio.wait_for(proc.communicate(), 15)
     assert rest.decode().count("event='waiting'") == 0  # once
     assert proc.returncode == 0
+
+
+@pytest.mark.parametrize(
+    ("kubelet_dir", "expected"),
+    [
+        ("kubelt/device-plugins", "does not exist, nor does"),
+        ("device-plugin", "does not exist; did you mean"),
+    ],
+    ids=["missing-root", "near-miss"],
+)
+async def test_a_kubelet_dir_no_kubelet_would_make_is_refused_naming_it_and_not_created(
+    node, agents, kubelet_dir, expected
+):
+    node.kubelet_dir = node.base / kubelet_dir
+    node.write_config()
+    agent = await agents()
+    assert agent.proc is not None
+    assert await asyncio.wait_for(agent.proc.wait(), 60) == 2
+    log = agent.log()
+    assert f"kubeletDir: {node.kubelet_dir}: {expected}" in log, log
+    assert not node.kubelet_dir.exists() and not (node.base / "kubelt").exists()

@@ -16,6 +16,15 @@ async def wait_for_log(agent, text: str, count: int) -> None:
         await asyncio.sleep(0.05)
 
 
+async def wait_for_state(agent, check):
+    """The first value of ``check(state['supervisor'])`` that holds (the state file follows the log)."""
+    deadline = asyncio.get_running_loop().time() + 15
+    while not (found := check((agent.state() or {}).get("supervisor", {}))):
+        assert asyncio.get_running_loop().time() < deadline, agent.state()
+        await asyncio.sleep(0.05)
+    return found
+
+
 @pytest.mark.parametrize(
     "breakage",
     [
@@ -65,6 +74,9 @@ async def test_a_reload_the_node_cannot_run_keeps_the_running_configuration(node
     agent.send(signal.SIGHUP)
     await wait_for_log(agent, "reload_rejected", 1)
     assert expected in agent.log() and str(node.config_path) in agent.log()
+    # plugvisor status (the state file) says so too, not only the log.
+    rejected = await wait_for_state(agent, lambda supervisor: supervisor.get("reload_rejected"))
+    assert expected in rejected["error"] and str(node.config_path) in rejected["error"]
 
     # Still the same processes, all registered; and a good file is taken again afterwards.
     assert {name: c["pid"] for name, c in agent.children().items()} == pids
@@ -73,4 +85,5 @@ async def test_a_reload_the_node_cannot_run_keeps_the_running_configuration(node
     agent.send(signal.SIGHUP)
     await wait_for_log(agent, "reloaded", 1)
     assert {name: c["pid"] for name, c in agent.children().items()} == pids
+    await wait_for_state(agent, lambda supervisor: supervisor.get("reload_rejected") is None)
     assert await agent.stop() == 0

@@ -103,3 +103,38 @@ def test_whatever_the_links_the_result_is_under_the_root_and_link_free(tmp_path_
         walked = walked / part
         assert not walked.is_symlink(), f"{walked} is a link left unresolved"
     assert os.path.realpath(result).startswith(os.path.realpath(root))
+
+
+class TestAMissingKubeletDir:
+    """Created only where a kubelet's would appear: in an existing kubelet root, under its own name."""
+
+    def test_one_that_exists_is_used(self, tmp_path):
+        from plugvisor.common.hostpaths import missing_kubelet_dir_problem
+
+        assert missing_kubelet_dir_problem(tmp_path) is None
+
+    def test_one_in_an_existing_kubelet_root_is_a_kubelet_not_started_yet(self, tmp_path):
+        from plugvisor.common.hostpaths import missing_kubelet_dir_problem
+
+        assert missing_kubelet_dir_problem(tmp_path / "device-plugins") is None
+        assert missing_kubelet_dir_problem(tmp_path / "dp") is None  # an emulated kubelet's, any name
+        assert not (tmp_path / "device-plugins").exists()  # nothing created by the check
+
+    def test_one_whose_kubelet_root_is_missing_too_is_a_typo_named_with_the_missing_level(self, tmp_path):
+        from plugvisor.common.hostpaths import missing_kubelet_dir_problem
+
+        problem = missing_kubelet_dir_problem(tmp_path / "kubelt" / "device-plugins")
+        assert problem is not None
+        assert (
+            f"{tmp_path / 'kubelt' / 'device-plugins'}: does not exist, nor does {tmp_path / 'kubelt'}"
+            in problem
+        )
+        assert "typo" in problem
+        assert not (tmp_path / "kubelt").exists()
+
+    @pytest.mark.parametrize("name", ["device-plugin", "device_plugins", "devices-plugins", "Device-Plugins"])
+    def test_a_near_miss_of_device_plugins_is_a_typo(self, tmp_path, name):
+        from plugvisor.common.hostpaths import missing_kubelet_dir_problem
+
+        problem = missing_kubelet_dir_problem(tmp_path / name)
+        assert problem is not None and f"did you mean {tmp_path / 'device-plugins'}?" in problem

@@ -88,3 +88,16 @@ class TestFiles:
         recovered, problems = cdi.recover(tmp_path / "absent", DRIVER)
         assert recovered == {}
         assert "cannot list it" in problems[0]
+
+
+def test_a_release_marker_is_made_even_where_no_spec_was_written_and_read_back_by_uid(tmp_path):
+    from plugvisor.dra import cdi as cdi_
+
+    directory = tmp_path / "cdi"
+    cdi_.mark_released(directory, "gpu.example.com", "uid-1")
+    (directory / cdi_.spec_file_name("gpu.example.com", "uid-2")).write_text("{}")
+    assert cdi_.released(directory, "gpu.example.com") == {"uid-1"}
+    assert cdi_.released(directory, "nic.example.com") == set()
+    cdi_.unmark_released(directory, "gpu.example.com", "uid-1")
+    cdi_.unmark_released(directory, "gpu.example.com", "uid-1")  # gone already: nothing to do
+    assert cdi_.released(directory, "gpu.example.com") == set()

@@ -98,3 +98,58 @@ class TestSlices:
         (tmp_path / "resourceslices").unlink()
         await publisher.publish([PublishedDevice("a")])
         assert publisher.generation == 1
+
+
+class TestClaimFilesFromOutside:
+    async def test_a_megabyte_uid_in_the_file_is_shown_cut(self, tmp_path):
+        write_claim(tmp_path, "default", "c", "u" * (1 << 20), [])
+        with pytest.raises(ClaimError) as caught:
+            await FileClaimReader(tmp_path).allocated_devices(namespace="default", name="c", uid="u1")
+        assert len(str(caught.value)) < 600
+        assert f"({1 << 20} characters)" in str(caught.value)
+
+    @pytest.mark.parametrize("value", ["false", "true", 0, 1, [], {}])
+    async def test_admin_access_is_a_boolean_or_nothing(self, tmp_path, value):
+        result = {"request": "r", "driver": "d", "pool": "p", "device": "x", "adminAccess": value}
+        write_claim(tmp_path, "default", "c", "u1", [result])
+        with pytest.raises(ClaimError, match=r"results\[0\]\.adminAccess: expected true or false, got "):
+            await FileClaimReader(tmp_path).allocated_devices(namespace="default", name="c", uid="u1")
+
+    async def test_admin_access_null_or_absent_is_none(self, tmp_path):
+        results = [
+            {"request": "r", "driver": "d", "pool": "p", "device": "x", "adminAccess": None},
+            {"request": "r", "driver": "d", "pool": "p", "device": "y"},
+        ]
+        write_claim(tmp_path, "default", "c", "u1", results)
+        devices = await FileClaimReader(tmp_path).allocated_devices(namespace="default", name="c", uid="u1")
+        assert [d.admin_access for d in devices] == [False, False]
+
+    async def test_a_name_that_is_not_a_string_is_refused_not_converted(self, tmp_path):
+        write_claim(
+            tmp_path, "default", "c", "u1", [{"request": 5, "driver": "d", "pool": "p", "device": "x"}]
+        )
+        with pytest.raises(ClaimError, match=r"results\[0\]\.request: expected a string, got 5"):
+            await FileClaimReader(tmp_path).allocated_devices(namespace="default", name="c", uid="u1")
+
+    @pytest.mark.parametrize(
+        ("content", "message"),
+        [
+            (b"null", "not a ResourceClaim: expected a JSON object, got null"),
+            (b"[]", "not a ResourceClaim: expected a JSON object, got a list"),
+            (b'{"metadata": []}', "metadata: expected an object, got a list"),
+            (b'{"metadata": {"uid": 7}}', "metadata.uid: expected a string, got 7"),
+            (b'{"metadata": {"uid": "u1"}, "status": []}', "status: expected an object, got a list"),
+            (b'{"metadata": {"uid": "u1"}, "x": "' + b"y" * (5 << 20) + b'"}', "larger than 4 MiB"),
+            (b"{nope", "not JSON: Expecting property name"),
+        ],
+        ids=["null", "list", "metadata-list", "uid-number", "status-list", "5MiB", "not-json"],
+    )
+    async def test_a_claim_file_that_is_no_claim_says_what_it_is(self, tmp_path, content, message):
+        path = claim_path(tmp_path, "default", "c")
+        path.parent.mkdir(parents=True)
+        path.write_bytes(content)
+        with pytest.raises(ClaimError) as caught:
+            await FileClaimReader(tmp_path).allocated_devices(namespace="default", name="c", uid="u1")
+        assert message in str(caught.value)
+        assert "deleted and created again" not in str(caught.value)
+        assert str(path) in str(caught.value)

@@ -216,7 +216,52 @@ class TestPrepareRefusals:
 
     async def test_a_device_named_twice(self, node):
         node.claims.allocate(CLAIM, "gpu-0", "gpu-0")
-        assert "names a device twice" in await self.refused(node)
+        assert 'names a device more than once: ["gpu-0" 2 times]' in await self.refused(node)
+
+    async def test_a_device_named_ten_thousand_times_is_counted_right(self, node):
+        node.claims.allocate(CLAIM, *["gpu-0"] * 10_000, "gpu-1", "gpu-1")
+        message = await self.refused(node)
+        assert 'names a device more than once: ["gpu-0" 10000 times, "gpu-1" 2 times]' in message
+        assert "more" not in message.partition("once")[2]
+
+    @pytest.mark.parametrize(
+        "request_name",
+        [
+            "a b\x00c",
+            "../../x",
+            "x" * (1 << 20),
+            "Gpus",
+            "gpus/",
+            "/big",
+            "gpus/big/x",
+            "",
+            "-gpus",
+            "g" * 64,
+        ],
+        ids=[
+            "nul-space",
+            "escaping",
+            "1MB",
+            "uppercase",
+            "empty-sub",
+            "empty-base",
+            "two-slashes",
+            "empty",
+            "leading-dash",
+            "64-chars",
+        ],
+    )
+    async def test_a_request_name_no_api_server_makes_prepares_nothing(self, node, request_name):
+        node.claims.allocate(CLAIM, "gpu-0", request=request_name)
+        message = await self.refused(node)
+        assert "request name" in message and "DNS label" in message
+        assert len(message) < 600 and "\x00" not in message
+        assert not node.cdi_dir.exists() and node.checkpoint.load() == {}
+
+    async def test_a_request_name_of_63_characters_and_a_sub_request_prepare(self, node):
+        node.claims.allocate(CLAIM, "gpu-0", request=f"{'g' * 63}/{'b' * 63}")
+        prepared = await node.preparer().prepare(CLAIM, budget=BUDGET)
+        assert prepared.devices[0].request_names == ("g" * 63,)
 
     async def test_no_device_of_this_driver(self, node):
         node.claims.allocate(CLAIM, "vf-0", driver="nic.example.com")
@@ -473,6 +518,47 @@ class TestFullDisk:
         await preparer.unprepare(CLAIM, budget=BUDGET)
         assert (node.kind.deallocated, node.kind.scrubbed) == ([["GPU-0"]], [["GPU-0"]])
         assert node.checkpoint.load() == {} and preparer.prepared == {}
+
+    async def test_a_driver_restarted_before_the_removal_was_recorded_does_not_release_again(
+        self, full_disk_node
+    ):
+        node = full_disk_node
+        node.claims.allocate(CLAIM, "gpu-0")
+        node.claims.allocate(OTHER, "gpu-1")
+        preparer = node.preparer()
+        await preparer.prepare(CLAIM, budget=BUDGET)
+        await preparer.prepare(OTHER, budget=BUDGET)
+        node.disks.fill(KUBELET)
+        with pytest.raises(PrepareError, match=NO_SPACE):
+            await preparer.unprepare(CLAIM, budget=BUDGET)
+        assert set(node.checkpoint.load()) == {"uid-1", "uid-2"}  # the file could not say it
+        restarted = node.preparer()  # a new driver process, the disk still full
+        assert set(restarted.prepared) == {"uid-2"}  # uid-1 is known released, its device free
+        with pytest.raises(PrepareError, match=NO_SPACE):
+            await restarted.unprepare(CLAIM, budget=BUDGET)  # the kubelet's retry: only the write is left
+        node.disks.free(KUBELET)
+        await node.preparer().unprepare(CLAIM, budget=BUDGET)  # and once more after another restart
+        assert node.kind.scrubbed == [["GPU-0"]]  # released once, whatever the restarts
+        assert set(node.checkpoint.load()) == {"uid-2"}
+        assert sorted(path.name for path in CDI.iterdir()) == [cdi.spec_file_name(DRIVER, "uid-2")]
+
+    async def test_a_claim_prepared_again_after_a_restart_with_a_half_recorded_unprepare_is_prepared(
+        self, full_disk_node
+    ):
+        node = full_disk_node
+        node.claims.allocate(CLAIM, "gpu-0")
+        preparer = node.preparer()
+        await preparer.prepare(CLAIM, budget=BUDGET)
+        node.disks.fill(KUBELET)
+        with pytest.raises(PrepareError, match=NO_SPACE):
+            await preparer.unprepare(CLAIM, budget=BUDGET)
+        node.disks.free(KUBELET)
+        again = await node.preparer().prepare(CLAIM, budget=BUDGET)  # a new pod of the claim
+        assert node.kind.reset == [["GPU-0"], ["GPU-0"]]
+        restarted = node.preparer()
+        assert restarted.prepared == {"uid-1": again}  # the new preparation is no released one
+        await restarted.unprepare(CLAIM, budget=BUDGET)
+        assert node.kind.scrubbed == [["GPU-0"], ["GPU-0"]]
 
     async def half_unprepared(self, node):
         """A preparer whose claim was released but not recorded (a full disk); the disk has room again."""

@@ -3,6 +3,7 @@
 import asyncio
 
 import pytest
+import structlog.testing
 
 from plugvisor.api.dra.v1 import api_pb2 as dra_v1
 from plugvisor.api.dra.v1beta1 import api_pb2 as dra_v1beta1
@@ -113,6 +114,22 @@ class TestPrepare:
         response = await server.NodeUnprepareResources(request, Context())
         assert {uid: answer.error for uid, answer in response.claims.items()} == {"u1": "", "u9": ""}
         assert server.preparer.prepared == {}
+
+
+class TestInputFromOutside:
+    @pytest.mark.parametrize(
+        "field", ["namespace", "name", "uid"], ids=["1MB-namespace", "1MB-name", "1MB-uid"]
+    )
+    async def test_a_megabyte_reference_gives_a_short_escaped_answer_and_log_line(self, server, field):
+        parts = {"namespace": "default", "name": "good", "uid": "u1", field: "\x1b[2J" + "x" * (1 << 20)}
+        request = dra_v1.NodePrepareResourcesRequest(claims=[dra_v1.Claim(**parts)])
+        with structlog.testing.capture_logs() as logs:
+            response = await server.NodePrepareResources(request, Context())
+        (answer,) = response.claims.values()
+        assert answer.error and len(answer.error) < 1000 and "\x1b" not in answer.error
+        assert f"({(1 << 20) + 4} characters)" in answer.error
+        (line,) = [entry for entry in logs if entry["event"] == "claim_not_prepared"]
+        assert len(line["claim"]) < 1000 and "\x1b" not in line["claim"]
 
 
 class TestVersions:

@@ -237,3 +237,34 @@ class TestHostRootConfinement:
         fs.create_symlink(ROOT / "dev", "/realdev")
         paths = HostPaths(root=ROOT, kubelet_dir=Path("/kubelet"))
         assert len(GenericSource(GenericOptions(paths=["/dev/ttyUSB*"]), paths).scan().devices) == 0
+
+
+class TestLinks:
+    """A matched path that is a link: the runtime follows it on the host, so it is checked inside the root."""
+
+    def scan(self, fs):
+        paths = HostPaths(root=ROOT, kubelet_dir=Path("/kubelet"))
+        return GenericSource(GenericOptions(paths=["/dev/link*"]), paths).scan().devices
+
+    def test_a_dangling_link_is_published_unhealthy(self, fs):
+        fs.create_symlink(ROOT / "dev/link0", "/etc/does-not-exist")
+        assert not self.scan(fs)["link0"].healthy
+
+    def test_a_link_whose_target_exists_only_outside_the_root_is_unhealthy(self, fs):
+        fs.create_file("/etc/only-here")  # this process's own, not the host's
+        fs.create_symlink(ROOT / "dev/link0", "/etc/only-here")
+        assert not self.scan(fs)["link0"].healthy
+
+    def test_a_link_to_a_node_inside_the_root_is_healthy(self, fs):
+        fs.create_file(ROOT / "dev/real0")
+        fs.create_symlink(ROOT / "dev/link0", "/dev/real0")
+        fs.create_symlink(ROOT / "dev/link1", "real0")
+        devices = self.scan(fs)
+        assert devices["link0"].healthy and devices["link1"].healthy
+        assert devices["link0"].specs[0].host_path == "/lab/dev/link0"  # the runtime follows it itself
+
+    def test_a_link_that_comes_back_to_life_is_healthy_at_the_next_scan(self, fs):
+        fs.create_symlink(ROOT / "dev/link0", "/dev/real0")
+        assert not self.scan(fs)["link0"].healthy
+        fs.create_file(ROOT / "dev/real0")
+        assert self.scan(fs)["link0"].healthy

@@ -191,6 +191,11 @@ def test_each_image_has_its_own_archive_file_named_after_it() -> None:
             "--dockerfile /nonexistent/Dockerfile: expected a Dockerfile",
         ),
         (["--ca-bundle", "/nonexistent.pem"], "--ca-bundle /nonexistent.pem: expected a PEM file"),
+        (
+            ["--image", "a:b=no-such-stage"],
+            "--image 'a:b=no-such-stage': the Dockerfile has no stage 'no-such-stage' (its stages: build, "
+            "release, emulators)",
+        ),
     ],
 )
 def test_bad_input_gets_one_line_naming_it_and_exit_status_2(
@@ -213,9 +218,10 @@ def test_the_default_plan_is_the_e2e_image_from_the_last_stage_and_the_pod_image
 
 
 def test_several_images_and_build_args_go_into_one_plan_and_the_pod_image_can_be_left_out() -> None:
-    argv = ["--image", "plugvisor:e2e", "--image", "plugvisor-lab:e2e=lab", "--build-arg", "VERSION=9"]
+    argv = ["--image", "plugvisor:e2e", "--image", "plugvisor-lab:e2e=emulators", "--build-arg", "VERSION=9"]
     plan = images.plan(images.parser().parse_args([*argv, "--no-pod-image", "--ca-bundle", ""]))
-    assert [(s.ref, s.target) for s in plan.specs] == [("plugvisor:e2e", None), ("plugvisor-lab:e2e", "lab")]
+    expected = [("plugvisor:e2e", None), ("plugvisor-lab:e2e", "emulators")]
+    assert [(s.ref, s.target) for s in plan.specs] == expected
     assert plan.build_args == {"VERSION": "9"}
     assert plan.pod_ref is None
     assert plan.ca_bundle is None
@@ -291,3 +297,14 @@ def test_without_permission_to_install_the_missing_packages_are_named(
     monkeypatch.setattr(images, "missing_packages", lambda: ["buildah", "runc"])
     with pytest.raises(images.BuildError, match=r"missing Debian packages: buildah runc \(install them"):
         images.install_packages(images.Runner(tmp_path), allowed=False)
+
+
+def test_the_stages_are_read_from_the_dockerfile_with_their_names_as_written() -> None:
+    dockerfile = """
+FROM --platform=$BUILDPLATFORM python:3.11 AS Build
+from build as release
+FROM release
+FROM scratch AS \\
+  last
+"""
+    assert images.dockerfile_stages(dockerfile) == ["build", "release", "last"]

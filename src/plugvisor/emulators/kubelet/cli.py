@@ -234,7 +234,14 @@ def kubelet_command(  # noqa: PLR0917 - click passes every option positionally
     kubelet_version: str,
     node_name: str | None,
 ) -> None:
-    """Run an emulated kubelet's device-plugin side on DIR (SIGHUP restarts it like a real kubelet)."""
+    r"""Run an emulated kubelet (device plugins, DRA drivers' registration) on DIR (SIGHUP restarts it).
+
+    \b
+    DRA: with --kubelet-version 1.35 or later its plugin watcher also registers DRA drivers
+    (DRAPlugin sockets in --plugins-registry) with the kubelet's rules and texts, and
+    with ResourceHealthStatus watches their health. Claims are prepared from the
+    Python API (kubelet.dra.prepare), not from this command: see docs/dra.md.
+    """
     socket_path = Path(os.path.abspath(socket_dir)) / constants.KUBELET_SOCKET_NAME  # noqa: PTH100
     if len(os.fsencode(socket_path)) > constants.MAX_UNIX_SOCKET_PATH:
         raise click.BadParameter(
