@@ -142,6 +142,14 @@ class TestHostAndKubeletDirectories:
         result = plugvisor("plugin", "generic", "--path", "/dev/null", "--kubelet-dir", f"{files['file']}/dp")
         assert_usage_error(result, f"--kubelet-dir: {files['file']}/dp: cannot create it: Not a directory")
 
+    @pytest.mark.skipif(os.geteuid() != 0, reason="as another user the check refuses it before start")
+    def test_a_kubelet_dir_the_kernel_refuses_to_create(self):
+        """As root /proc looks writable, so the check passes; the watch's mkdir failed with a traceback."""
+        result = plugvisor("plugin", "generic", "--path", "/dev/null", "--kubelet-dir", "/proc/no-such-dir")
+        assert result.returncode == 2, result.stderr
+        assert "Traceback" not in result.stderr, result.stderr
+        assert "/proc/no-such-dir: No such file or directory" in result.stderr, result.stderr
+
     def test_a_kubelet_dir_that_is_a_dangling_link(self, short_dir):
         """It passed the check (nothing was created any more) and the watch's mkdir died on it."""
         (short_dir / "dp").symlink_to(short_dir / "nowhere")

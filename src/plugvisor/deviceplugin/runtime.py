@@ -279,7 +279,11 @@ class DevicePluginRuntime:
         # Before any watch is opened, so that the agent hears of a fallback from the first one.
         stop_hearing = inotify_.on_polling(self._watching_by_polling)
         dir_watch = KubeletDirState(self.config.paths.kubelet_dir)
-        dir_watch.open()
+        try:
+            dir_watch.open()
+        except OSError as exc:  # the check before start cannot foresee all (mkdir in /proc as root)
+            where = exc.filename or self.config.paths.kubelet_dir
+            raise ConfigurationError(f"kubelet dir {where}: {exc.strerror or exc}") from None
         registrar = Registrar(
             dir_watch,
             resource=self.config.resource,
