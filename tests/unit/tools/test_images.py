@@ -291,3 +291,15 @@ def test_without_permission_to_install_the_missing_packages_are_named(
     monkeypatch.setattr(images, "missing_packages", lambda: ["buildah", "runc"])
     with pytest.raises(images.BuildError, match=r"missing Debian packages: buildah runc \(install them"):
         images.install_packages(images.Runner(tmp_path), allowed=False)
+
+
+def test_the_build_runs_the_distributions_runc_not_the_first_on_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    decoy = tmp_path / "runc"
+    decoy.write_text("#!/bin/sh\n")
+    decoy.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/sbin:/usr/bin:/sbin:/bin")
+    chosen = Path(images.runtime())
+    assert chosen.is_absolute()
+    assert chosen != decoy
