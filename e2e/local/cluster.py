@@ -43,7 +43,7 @@ from typing import Any
 
 import yaml
 
-from . import pki
+from . import hostbin, pki
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = Path("/var/lib/plugvisor-e2e")
@@ -140,6 +140,13 @@ class ClusterError(RuntimeError):
 def _run(
     argv: list[str], *, timeout: float = 120, check: bool = True, env: dict[str, str] | None = None
 ) -> str:
+    """Run a command; a bare name is a system tool (hostbin), never whatever PATH finds first."""
+    try:
+        argv = hostbin.absolute(argv)
+    except hostbin.MissingBinaryError as exc:
+        if check:
+            raise ClusterError(str(exc)) from None
+        return ""
     result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False, env=env)
     if check and result.returncode != 0:
         raise ClusterError(f"{' '.join(argv)} failed ({result.returncode}):\n{result.stdout}{result.stderr}")
@@ -194,7 +201,7 @@ def _read_sysctl(name: str) -> str | None:
 def _iptables(family: str) -> Iterator[tuple[str, str]]:
     """(table, line) for each line of ``iptables-save`` (or ip6tables-save)."""
     save = "iptables-save" if family == "ip" else "ip6tables-save"
-    if shutil.which(save) is None:
+    if shutil.which(save, path=os.pathsep.join(hostbin.SYSTEM_DIRS)) is None:
         return
     table = ""
     for line in _run([save], check=False).splitlines():
@@ -234,7 +241,7 @@ def _remove_iptables_chains(chains: set[str]) -> None:
 
 def _nft_tables() -> list[str]:
     """Every nftables table, as ``family name`` (iptables-nft's tables included)."""
-    if shutil.which("nft") is None:
+    if shutil.which("nft", path=os.pathsep.join(hostbin.SYSTEM_DIRS)) is None:
         return []
     listed = _run(["nft", "list", "tables"], check=False).split("\n")
     return [" ".join(line.split()[1:]) for line in listed if line.startswith("table")]
@@ -507,7 +514,10 @@ class LocalCluster:
 
     def _write_containerd_config(self) -> None:
         root = self.base / "containerd"
-        runc = shutil.which("runc") or "/usr/sbin/runc"
+        # Both by absolute path: the shim is the build's (containerd speaks only its own shim's protocol),
+        # runc is the distribution's (another install's runc or shim earlier on PATH is never taken).
+        runc = hostbin.system_binary("runc")
+        shim = self.bin / "containerd-shim-runc-v2"
         config = f"""\
 version = 3
 root = "{root}/root"
@@ -530,6 +540,10 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
   # the kubelet asks -998 for sandboxes, and runc fails ("failed to update /proc/self/oom_score_adj").
   restrict_oom_score_adj = true
   cdi_spec_dirs = ["/etc/cdi", "/var/run/cdi"]
+
+[plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
+  runtime_type = "io.containerd.runc.v2"
+  runtime_path = "{shim}"
 
 [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]
   BinaryName = "{runc}"
@@ -610,7 +624,12 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
             out.write(f"\n=== {time.strftime('%H:%M:%S')} {' '.join(argv)}\n".encode())
             out.flush()
             process.popen = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                start_new_session=True,
+                env=hostbin.environment(self.bin),
             )
         self.processes[name] = process
         self._write_state()

@@ -14,6 +14,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from .hostbin import system_binary
+
 DAYS = "7"
 
 
@@ -26,7 +28,9 @@ class Identity:
 
 
 def _openssl(*args: str, cwd: Path) -> None:
-    result = subprocess.run(["openssl", *args], cwd=cwd, capture_output=True, text=True, check=False)
+    result = subprocess.run(
+        [system_binary("openssl"), *args], cwd=cwd, capture_output=True, text=True, check=False
+    )
     if result.returncode != 0:
         raise RuntimeError(f"openssl {' '.join(args)} failed:\n{result.stderr}")
 

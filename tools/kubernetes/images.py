@@ -709,8 +709,11 @@ def fill_pod_root(root: Path, applets: Sequence[str]) -> None:
 
 
 def runtime() -> str:
-    """The OCI runtime for RUN steps (see DEBIAN_TOOLS on why runc)."""
-    return shutil.which("runc") or "runc"
+    """The OCI runtime for RUN steps (see DEBIAN_TOOLS on why runc): the distribution's runc.
+
+    Never whatever PATH finds first: another install's runc may come earlier there (e2e/local/hostbin.py).
+    """
+    return shutil.which("runc", path="/usr/sbin:/usr/bin:/sbin:/bin") or "/usr/sbin/runc"
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -308,3 +308,15 @@ FROM scratch AS \\
   last
 """
     assert images.dockerfile_stages(dockerfile) == ["build", "release", "last"]
+
+
+def test_the_build_runs_the_distributions_runc_not_the_first_on_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    decoy = tmp_path / "runc"
+    decoy.write_text("#!/bin/sh\n")
+    decoy.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/sbin:/usr/bin:/sbin:/bin")
+    chosen = Path(images.runtime())
+    assert chosen.is_absolute()
+    assert chosen != decoy
