@@ -39,10 +39,10 @@ def topology(root: str) -> ET.Element:
 
 
 def bits(mask: str) -> set[int]:
-    """hwloc's bitmap text (``0x0000ffff,0xffffffff``, a zero word as ``0x0``) as the set of its bits."""
+    """hwloc's bitmap text (``0x0000ffff,0xffffffff``; a zero word as ``0x0`` or nothing) as its bits."""
     value = 0
     for word in mask.split(","):
-        value = value << 32 | int(word, 16)
+        value = value << 32 | int(word or "0", 16)
     return {bit for bit in range(value.bit_length()) if value >> bit & 1}
 
 
