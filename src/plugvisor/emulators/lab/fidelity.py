@@ -8,8 +8,8 @@ and matching ``sriov_numvfs``, ``driver`` and ``iommu_group`` links answered by
 their back-links, and every device node matched by ``sys/dev/char`` and
 ``dev/char`` entries with the same numbers (and the same ``st_rdev`` for real
 nodes), RDMA devices, ports and verbs nodes that agree, NUMA ``meminfo`` and CPU links
-in kernel form, and PCI ``resource``/``local_cpus`` that agree with their siblings. Tests
-assert an empty report; a person can run ``plugvisor lab check``.
+in kernel form, a CPU tree whose masks and lists agree, and PCI ``resource``/``local_cpus``
+that agree with their siblings. Tests assert an empty report; a person can run ``plugvisor lab check``.
 """
 
 # Paths here are strings joined to a root, as a plugin with a host-root prefix handles them.
@@ -225,7 +225,46 @@ def _nodes(root: str) -> list[str]:
     return problems
 
 
+_PAIRS = ("core_cpus", "thread_siblings", "cluster_cpus", "die_cpus", "package_cpus", "core_siblings")
+"""Topology attributes the kernel prints twice: as a mask and as a ``_list``."""
+
+
+def _cpu_tree(root: str) -> list[str]:
+    """The CPU tree hwloc and lscpu read is whole and agrees with itself.
+
+    ``online`` names the ``cpuN`` directories, each has the topology mask files (without them
+    hwloc describes the host instead), masks and lists agree, and each cache's size is its sets
+    times ways times line size.
+    """
+    base = f"{root}/sys/devices/system/cpu"
+    if not os.path.isdir(base):
+        return []
+    problems = []
+    present = {int(os.path.basename(c)[3:]) for c in glob.glob(f"{base}/cpu[0-9]*")}
+    if os.path.exists(f"{base}/online") and _cpus(_read(f"{base}/online")) != present:
+        problems.append("sys/devices/system/cpu/online disagrees with the cpuN directories")
+    for cpu in sorted(present):
+        topology = f"{base}/cpu{cpu}/topology"
+        if not os.path.exists(f"{topology}/package_cpus") and not os.path.exists(f"{topology}/core_cpus"):
+            problems.append(f"cpu{cpu}: no topology/package_cpus or core_cpus mask")
+        for name in _PAIRS:
+            mask, cpus = f"{topology}/{name}", f"{topology}/{name}_list"
+            if os.path.exists(mask) and _mask_cpus(_read(mask)) != _cpus(_read(cpus)):
+                problems.append(f"cpu{cpu}: topology/{name} and {name}_list name different CPUs")
+        for index in sorted(glob.glob(f"{base}/cpu{cpu}/cache/index[0-9]*")):
+            where = f"cpu{cpu}/cache/{os.path.basename(index)}"
+            if _mask_cpus(_read(f"{index}/shared_cpu_map")) != _cpus(_read(f"{index}/shared_cpu_list")):
+                problems.append(f"{where}: shared_cpu_map and shared_cpu_list name different CPUs")
+            size = _read(f"{index}/size")
+            product = 1
+            for name in ("number_of_sets", "ways_of_associativity", "coherency_line_size"):
+                product *= int(_read(f"{index}/{name}"))
+            if not size.endswith("K") or int(size[:-1]) * 1024 != product:
+                problems.append(f"{where}: size {size!r} is not sets x ways x line size ({product} bytes)")
+    return problems
+
+
 def problems(root: str | os.PathLike[str]) -> list[str]:
     """Return every way the tree under ``root`` would mislead a real reader (empty when faithful)."""
     real = os.path.realpath(root)
-    return _links(real) + _pci(real) + _nodes(real) + _rdma(real) + _numa(real)
+    return _links(real) + _pci(real) + _nodes(real) + _rdma(real) + _numa(real) + _cpu_tree(real)

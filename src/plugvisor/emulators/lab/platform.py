@@ -12,7 +12,7 @@ device nodes (``deviceNodes``: ``/dev/fuse`` and the like, as virtual devices),
 
 from __future__ import annotations
 
-from plugvisor.emulators.lab import catalog, kinds, majors, pci
+from plugvisor.emulators.lab import catalog, cpus, kinds, majors, pci
 from plugvisor.emulators.lab.spec import Dir, File, Spec, add_link, driver_dir, text, virtual_device
 from plugvisor.emulators.lab.state import DeviceState, LabState
 
@@ -102,9 +102,11 @@ def _proc_meminfo(total_kb: int, hugepages: dict[int, int]) -> bytes:
 
 
 def _numa(spec: Spec, state: LabState) -> None:
-    """NUMA nodes and CPUs as ``drivers/base/node.c`` and ``cpu.c`` show them, memory as the profile says."""
+    """NUMA nodes as ``drivers/base/node.c`` shows them, memory as the profile says; CPUs from :mod:`.cpus`.
+
+    Each NUMA node is one package of ``cpusPerNumaNode`` CPUs, numbered contiguously.
+    """
     base = "sys/devices/system/node"
-    cpus = "sys/devices/system/cpu"
     profile = state.profile
     last = len(state.numa_nodes) - 1
     span = "0" if last == 0 else f"0-{last}"
@@ -112,8 +114,7 @@ def _numa(spec: Spec, state: LabState) -> None:
         spec[f"{base}/{name}"] = text(span)
     per_node = profile.cpus_per_numa_node
     count = per_node * len(state.numa_nodes)
-    for name in ("online", "possible", "present"):
-        spec[f"{cpus}/{name}"] = text("0" if count == 1 else f"0-{count - 1}")
+    cpus.render(spec, [range(n.id * per_node, (n.id + 1) * per_node) for n in state.numa_nodes])
     total_kb = profile.memory_per_numa_node_gib * 2**20
     hugepages = profile.hugepages_per_numa_node.sizes()
     for node in state.numa_nodes:
@@ -129,17 +130,7 @@ def _numa(spec: Spec, state: LabState) -> None:
             spec[f"{h}/free_hugepages"] = text(pages)
             spec[f"{h}/surplus_hugepages"] = text(0)
         for cpu in range(node.id * per_node, (node.id + 1) * per_node):
-            c = f"{cpus}/cpu{cpu}"
-            spec[f"{c}/online"] = File(b"1\n", 0o644)
-            spec[f"{c}/topology/physical_package_id"] = text(node.id)
-            spec[f"{c}/topology/die_id"] = text(0)
-            spec[f"{c}/topology/core_id"] = text(cpu - node.id * per_node)
-            spec[f"{c}/topology/thread_siblings_list"] = text(cpu)
-            spec[f"{c}/topology/core_cpus_list"] = text(cpu)
-            spec[f"{c}/topology/core_siblings_list"] = text(node.cpulist)
-            spec[f"{c}/topology/package_cpus_list"] = text(node.cpulist)
-            add_link(spec, f"{d}/cpu{cpu}", c)
-            add_link(spec, f"{c}/node{node.id}", d)
+            cpus.link_node(spec, cpu, d, node.id)
     for size, pages in hugepages.items():
         g = f"sys/kernel/mm/hugepages/hugepages-{size}kB"
         total = pages * len(state.numa_nodes)
