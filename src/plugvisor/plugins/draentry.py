@@ -4,9 +4,12 @@ The same kind, the same options and the same host as a device plugin, served
 to the kubelet as a Dynamic Resource Allocation driver instead
 (:mod:`plugvisor.dra`, docs/dra.md). ``plugvisor plugin`` hands its command
 line here when it says ``--mode dra`` (:mod:`plugvisor.plugins.entry`), and so
-does a child of the agent, whose arguments are the same. The options a kind
-reads (``--host-root``, ``--options-json``...) are the plugin command's own
-option objects, so both modes parse and document them the same way.
+does a child of the agent, whose arguments are the same: the dispatch, in
+:mod:`plugvisor.plugins.entrycommon`, imports this module by name when asked
+for it, and this module imports that one, never :mod:`plugvisor.plugins.entry`.
+The options a kind reads (``--host-root``, ``--options-json``...) are declared
+there once and applied by both commands, so both modes parse and document them
+the same way; they and this command's own fill one :class:`DriverOptions`.
 
 The API server is reached through :mod:`plugvisor.dra.kube` (its
 ``connect``), or, with ``--objects-dir``, claims and slices are files
@@ -22,58 +25,62 @@ import os
 import socket
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final, NoReturn
 
 import click
-import pydantic
 
 from plugvisor.common import constants
-from plugvisor.common.hostpaths import HostPaths, kubelet_dir_problem
-from plugvisor.common.logs import configure_logging
+from plugvisor.common.hostpaths import kubelet_dir_problem
 from plugvisor.common.names import dra_driver_name_problem
-from plugvisor.common.validation import describe
 from plugvisor.deviceplugin.errors import ConfigurationError
 from plugvisor.dra.cluster import ClaimReader, PublishState, SlicePublisher
 from plugvisor.dra.hooks import kind_resource
-from plugvisor.plugins import entry
-from plugvisor.plugins.kinds import UnknownKindError, get_kind
+from plugvisor.plugins.entrycommon import (
+    DRA_MODE,
+    KindProcessOptions,
+    LastWordsCommand,
+    check_host,
+    count_option,
+    host_root_option,
+    kubelet_dir_option,
+    monitoring_options,
+    options_file_option,
+    options_json_option,
+    path_option,
+    plugins_registry_option,
+    refuse,
+    rescan_interval_option,
+    set_title,
+    spec_root_option,
+)
 
 if TYPE_CHECKING:
     from plugvisor.dra.runtime import Connect
 
-MODE: Final = "dra"
+MODE: Final = DRA_MODE
 KUBE_MODULE: Final = "plugvisor.dra.kube"
 OBJECTS_DIR_ENV: Final = "PLUGVISOR_DRA_OBJECTS_DIR"
 """``--objects-dir`` from the environment: how an agent's drivers on an emulated node find their files."""
-SHARED_OPTIONS: Final = (
-    "host_root",
-    "kubelet_dir",
-    "spec_root",
-    "paths",
-    "count",
-    "options_file",
-    "options_json",
-    "plugins_registry",
-    "rescan_interval",
-    "monitor_dir",
-    "pod_resources_socket",
-    "pod_resources_interval",
-    "telemetry_interval",
-    "log_level",
-    "log_format",
-)
-"""The plugin command's options that mean the same for a DRA driver."""
 
 
-def wants_dra(args: list[str]) -> bool:
-    """Whether a ``plugvisor plugin`` command line asks for ``--mode dra``."""
-    for index, arg in enumerate(args):
-        if arg == "--":
-            return False
-        if arg == f"--mode={MODE}" or (arg == "--mode" and args[index + 1 : index + 2] == [MODE]):
-            return True
-    return False
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DriverOptions(KindProcessOptions):
+    """``plugvisor plugin KIND --mode dra``: the shared options and the DRA driver's own."""
+
+    mode: str
+    driver: str | None
+    node_name: str | None
+    cdi_dir: str
+    objects_dir: Path | None
+    replace: bool
+    withdraw_on_stop: bool
+
+    @property
+    def driver_name(self) -> str:
+        """The driver served: ``--driver``, else ``<KIND>.plugvisor.io``."""
+        return self.driver or f"{self.kind}.plugvisor.io"
 
 
 def preload() -> None:
@@ -109,7 +116,7 @@ def _connect(driver: str, node_name: str, objects_dir: Path | None, kubelet_sock
         kube = importlib.import_module(KUBE_MODULE)
         connect, config_error = kube.connect, kube.KubeConfigError
     except (ImportError, AttributeError) as exc:
-        entry.refuse(
+        refuse(
             f"plugvisor plugin --mode dra: this installation has no Kubernetes API client ({KUBE_MODULE}: "
             f"{exc}); install plugvisor[dra], or give --objects-dir DIR to run the driver with claims and "
             "slices as files"
@@ -132,7 +139,7 @@ def _connect(driver: str, node_name: str, objects_dir: Path | None, kubelet_sock
     return api
 
 
-@click.command("plugin", cls=entry.LastWordsCommand)
+@click.command("plugin", cls=LastWordsCommand)
 @click.argument("kind")
 @click.option(
     "--mode",
@@ -169,92 +176,66 @@ def _connect(driver: str, node_name: str, objects_dir: Path | None, kubelet_sock
     is_flag=True,
     help="Delete the node's ResourceSlices of the driver at a clean stop (a driver that goes for good).",
 )
-def dra_plugin_command(
-    *,
-    kind: str,
-    mode: str,
-    driver: str | None,
-    node_name: str | None,
-    cdi_dir: str,
-    objects_dir: Path | None,
-    replace: bool,
-    withdraw_on_stop: bool,
-    host_root: Path,
-    kubelet_dir: Path,
-    spec_root: Path | None,
-    paths: tuple[str, ...],
-    count: int | None,
-    options_file: Path | None,
-    options_json: str | None,
-    plugins_registry: Path | None,
-    rescan_interval: float,
-    monitor_dir: Path | None,
-    pod_resources_socket: Path | None,
-    pod_resources_interval: float,
-    telemetry_interval: float,
-    log_level: str,
-    log_format: str,
-) -> None:
+@host_root_option
+@kubelet_dir_option
+@spec_root_option
+@path_option
+@count_option
+@options_file_option
+@options_json_option
+@plugins_registry_option
+@rescan_interval_option
+@monitoring_options
+def dra_plugin_command(**params: Any) -> None:
     """Run one kind as a DRA driver's kubelet plugin in this process.
 
     It registers through the kubelet's plugins_registry, prepares claims as CDI
     specs and publishes the node's devices as ResourceSlices (docs/dra.md).
     """
+    run(DriverOptions(**params))
+
+
+def run(opts: DriverOptions) -> NoReturn:
+    """Serve the kind as a DRA driver until it stops; exit with its status (2 for what it refuses)."""
     from plugvisor.deviceplugin.monitorconfig import MonitorConfig
     from plugvisor.dra.runtime import DriverConfig, run_driver
 
-    del mode
-    configure_logging(level=log_level, fmt="json" if log_format == "json" else "kv")
-    try:
-        plugin_kind = get_kind(kind)
-    except UnknownKindError as exc:
-        raise click.BadParameter(str(exc), param_hint="KIND") from exc
-    raw, source_name = entry.kind_options(kind, options_file, options_json, paths, count)
-    try:
-        options = plugin_kind.options_model.model_validate(raw)
-    except pydantic.ValidationError as exc:
-        entry.refuse(f"plugvisor plugin {kind}: invalid options\n{describe(exc, source=source_name)}")
-    driver_name = driver or f"{kind}.plugvisor.io"
-    entry.set_title(kind, driver_name, dra=True)
+    opts.configure_logging()
+    plugin_kind, options = opts.load_kind()
+    driver_name = opts.driver_name
+    set_title(opts.kind, driver_name, dra=True)
     problem = dra_driver_name_problem(driver_name)
     if problem is not None:
         raise click.BadParameter(problem, param_hint="--driver")
-    if not cdi_dir.startswith("/"):
-        raise click.BadParameter(f"{cdi_dir} must be an absolute path", param_hint="--cdi-dir")
-    if spec_root is not None and not spec_root.is_absolute():
-        raise click.BadParameter(f"{spec_root} must be an absolute path", param_hint="--spec-root")
-    host = HostPaths(root=host_root.absolute(), kubelet_dir=kubelet_dir.absolute(), spec_root=spec_root)
-    entry._check_host(plugin_kind, host, driver_name)  # one command, two modes: the same checks
+    if not opts.cdi_dir.startswith("/"):
+        raise click.BadParameter(f"{opts.cdi_dir} must be an absolute path", param_hint="--cdi-dir")
+    host = opts.host()
+    check_host(plugin_kind, host, driver_name)  # one command, two modes: the same checks
     try:
         config = DriverConfig(
             driver_name,
-            node_name or default_node_name(),
+            opts.node_name or default_node_name(),
             host,
-            cdi_dir=cdi_dir,
-            rescan_interval=rescan_interval,
+            cdi_dir=opts.cdi_dir,
+            rescan_interval=opts.rescan_interval,
             monitoring=MonitorConfig(
-                enabled=monitor_dir is not None,
-                monitor_dir=None if monitor_dir is None else monitor_dir.absolute(),
-                pod_resources_socket=pod_resources_socket,
-                pod_resources_interval=pod_resources_interval,
-                telemetry_interval=telemetry_interval,
+                enabled=opts.monitor_dir is not None,
+                monitor_dir=None if opts.monitor_dir is None else opts.monitor_dir.absolute(),
+                pod_resources_socket=opts.pod_resources_socket,
+                pod_resources_interval=opts.pod_resources_interval,
+                telemetry_interval=opts.telemetry_interval,
             ),
-            plugins_registry=plugins_registry.absolute() if plugins_registry is not None else None,
-            replace=replace,
-            withdraw_on_stop=withdraw_on_stop,
+            plugins_registry=opts.plugins_registry.absolute() if opts.plugins_registry is not None else None,
+            replace=opts.replace,
+            withdraw_on_stop=opts.withdraw_on_stop,
         )
-        source = plugin_kind.build(options, host, resource=kind_resource(driver_name, kind))
+        source = plugin_kind.build(options, host, resource=kind_resource(driver_name, opts.kind))
     except ConfigurationError as exc:
-        entry.refuse(f"plugvisor plugin {kind}: {exc}")
+        refuse(f"plugvisor plugin {opts.kind}: {exc}")
     for directory in (config.driver_dir, config.registry_dir):
         problem = kubelet_dir_problem(directory)
         if problem is not None:
-            entry.refuse(f"plugvisor plugin {kind}: {problem}")
-    objects = objects_dir.absolute() if objects_dir else None
+            refuse(f"plugvisor plugin {opts.kind}: {problem}")
+    objects = opts.objects_dir.absolute() if opts.objects_dir else None
     connect = _connect(driver_name, config.node_name, objects, host.kubelet_socket)
     sys.exit(run_driver(config, source, connect=connect))
-
-
-dra_plugin_command.params.extend(
-    param for param in entry.plugin_command.params if param.name in SHARED_OPTIONS
-)

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from plugvisor.plugins import draentry, entry
+from plugvisor.plugins import draentry, entry, entrycommon
 
 
 @pytest.mark.parametrize(
@@ -21,7 +21,7 @@ from plugvisor.plugins import draentry, entry
     ],
 )
 def test_only_an_explicit_dra_mode_is_the_dra_command(args, dra):
-    assert draentry.wants_dra(args) is dra
+    assert entrycommon.wants_dra(args) is dra
 
 
 def test_plugin_help_names_the_modes_and_dra_help_its_own_options():

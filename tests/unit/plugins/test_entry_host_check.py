@@ -5,7 +5,7 @@ import pytest
 import structlog
 
 from plugvisor.common.hostpaths import HostPaths
-from plugvisor.plugins import entry
+from plugvisor.plugins import entrycommon
 from plugvisor.plugins.kinds import PluginKind, get_kind
 
 
@@ -17,7 +17,7 @@ def warnings_for(kind, tmp_path):
     (tmp_path / "root/sys").mkdir(parents=True, exist_ok=True)  # a host root with no sys/bus/pci/devices
     host = HostPaths(root=tmp_path / "root", kubelet_dir=tmp_path / "dp")
     with structlog.testing.capture_logs() as logs:
-        entry._check_host(kind, host, "example.com/x")
+        entrycommon.check_host(kind, host, "example.com/x")
     return [log["event"] for log in logs]
 
 
