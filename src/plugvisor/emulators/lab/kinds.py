@@ -189,7 +189,7 @@ class OutsideSource(Protocol):
 
 
 @runtime_checkable
-class OutsideKind(Protocol):
+class OutsideKind(LabKind, Protocol):
     """A registered kind of another package (:class:`~.extension.PciAdapter`): its source and profiles."""
 
     @property
