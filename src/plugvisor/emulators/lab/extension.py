@@ -182,6 +182,14 @@ class PciDeviceKind(Generic[GroupT]):
         adapter: pydantic.TypeAdapter[list[GroupT]] = pydantic.TypeAdapter(list[self.group_model])  # type: ignore[name-defined]
         return adapter.validate_python(raw)
 
+    def lab_kind(self) -> PciAdapter:
+        """The kind as the lab's registry runs it (raises :class:`~.errors.LabError` naming what is wrong).
+
+        The registry (:mod:`.kinds`) sits below this module and never imports it;
+        it asks an entry point's object for its lab kind through this method.
+        """
+        return PciAdapter(self)
+
 
 def installed(name: str) -> PciDeviceKind[Any]:
     """The lab kind of another package registered as ``name`` (a :class:`~.errors.LabError` says why not)."""

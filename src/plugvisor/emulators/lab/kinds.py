@@ -22,6 +22,12 @@ too (pyproject.toml) but imported by name, as :data:`BUILTIN` says, and their
 names are reserved. An outside kind that cannot be loaded is remembered with its
 error, which is reported when a profile or a lab needs it, so one broken package
 does not take the lab away from everyone else.
+
+The registry sits low in the lab's imports: it knows no kind and imports none of
+the modules it describes (their types only for the checker). Kind modules import
+it and are found by name when first asked for, like entry points; profiles,
+state checks, faults, layout and rendering look kinds up here. So the arrows
+point one way (tests/unit/lab/test_import_graph.py holds them to it).
 """
 
 from __future__ import annotations
@@ -30,13 +36,16 @@ import importlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol, runtime_checkable
 
 from plugvisor.emulators.lab import errors
-from plugvisor.emulators.lab.pci import Bdf, Identity
-from plugvisor.emulators.lab.profiles import Profile
-from plugvisor.emulators.lab.spec import Spec
-from plugvisor.emulators.lab.state import DeviceKind, DeviceState, FunctionState, LabState
+
+if TYPE_CHECKING:  # types only: the registry sits below everything it describes (docs/lab.md)
+    from pydantic import BaseModel
+
+    from plugvisor.emulators.lab.pci import Bdf, Identity
+    from plugvisor.emulators.lab.spec import Spec
+    from plugvisor.emulators.lab.state import DeviceKind, DeviceState, FunctionState, LabState
 
 ENTRY_POINT_GROUP = "plugvisor.lab"
 
@@ -152,10 +161,63 @@ class LabKind(Protocol):
         ...
 
 
+class OutsideSource(Protocol):
+    """What the registry needs of another package's kind (:class:`~.extension.PciDeviceKind`)."""
+
+    @property
+    def name(self) -> str:
+        """The kind's name, the entry point's name."""
+        ...
+
+    @property
+    def models(self) -> Mapping[str, Any]:
+        """Its models by key."""
+        ...
+
+    @property
+    def group_model(self) -> type[BaseModel]:
+        """The pydantic model of one profile group."""
+        ...
+
+    def parse_groups(self, raw: object) -> list[Any]:
+        """The profile's groups of this kind, validated."""
+        ...
+
+    def check(self, root: str) -> list[str]:
+        """``lab check``'s questions about the kind's own entries."""
+        ...
+
+
+@runtime_checkable
+class OutsideKind(LabKind, Protocol):
+    """A registered kind of another package (:class:`~.extension.PciAdapter`): its source and profiles."""
+
+    @property
+    def kind(self) -> OutsideSource:
+        """The package's own kind object."""
+        ...
+
+    @property
+    def profiles(self) -> Mapping[str, str]:
+        """Named profiles (YAML text) the package brings."""
+        ...
+
+
+@runtime_checkable
+class Adaptable(Protocol):
+    """An entry point's object that can become a :class:`LabKind` (a :class:`~.extension.PciDeviceKind`)."""
+
+    def lab_kind(self) -> LabKind:
+        """The object the registry runs (raises :class:`~.errors.LabError` naming what is wrong)."""
+        ...
+
+
 _REGISTRY: dict[str, LabKind] = {}
 _BROKEN: dict[str, str] = {}
 """Outside kinds that failed to load: entry point name -> why."""
 _loaded = False
+_SECTIONS: list[str] = []
+"""The built-in kinds' profile sections in :data:`BUILTIN` order, which is the profile's field order."""
 
 
 def register(kind: LabKind) -> LabKind:
@@ -184,8 +246,6 @@ def register(kind: LabKind) -> LabKind:
 def _load_outside() -> None:
     from importlib.metadata import entry_points  # noqa: PLC0415 - metadata is read only for outside kinds
 
-    from plugvisor.emulators.lab.extension import PciAdapter, PciDeviceKind  # noqa: PLC0415 - imports this
-
     try:
         found = list(entry_points(group=ENTRY_POINT_GROUP))
     except Exception as exc:  # an unreadable site-packages must not take the built-in kinds away
@@ -201,13 +261,13 @@ def _load_outside() -> None:
         except Exception as exc:  # any import-time failure of another package, reported by name
             _BROKEN[ep.name] = f"{type(exc).__name__}: {exc}"
             continue
-        if not isinstance(kind, PciDeviceKind):
+        if not isinstance(kind, Adaptable):
             _BROKEN[ep.name] = f"{ep.value} is a {type(kind).__name__}, not a PciDeviceKind"
         elif getattr(kind, "name", None) != ep.name:
             _BROKEN[ep.name] = f"{ep.value} is named {getattr(kind, 'name', None)!r}, not {ep.name!r}"
         else:
             try:
-                register(PciAdapter(kind))
+                register(kind.lab_kind())
             except errors.LabError as exc:
                 _BROKEN[ep.name] = str(exc)
 
@@ -218,7 +278,9 @@ def _load() -> None:
         _loaded = True
         for value in BUILTIN.values():
             module, _, attribute = value.partition(":")
-            register(getattr(importlib.import_module(module), attribute))
+            kind = register(getattr(importlib.import_module(module), attribute))
+            if kind.section is not None and kind.section not in _SECTIONS:
+                _SECTIONS.append(kind.section)
         _load_outside()
 
 
@@ -244,7 +306,7 @@ def get(kind: DeviceKind | str) -> LabKind:
 def placing() -> list[LabKind]:
     """The registered kinds that place profile groups: the built-in sections in profile order, then others."""
     _load()
-    sections = list(Profile.model_fields)
+    sections = _SECTIONS
     unique: Iterable[LabKind] = dict.fromkeys(_REGISTRY.values())
 
     def order(kind: LabKind) -> tuple[int, str]:
@@ -259,33 +321,27 @@ def by_section() -> dict[str, LabKind]:
     return {k.section: k for k in placing() if k.section is not None}
 
 
-def groups(profile: Profile, kind: LabKind) -> list[Any]:
+def groups(profile: BaseModel, kind: LabKind) -> list[Any]:
     """A profile's groups of ``kind``: its own field for a built-in kind, validated extras for others."""
-    from plugvisor.emulators.lab.extension import PciAdapter  # noqa: PLC0415 - it imports this module
-
     assert kind.section is not None
-    if kind.section in Profile.model_fields:
+    if kind.section in type(profile).model_fields:
         built_in: list[Any] = getattr(profile, kind.section)
         return built_in
-    assert isinstance(kind, PciAdapter)
+    assert isinstance(kind, OutsideKind)
     return list(kind.kind.parse_groups((profile.model_extra or {}).get(kind.section, [])))
 
 
 def check(kind: LabKind, root: str) -> list[str]:
     """An outside kind's own ``lab check`` problems for the lab at ``root`` (built-in kinds: none here)."""
-    from plugvisor.emulators.lab.extension import PciAdapter  # noqa: PLC0415 - it imports this module
-
-    return kind.kind.check(root) if isinstance(kind, PciAdapter) else []
+    return kind.kind.check(root) if isinstance(kind, OutsideKind) else []
 
 
 def outside_profiles() -> dict[str, tuple[str, str]]:
     """Named profiles of outside kinds: name -> (``profile of lab kind <kind>``, YAML text)."""
-    from plugvisor.emulators.lab.extension import PciAdapter  # noqa: PLC0415 - it imports this module
-
     _load()
     found: dict[str, tuple[str, str]] = {}
     for kind in dict.fromkeys(_REGISTRY.values()):
-        if isinstance(kind, PciAdapter):
+        if isinstance(kind, OutsideKind):
             for name, text in kind.profiles.items():
                 found[name] = (f"profile of lab kind {kind.kind.name}", text)
     return found

@@ -20,7 +20,7 @@ from pydantic.alias_generators import to_camel
 
 from plugvisor.common.validation import known_keys, problem, unknown_key
 from plugvisor.common.yamlfile import YamlFileError, read_yaml
-from plugvisor.emulators.lab import catalog, errors, majors
+from plugvisor.emulators.lab import catalog, errors, kinds, majors
 
 _HEX32 = r"^[0-9a-f]{32}$"
 
@@ -181,8 +181,6 @@ def _field_name(loc: tuple[int | str, ...]) -> str:
 
 def _cross_checks(profile: Profile) -> list[tuple[str, str]]:
     """Return the problems pydantic cannot see field by field."""
-    from plugvisor.emulators.lab import kinds  # noqa: PLC0415 - kinds imports this module
-
     problems: list[tuple[str, str]] = []
     groups = [(kind.section or "", kinds.groups(profile, kind)) for kind in kinds.placing()]
     for section, items in groups:
@@ -398,14 +396,11 @@ def _problems(
 
 def _outside_sections(profile: Profile) -> list[tuple[str, str]]:
     """Check the keys no built-in field has: each must be an installed lab kind's section, and valid."""
-    from plugvisor.emulators.lab import kinds  # noqa: PLC0415 - kinds imports this module
-    from plugvisor.emulators.lab.extension import PciAdapter  # noqa: PLC0415 - it imports this module
-
     by_section = kinds.by_section()
     problems: list[tuple[str, str]] = []
     for key, value in (profile.model_extra or {}).items():
         kind = by_section.get(key)
-        if not isinstance(kind, PciAdapter):
+        if not isinstance(kind, kinds.OutsideKind):
             detail = unknown_key(key, [*known_keys(Profile, ()), *by_section])
             broken = kinds.broken()
             if broken:
@@ -476,8 +471,6 @@ BUILTIN_PROFILES: Final = tuple(_BUILTINS)
 
 def _named() -> dict[str, tuple[str, str]]:
     """Every named profile: name -> (where it comes from, YAML text); plugvisor's own first."""
-    from plugvisor.emulators.lab import kinds  # noqa: PLC0415 - kinds imports this module
-
     named = {name: ("built-in profile", text) for name, text in _BUILTINS.items()}
     named.update(kinds.outside_profiles())
     return named

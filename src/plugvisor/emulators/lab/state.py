@@ -28,7 +28,7 @@ from typing import Annotated, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict
 
-from plugvisor.emulators.lab import errors
+from plugvisor.emulators.lab import errors, kinds
 from plugvisor.emulators.lab.pci import Bdf
 from plugvisor.emulators.lab.profiles import Profile
 from plugvisor.emulators.lab.spec import File
@@ -287,8 +287,6 @@ def _read_state(path: str) -> str:
 
 
 def _device_problems(st: LabState, name: str, dev: DeviceState) -> list[str]:
-    from plugvisor.emulators.lab import kinds  # noqa: PLC0415 - kinds imports this module
-
     where = f"devices.{name}"
     problems: list[str] = []
     if dev.name != name or not _NAME.match(name):
