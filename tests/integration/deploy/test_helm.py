@@ -650,3 +650,60 @@ def test_the_gpu_device_class_serves_the_extended_resource_and_node_yaml_never_s
     plain = [{"name": "gpu.plugvisor.io", "kind": "gpu", "mode": "dra"}]
     none = chart("gpu-dra", "--set-json", f"kinds.gpu.dra.resources={json.dumps(plain)}")
     assert "extendedResourceName" not in next(d for d in none if d["kind"] == "DeviceClass")["spec"]
+
+
+def _security(docs: tuple[dict[str, Any], ...], name: str) -> dict[str, Any]:
+    security: dict[str, Any] = _pod(docs, name)["spec"]["containers"][0]["securityContext"]
+    return security
+
+
+def test_the_gpu_agents_run_privileged_by_default_so_that_nvml_can_open_the_device_nodes() -> None:
+    """kinds.gpu.nvml.deviceAccess privileged (the default): the device plugin's agent and the DRA driver's
+    are privileged (without allowPrivilegeEscalation false, which the API server refuses beside it); every
+    other kind's agent keeps no privilege and no capability."""
+    docs = chart("gpu", "--set", "kinds.gpu.dra.enabled=true", "--set", "kinds.nic.enabled=true")
+    for name in ("plugvisor-gpu", "plugvisor-gpu-dra"):
+        security = _security(docs, name)
+        assert security["privileged"] is True
+        assert "allowPrivilegeEscalation" not in security and "capabilities" not in security
+        assert "runtimeClassName" not in _pod(docs, name)["spec"]
+    assert _security(docs, "plugvisor-nic")["privileged"] is False
+    assert _security(docs, "plugvisor-nic")["capabilities"] == {"drop": ["ALL"]}
+    for doc in docs:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def test_nvidias_runtime_class_gives_nvml_the_device_nodes_without_privilege() -> None:
+    docs = chart(
+        "gpu",
+        *("--set", "kinds.gpu.dra.enabled=true"),
+        *("--set", "kinds.gpu.nvml.deviceAccess=runtimeClass"),
+        *("--set", "kinds.gpu.nvml.runtimeClassName=nvidia-cdi"),
+    )
+    for name in ("plugvisor-gpu", "plugvisor-gpu-dra"):
+        pod = _pod(docs, name)["spec"]
+        assert pod["runtimeClassName"] == "nvidia-cdi"
+        env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+        assert env["NVIDIA_VISIBLE_DEVICES"] == "all"
+        assert env["NVIDIA_DRIVER_CAPABILITIES"] == "utility"  # NVML, nothing of CUDA
+        security = _security(docs, name)
+        assert security["privileged"] is False and security["capabilities"] == {"drop": ["ALL"]}
+    for doc in docs:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+@pytest.mark.parametrize(
+    "settings", [["--set", "kinds.gpu.nvml.deviceAccess=none"], ["--set", "lab.enabled=true"]]
+)
+def test_without_device_access_or_in_a_lab_the_gpu_agent_keeps_no_privilege(settings: list[str]) -> None:
+    """none: NVML cannot start and the kind serves from sysfs; a lab's NVML opens no device at all."""
+    docs = chart("gpu", *settings)
+    security = _security(docs, "plugvisor-gpu")
+    assert security["privileged"] is False and security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    assert "runtimeClassName" not in _pod(docs, "plugvisor-gpu")["spec"]
+
+
+def test_a_device_access_the_chart_does_not_know_is_refused_naming_the_key() -> None:
+    result = _template("--set", "kinds.gpu.enabled=true", "--set", "kinds.gpu.nvml.deviceAccess=hostDev")
+    assert result.returncode != 0 and "/kinds/gpu/nvml/deviceAccess" in result.stderr

@@ -51,6 +51,11 @@ containerPort and probes, is node.metrics.listen's.
 {{- $driverPath := ternary "/usr" $driverRoot (eq $driverRoot "/") }}
 {{- $hostMounts = concat (list (dict "name" "host-driver" "path" $driverPath "mountPath" (printf "/host%s" $driverPath) "readOnly" true) (dict "name" "host-etc-cdi" "path" "/etc/cdi" "mountPath" "/host/etc/cdi" "readOnly" true "type" "DirectoryOrCreate")) $hostMounts }}
 {{- end }}
+{{- /* NVML opens NVIDIA's device nodes itself (kinds.<kind>.nvml.deviceAccess, values.yaml): a privileged container, or NVIDIA's container runtime giving them; a lab's NVML opens none. */}}
+{{- $deviceAccess := "none" }}
+{{- if and (not $.Values.lab.enabled) (kindIs "map" $kind.nvml) }}
+{{- $deviceAccess = $kind.nvml.deviceAccess | default "none" }}
+{{- end }}
 {{- $resources := list }}
 {{- range $declared }}
 {{- $resource := omit . "extendedResourceName" }}
@@ -158,6 +163,11 @@ spec:
       automountServiceAccountToken: false
       {{- end }}
       enableServiceLinks: false
+      {{- if eq $deviceAccess "runtimeClass" }}
+      # NVIDIA's container runtime puts /dev/nvidiactl and /dev/nvidia<N> in the container (and lets its
+      # device cgroup open them) for NVIDIA_VISIBLE_DEVICES below: what NVML needs, and nothing more.
+      runtimeClassName: {{ $kind.nvml.runtimeClassName | default "nvidia" | quote }}
+      {{- end }}
       # SIGTERM stops the children (stopTimeout, 5 s each, in parallel), then the agent exits 0.
       terminationGracePeriodSeconds: 30
       securityContext:
@@ -180,6 +190,12 @@ spec:
             {{- end }}
             - name: PLUGVISOR_RUNTIME_DIR
               value: /run/plugvisor
+            {{- if eq $deviceAccess "runtimeClass" }}
+            - name: NVIDIA_VISIBLE_DEVICES
+              value: all
+            - name: NVIDIA_DRIVER_CAPABILITIES
+              value: utility
+            {{- end }}
           ports:
             - name: metrics
               containerPort: {{ include "plugvisor.metricsPort" $ }}
@@ -201,11 +217,18 @@ spec:
             runAsUser: 0
             runAsGroup: 0
             runAsNonRoot: false
+            {{- if eq $deviceAccess "privileged" }}
+            # NVML opens /dev/nvidiactl and /dev/nvidia<N> (major 195) by their own paths: only a privileged
+            # container has the host's device nodes in its /dev and a device cgroup that lets it open them.
+            privileged: true
+            readOnlyRootFilesystem: true
+            {{- else }}
             privileged: false
             allowPrivilegeEscalation: false
             readOnlyRootFilesystem: true
             capabilities:
               drop: [ALL]
+            {{- end }}
           volumeMounts:
             {{- range $hostMounts }}
             - name: {{ .name }}
