@@ -707,3 +707,17 @@ def test_without_device_access_or_in_a_lab_the_gpu_agent_keeps_no_privilege(sett
 def test_a_device_access_the_chart_does_not_know_is_refused_naming_the_key() -> None:
     result = _template("--set", "kinds.gpu.enabled=true", "--set", "kinds.gpu.nvml.deviceAccess=hostDev")
     assert result.returncode != 0 and "/kinds/gpu/nvml/deviceAccess" in result.stderr
+
+
+def test_the_migration_guides_helm_command_runs_the_gpu_agent_on_the_labelled_nodes_alone() -> None:
+    """docs/migrating-from-nvidia.md's `helm install` (by node): the agent selects the label it sets and
+    not Node Feature Discovery's, which a cluster without NFD has on no node."""
+    guide = (REPO / "docs/migrating-from-nvidia.md").read_text()
+    command = re.search(r"helm install plugvisor deploy/helm/plugvisor (.*?)\n   ```", guide, re.DOTALL)
+    assert command, "docs/migrating-from-nvidia.md has no `helm install plugvisor` command"
+    settings = re.findall(r"--(set|set-json) '?([^' ]+)'?", command[1])
+    docs = chart(None, *(arg for flag, value in settings for arg in (f"--{flag}", value)))
+    assert _pod(docs, "plugvisor-gpu")["spec"]["nodeSelector"] == {
+        "kubernetes.io/os": "linux",
+        "plugvisor.io/gpu": "true",
+    }
