@@ -322,6 +322,14 @@ NIC_AS_GPU_DRIVER = '[{"name": "gpu.plugvisor.io", "kind": "nic", "mode": "dra"}
             ],
             "kinds.generic.hostMounts: the mountPath /host/srv is given twice",
         ),
+        (
+            ["--set", "kinds.gpu.enabled=true", "--set", "kinds.gpu.driverRoot=/sys"],
+            "kinds.gpu.driverRoot: /sys is mounted for the driver root",
+        ),
+        (
+            ["--set", "kinds.gpu.dra.enabled=true", "--set", "kinds.gpu.driverRoot=/proc/driver/"],
+            "kinds.gpu.driverRoot: /proc/driver is mounted for the driver root",
+        ),
         (["--set", "node.metrics.listen=0.0.0.0:65536"], "'/node/metrics/listen'"),
         (["--set", "node.metrics.listen=:0"], "'/node/metrics/listen'"),
         (["--set", "node.metrics.listen=127.0.0.1:9400"], "'/node/metrics/listen'"),
@@ -348,10 +356,11 @@ def test_values_the_chart_cannot_honour_are_refused_naming_the_key(settings: lis
     objects would contradict: a kind name that cannot name a DaemonSet, a host mount whose name or path is
     one the chart's own volumes use, a metrics address the kubelet's probes cannot reach (no port, port 0
     or past 65535, loopback), a kubelet directory that is relative or has `..`, `.`, an empty component or
-    a control character in it; and node.yaml's kubeletDir, which follows `kubelet`. Host paths, mount paths
-    and the lab's root with `..` (a mount that leads elsewhere than it says), a driver name longer than the
-    API server takes (63), label keys and values Kubernetes refuses (and a boolean for a string), resources
-    that are not a ResourceRequirements, a per-node config naming a kind there is not."""
+    a control character in it; and node.yaml's kubeletDir, which follows `kubelet`. A driver root the kind
+    already mounts (/sys, /proc/driver) is driverRoot's fault, not a host mount given twice. Host paths,
+    mount paths and the lab's root with `..` (a mount that leads elsewhere than it says), a driver name
+    longer than the API server takes (63), label keys and values Kubernetes refuses (and a boolean for a
+    string), resources that are not a ResourceRequirements, a per-node config naming a kind there is not."""
     args = [helm(), "template", "plugvisor", str(CHART), *KUBE_VERSION, *settings]
     result = subprocess.run(args, capture_output=True, text=True, check=False, timeout=120)
     assert result.returncode != 0

@@ -49,7 +49,7 @@ containerPort and probes, is node.metrics.listen's.
 {{- if $driverRoot }}
 {{- $driverRoot = clean $driverRoot }}
 {{- $driverPath := ternary "/usr" $driverRoot (eq $driverRoot "/") }}
-{{- $hostMounts = concat (list (dict "name" "host-driver" "path" $driverPath "mountPath" (printf "/host%s" $driverPath) "readOnly" true) (dict "name" "host-etc-cdi" "path" "/etc/cdi" "mountPath" "/host/etc/cdi" "readOnly" true "type" "DirectoryOrCreate")) $hostMounts }}
+{{- $hostMounts = concat (list (dict "name" "host-driver" "path" $driverPath "mountPath" (printf "/host%s" $driverPath) "readOnly" true "driverRoot" true) (dict "name" "host-etc-cdi" "path" "/etc/cdi" "mountPath" "/host/etc/cdi" "readOnly" true "type" "DirectoryOrCreate" "driverRoot" true)) $hostMounts }}
 {{- end }}
 {{- /* NVML opens NVIDIA's device nodes itself (kinds.<kind>.nvml.deviceAccess, values.yaml): a privileged container, or NVIDIA's container runtime giving them; a lab's NVML opens none. */}}
 {{- $deviceAccess := "none" }}
@@ -66,13 +66,17 @@ containerPort and probes, is node.metrics.listen's.
 {{- end }}
 {{- /* Each mount is one volume and one mount of the pod: a name or a mountPath given twice is an invalid DaemonSet. */}}
 {{- $kindName := .kind }}
+{{- /* The driver root's own mounts (driverRoot above) are the chart's: a clash with one is driverRoot's, which the user set, not a hostMounts entry given twice. */}}
 {{- $seen := dict }}
-{{- range $hostMounts }}
+{{- range $mount := $hostMounts }}
 {{- range $key := list (printf "name %s" .name) (printf "mountPath %s" (clean .mountPath)) }}
 {{- if hasKey $seen $key }}
+{{- if or (get $seen $key) $mount.driverRoot }}
+{{- fail (printf "kinds.%s.driverRoot: %s is mounted for the driver root, and a host mount of kinds.%s.hostMounts has the same %s; a driver root must be a directory of its own (/, /run/nvidia/driver, /usr/local/nvidia), not one the kind already mounts" $kindName $driverRoot $kindName $key) }}
+{{- end }}
 {{- fail (printf "kinds.%s.hostMounts: the %s is given twice; each host mount is one volume mounted at one path" $kindName $key) }}
 {{- end }}
-{{- $_ := set $seen $key true }}
+{{- $_ := set $seen $key (hasKey $mount "driverRoot") }}
 {{- end }}
 {{- end }}
 {{- $hardware := ternary $.Values.lab.root "" $.Values.lab.enabled }}
