@@ -713,6 +713,23 @@ def test_without_device_access_or_in_a_lab_the_gpu_agent_keeps_no_privilege(sett
     assert "runtimeClassName" not in _pod(docs, "plugvisor-gpu")["spec"]
 
 
+def test_a_gpu_agent_whose_resources_never_load_nvml_keeps_no_privilege() -> None:
+    """Every gpu resource with `nvml.enabled: false`: nothing opens the device nodes, nothing is given."""
+    off = [
+        {
+            "name": "plugvisor.io/gpu",
+            "kind": "gpu",
+            "match": {"vendors": ["0x10de"]},
+            "nvml": {"enabled": False},
+        }
+    ]
+    docs = chart("gpu", "--set-json", f"kinds.gpu.resources={json.dumps(off)}")
+    assert _security(docs, "plugvisor-gpu")["privileged"] is False
+    one_on = [*off, {"name": "plugvisor.io/gpu-b", "kind": "gpu", "match": {"vendors": ["0x10de"]}}]
+    docs = chart("gpu", "--set-json", f"kinds.gpu.resources={json.dumps(one_on)}")
+    assert _security(docs, "plugvisor-gpu")["privileged"] is True
+
+
 def test_a_device_access_the_chart_does_not_know_is_refused_naming_the_key() -> None:
     result = _template("--set", "kinds.gpu.enabled=true", "--set", "kinds.gpu.nvml.deviceAccess=hostDev")
     assert result.returncode != 0 and "/kinds/gpu/nvml/deviceAccess" in result.stderr

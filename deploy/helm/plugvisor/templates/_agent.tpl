@@ -64,6 +64,16 @@ containerPort and probes, is node.metrics.listen's.
 {{- end }}
 {{- $resources = append $resources $resource }}
 {{- end }}
+{{- /* No resource that loads NVML (a gpu resource without nvml.enabled false): no device access to give. */}}
+{{- $loadsNvml := false }}
+{{- range $resources }}
+{{- if and (eq (toString .kind) "gpu") (ne (toString (dig "nvml" "enabled" "auto" .)) "false") }}
+{{- $loadsNvml = true }}
+{{- end }}
+{{- end }}
+{{- if not $loadsNvml }}
+{{- $deviceAccess = "none" }}
+{{- end }}
 {{- /* Each mount is one volume and one mount of the pod: a name or a mountPath given twice is an invalid DaemonSet. */}}
 {{- $kindName := .kind }}
 {{- /* The driver root's own mounts (driverRoot above) are the chart's: a clash with one is driverRoot's, which the user set, not a hostMounts entry given twice. */}}
