@@ -322,6 +322,14 @@ NIC_AS_GPU_DRIVER = '[{"name": "gpu.plugvisor.io", "kind": "nic", "mode": "dra"}
             ],
             "kinds.generic.hostMounts: the mountPath /host/srv is given twice",
         ),
+        (
+            ["--set", "kinds.gpu.enabled=true", "--set", "kinds.gpu.driverRoot=/sys"],
+            "kinds.gpu.driverRoot: /sys is mounted for the driver root",
+        ),
+        (
+            ["--set", "kinds.gpu.dra.enabled=true", "--set", "kinds.gpu.driverRoot=/proc/driver/"],
+            "kinds.gpu.driverRoot: /proc/driver is mounted for the driver root",
+        ),
         (["--set", "node.metrics.listen=0.0.0.0:65536"], "'/node/metrics/listen'"),
         (["--set", "node.metrics.listen=:0"], "'/node/metrics/listen'"),
         (["--set", "node.metrics.listen=127.0.0.1:9400"], "'/node/metrics/listen'"),
@@ -348,10 +356,11 @@ def test_values_the_chart_cannot_honour_are_refused_naming_the_key(settings: lis
     objects would contradict: a kind name that cannot name a DaemonSet, a host mount whose name or path is
     one the chart's own volumes use, a metrics address the kubelet's probes cannot reach (no port, port 0
     or past 65535, loopback), a kubelet directory that is relative or has `..`, `.`, an empty component or
-    a control character in it; and node.yaml's kubeletDir, which follows `kubelet`. Host paths, mount paths
-    and the lab's root with `..` (a mount that leads elsewhere than it says), a driver name longer than the
-    API server takes (63), label keys and values Kubernetes refuses (and a boolean for a string), resources
-    that are not a ResourceRequirements, a per-node config naming a kind there is not."""
+    a control character in it; and node.yaml's kubeletDir, which follows `kubelet`. A driver root the kind
+    already mounts (/sys, /proc/driver) is driverRoot's fault, not a host mount given twice. Host paths,
+    mount paths and the lab's root with `..` (a mount that leads elsewhere than it says), a driver name
+    longer than the API server takes (63), label keys and values Kubernetes refuses (and a boolean for a
+    string), resources that are not a ResourceRequirements, a per-node config naming a kind there is not."""
     args = [helm(), "template", "plugvisor", str(CHART), *KUBE_VERSION, *settings]
     result = subprocess.run(args, capture_output=True, text=True, check=False, timeout=120)
     assert result.returncode != 0
@@ -650,3 +659,91 @@ def test_the_gpu_device_class_serves_the_extended_resource_and_node_yaml_never_s
     plain = [{"name": "gpu.plugvisor.io", "kind": "gpu", "mode": "dra"}]
     none = chart("gpu-dra", "--set-json", f"kinds.gpu.dra.resources={json.dumps(plain)}")
     assert "extendedResourceName" not in next(d for d in none if d["kind"] == "DeviceClass")["spec"]
+
+
+def _security(docs: tuple[dict[str, Any], ...], name: str) -> dict[str, Any]:
+    security: dict[str, Any] = _pod(docs, name)["spec"]["containers"][0]["securityContext"]
+    return security
+
+
+def test_the_gpu_agents_run_privileged_by_default_so_that_nvml_can_open_the_device_nodes() -> None:
+    """kinds.gpu.nvml.deviceAccess privileged (the default): the device plugin's agent and the DRA driver's
+    are privileged (without allowPrivilegeEscalation false, which the API server refuses beside it); every
+    other kind's agent keeps no privilege and no capability."""
+    docs = chart("gpu", "--set", "kinds.gpu.dra.enabled=true", "--set", "kinds.nic.enabled=true")
+    for name in ("plugvisor-gpu", "plugvisor-gpu-dra"):
+        security = _security(docs, name)
+        assert security["privileged"] is True
+        assert "allowPrivilegeEscalation" not in security and "capabilities" not in security
+        assert "runtimeClassName" not in _pod(docs, name)["spec"]
+    assert _security(docs, "plugvisor-nic")["privileged"] is False
+    assert _security(docs, "plugvisor-nic")["capabilities"] == {"drop": ["ALL"]}
+    for doc in docs:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def test_nvidias_runtime_class_gives_nvml_the_device_nodes_without_privilege() -> None:
+    docs = chart(
+        "gpu",
+        *("--set", "kinds.gpu.dra.enabled=true"),
+        *("--set", "kinds.gpu.nvml.deviceAccess=runtimeClass"),
+        *("--set", "kinds.gpu.nvml.runtimeClassName=nvidia-cdi"),
+    )
+    for name in ("plugvisor-gpu", "plugvisor-gpu-dra"):
+        pod = _pod(docs, name)["spec"]
+        assert pod["runtimeClassName"] == "nvidia-cdi"
+        env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+        assert env["NVIDIA_VISIBLE_DEVICES"] == "all"
+        assert env["NVIDIA_DRIVER_CAPABILITIES"] == "utility"  # NVML, nothing of CUDA
+        security = _security(docs, name)
+        assert security["privileged"] is False and security["capabilities"] == {"drop": ["ALL"]}
+    for doc in docs:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+@pytest.mark.parametrize(
+    "settings", [["--set", "kinds.gpu.nvml.deviceAccess=none"], ["--set", "lab.enabled=true"]]
+)
+def test_without_device_access_or_in_a_lab_the_gpu_agent_keeps_no_privilege(settings: list[str]) -> None:
+    """none: NVML cannot start and the kind serves from sysfs; a lab's NVML opens no device at all."""
+    docs = chart("gpu", *settings)
+    security = _security(docs, "plugvisor-gpu")
+    assert security["privileged"] is False and security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    assert "runtimeClassName" not in _pod(docs, "plugvisor-gpu")["spec"]
+
+
+def test_a_gpu_agent_whose_resources_never_load_nvml_keeps_no_privilege() -> None:
+    """Every gpu resource with `nvml.enabled: false`: nothing opens the device nodes, nothing is given."""
+    off = [
+        {
+            "name": "plugvisor.io/gpu",
+            "kind": "gpu",
+            "match": {"vendors": ["0x10de"]},
+            "nvml": {"enabled": False},
+        }
+    ]
+    docs = chart("gpu", "--set-json", f"kinds.gpu.resources={json.dumps(off)}")
+    assert _security(docs, "plugvisor-gpu")["privileged"] is False
+    one_on = [*off, {"name": "plugvisor.io/gpu-b", "kind": "gpu", "match": {"vendors": ["0x10de"]}}]
+    docs = chart("gpu", "--set-json", f"kinds.gpu.resources={json.dumps(one_on)}")
+    assert _security(docs, "plugvisor-gpu")["privileged"] is True
+
+
+def test_a_device_access_the_chart_does_not_know_is_refused_naming_the_key() -> None:
+    result = _template("--set", "kinds.gpu.enabled=true", "--set", "kinds.gpu.nvml.deviceAccess=hostDev")
+    assert result.returncode != 0 and "/kinds/gpu/nvml/deviceAccess" in result.stderr
+
+
+def test_the_migration_guides_helm_command_runs_the_gpu_agent_on_the_labelled_nodes_alone() -> None:
+    """docs/migrating-from-nvidia.md's `helm install` (by node): the agent selects the label it sets and
+    not Node Feature Discovery's, which a cluster without NFD has on no node."""
+    guide = (REPO / "docs/migrating-from-nvidia.md").read_text()
+    command = re.search(r"helm install plugvisor deploy/helm/plugvisor (.*?)\n   ```", guide, re.DOTALL)
+    assert command, "docs/migrating-from-nvidia.md has no `helm install plugvisor` command"
+    settings = re.findall(r"--(set|set-json) '?([^' ]+)'?", command[1])
+    docs = chart(None, *(arg for flag, value in settings for arg in (f"--{flag}", value)))
+    assert _pod(docs, "plugvisor-gpu")["spec"]["nodeSelector"] == {
+        "kubernetes.io/os": "linux",
+        "plugvisor.io/gpu": "true",
+    }

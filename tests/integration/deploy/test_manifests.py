@@ -8,6 +8,7 @@ import functools
 import posixpath
 import re
 import shutil
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
@@ -28,11 +29,13 @@ from plugvisor.testing import dra_devices
 from ..node_install import plugvisor_without_the_extra
 from .conftest import (
     KUBERNETES_VERSION,
+    KUSTOMIZE,
     OVERLAYS,
     REPO,
     agents_with_config,
     check_kubelet_dirs,
     kind_config,
+    kubectl,
     objects,
     render,
 )
@@ -243,14 +246,19 @@ def test_the_pod_resources_socket_the_agent_dials_is_the_kubelets_mounted_read_o
 
 @pytest.mark.parametrize(("overlay", "name"), _agent_ids())
 def test_the_agent_runs_with_least_privilege_as_a_node_critical_daemon(overlay: str, name: str) -> None:
-    """No capability, read-only root, no escalation; system-node-critical, tolerant, never two per node."""
+    """No capability, read-only root, no escalation; system-node-critical, tolerant, never two per node.
+    The one exception is the gpu agent off the lab: privileged, so that NVML can open NVIDIA's device nodes
+    (components/nvml-privileged; test_nvml_* below)."""
     ds = _daemonset(overlay, name)
     pod = ds["spec"]["template"]["spec"]
     security = _container(ds)["securityContext"]
-    assert security["capabilities"] == {"drop": ["ALL"]}
     assert security["readOnlyRootFilesystem"] is True
-    assert security["allowPrivilegeEscalation"] is False
-    assert not security.get("privileged")
+    if _nvml_opens_devices(overlay, ds):
+        assert security["privileged"] is True
+    else:
+        assert security["capabilities"] == {"drop": ["ALL"]}
+        assert security["allowPrivilegeEscalation"] is False
+        assert not security.get("privileged")
     assert pod["priorityClassName"] == "system-node-critical"
     assert {"operator": "Exists"} in pod["tolerations"]
     assert ds["spec"]["updateStrategy"]["rollingUpdate"]["maxSurge"] == 0
@@ -267,6 +275,49 @@ def test_the_agent_runs_with_least_privilege_as_a_node_critical_daemon(overlay: 
             f"{name}: no node selector beyond the OS; the kind would run on nodes without its hardware"
         )
     assert all(v for v in pod["nodeSelector"].values())
+
+
+def _nvml_opens_devices(overlay: str, ds: dict[str, Any]) -> bool:
+    """Whether the agent serves gpu resources off the lab, whose NVML opens the host's device nodes."""
+    return not overlay.startswith("lab") and ds["metadata"]["labels"]["plugvisor.io/kind"] == "gpu"
+
+
+@pytest.mark.parametrize("overlay", ["gpu", "gpu-cdi", "gpu-dra"])
+def test_nvml_can_open_nvidias_device_nodes_in_the_gpu_overlays(overlay: str) -> None:
+    """libnvidia-ml opens /dev/nvidiactl and /dev/nvidia<N> by those paths: only a privileged container has
+    the host's nodes in its /dev and a device cgroup that lets it open them. A privileged container may not
+    say allowPrivilegeEscalation false (the API server refuses the pair), so the key is gone, and with it
+    the capabilities a privileged container has anyway."""
+    ((ds, config),) = agents_with_config(render(overlay))
+    assert all(resource.kind == "gpu" for resource in config.resources)
+    security = _container(ds)["securityContext"]
+    assert security["privileged"] is True
+    assert "allowPrivilegeEscalation" not in security and "capabilities" not in security
+    kubernetes_validate.validate(ds, KUBERNETES_VERSION, strict=True)
+
+
+def test_nvml_through_nvidias_runtime_keeps_the_gpu_agent_unprivileged(tmp_path: Path) -> None:
+    """components/nvml-runtime-class over overlays/gpu: the `nvidia` runtime class, which puts the device
+    nodes NVIDIA_VISIBLE_DEVICES=all names in the container, utility (NVML) only, and the container back to
+    no privilege and no capability, as NVIDIA's own device plugin runs."""
+    (tmp_path / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources: [{posixpath.relpath(KUSTOMIZE / 'overlays/gpu', tmp_path)}]\n"
+        f"components: [{posixpath.relpath(KUSTOMIZE / 'components/nvml-runtime-class', tmp_path)}]\n"
+    )
+    result = subprocess.run(
+        [kubectl(), "kustomize", str(tmp_path)], capture_output=True, text=True, check=False, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    (ds,) = [d for d in yaml.safe_load_all(result.stdout) if d and d["kind"] == "DaemonSet"]
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["runtimeClassName"] == "nvidia"
+    env = {e["name"]: e["value"] for e in pod["containers"][0]["env"]}
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "all" and env["NVIDIA_DRIVER_CAPABILITIES"] == "utility"
+    security = pod["containers"][0]["securityContext"]
+    assert security["privileged"] is False and security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    kubernetes_validate.validate(ds, KUBERNETES_VERSION, strict=True)
 
 
 def test_the_kubelet_root_dir_example_mounts_what_its_agents_use_from_that_root() -> None:

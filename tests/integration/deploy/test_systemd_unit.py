@@ -119,6 +119,21 @@ def test_the_unit_allows_exactly_the_socket_families_the_agent_uses() -> None:
     assert service["Type"] == "notify"
 
 
+def test_the_device_policy_lets_nvml_open_nvidias_device_nodes_and_nothing_else() -> None:
+    """DevicePolicy=closed refuses every device node the agent opens, but NVML (the gpu kind) opens
+    /dev/nvidiactl and /dev/nvidia<N> read-write (major 195, nvidia-frontend in /proc/devices) and reads
+    /dev/nvidia-caps/* on MIG GPUs: exactly those two groups are allowed, the caps read-only."""
+    service = _service()
+    assert service["DevicePolicy"] == "closed"
+    allowed = [
+        line.split("=", 1)[1].strip()
+        for line in UNIT.read_text().splitlines()
+        if line.startswith("DeviceAllow=")
+    ]
+    assert allowed == ["char-nvidia-frontend rw", "char-nvidia-caps r"]
+    assert service.get("PrivateDevices", "no") == "no", "a private /dev has no NVIDIA node to open"
+
+
 def _dra_service() -> dict[str, list[str]]:
     """The unit's [Service] settings with the DRA drop-in applied as systemd does: lists append, and an empty
     assignment resets a list."""

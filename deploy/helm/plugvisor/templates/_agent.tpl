@@ -49,7 +49,12 @@ containerPort and probes, is node.metrics.listen's.
 {{- if $driverRoot }}
 {{- $driverRoot = clean $driverRoot }}
 {{- $driverPath := ternary "/usr" $driverRoot (eq $driverRoot "/") }}
-{{- $hostMounts = concat (list (dict "name" "host-driver" "path" $driverPath "mountPath" (printf "/host%s" $driverPath) "readOnly" true) (dict "name" "host-etc-cdi" "path" "/etc/cdi" "mountPath" "/host/etc/cdi" "readOnly" true "type" "DirectoryOrCreate")) $hostMounts }}
+{{- $hostMounts = concat (list (dict "name" "host-driver" "path" $driverPath "mountPath" (printf "/host%s" $driverPath) "readOnly" true "driverRoot" true) (dict "name" "host-etc-cdi" "path" "/etc/cdi" "mountPath" "/host/etc/cdi" "readOnly" true "type" "DirectoryOrCreate" "driverRoot" true)) $hostMounts }}
+{{- end }}
+{{- /* NVML opens NVIDIA's device nodes itself (kinds.<kind>.nvml.deviceAccess, values.yaml): a privileged container, or NVIDIA's container runtime giving them; a lab's NVML opens none. */}}
+{{- $deviceAccess := "none" }}
+{{- if and (not $.Values.lab.enabled) (kindIs "map" $kind.nvml) }}
+{{- $deviceAccess = $kind.nvml.deviceAccess | default "none" }}
 {{- end }}
 {{- $resources := list }}
 {{- range $declared }}
@@ -59,15 +64,29 @@ containerPort and probes, is node.metrics.listen's.
 {{- end }}
 {{- $resources = append $resources $resource }}
 {{- end }}
+{{- /* No resource that loads NVML (a gpu resource without nvml.enabled false): no device access to give. */}}
+{{- $loadsNvml := false }}
+{{- range $resources }}
+{{- if and (eq (toString .kind) "gpu") (ne (toString (dig "nvml" "enabled" "auto" .)) "false") }}
+{{- $loadsNvml = true }}
+{{- end }}
+{{- end }}
+{{- if not $loadsNvml }}
+{{- $deviceAccess = "none" }}
+{{- end }}
 {{- /* Each mount is one volume and one mount of the pod: a name or a mountPath given twice is an invalid DaemonSet. */}}
 {{- $kindName := .kind }}
+{{- /* The driver root's own mounts (driverRoot above) are the chart's: a clash with one is driverRoot's, which the user set, not a hostMounts entry given twice. */}}
 {{- $seen := dict }}
-{{- range $hostMounts }}
+{{- range $mount := $hostMounts }}
 {{- range $key := list (printf "name %s" .name) (printf "mountPath %s" (clean .mountPath)) }}
 {{- if hasKey $seen $key }}
+{{- if or (get $seen $key) $mount.driverRoot }}
+{{- fail (printf "kinds.%s.driverRoot: %s is mounted for the driver root, and a host mount of kinds.%s.hostMounts has the same %s; a driver root must be a directory of its own (/, /run/nvidia/driver, /usr/local/nvidia), not one the kind already mounts" $kindName $driverRoot $kindName $key) }}
+{{- end }}
 {{- fail (printf "kinds.%s.hostMounts: the %s is given twice; each host mount is one volume mounted at one path" $kindName $key) }}
 {{- end }}
-{{- $_ := set $seen $key true }}
+{{- $_ := set $seen $key (hasKey $mount "driverRoot") }}
 {{- end }}
 {{- end }}
 {{- $hardware := ternary $.Values.lab.root "" $.Values.lab.enabled }}
@@ -158,6 +177,11 @@ spec:
       automountServiceAccountToken: false
       {{- end }}
       enableServiceLinks: false
+      {{- if eq $deviceAccess "runtimeClass" }}
+      # NVIDIA's container runtime puts /dev/nvidiactl and /dev/nvidia<N> in the container (and lets its
+      # device cgroup open them) for NVIDIA_VISIBLE_DEVICES below: what NVML needs, and nothing more.
+      runtimeClassName: {{ $kind.nvml.runtimeClassName | default "nvidia" | quote }}
+      {{- end }}
       # SIGTERM stops the children (stopTimeout, 5 s each, in parallel), then the agent exits 0.
       terminationGracePeriodSeconds: 30
       securityContext:
@@ -180,6 +204,12 @@ spec:
             {{- end }}
             - name: PLUGVISOR_RUNTIME_DIR
               value: /run/plugvisor
+            {{- if eq $deviceAccess "runtimeClass" }}
+            - name: NVIDIA_VISIBLE_DEVICES
+              value: all
+            - name: NVIDIA_DRIVER_CAPABILITIES
+              value: utility
+            {{- end }}
           ports:
             - name: metrics
               containerPort: {{ include "plugvisor.metricsPort" $ }}
@@ -201,11 +231,18 @@ spec:
             runAsUser: 0
             runAsGroup: 0
             runAsNonRoot: false
+            {{- if eq $deviceAccess "privileged" }}
+            # NVML opens /dev/nvidiactl and /dev/nvidia<N> (major 195) by their own paths: only a privileged
+            # container has the host's device nodes in its /dev and a device cgroup that lets it open them.
+            privileged: true
+            readOnlyRootFilesystem: true
+            {{- else }}
             privileged: false
             allowPrivilegeEscalation: false
             readOnlyRootFilesystem: true
             capabilities:
               drop: [ALL]
+            {{- end }}
           volumeMounts:
             {{- range $hostMounts }}
             - name: {{ .name }}
