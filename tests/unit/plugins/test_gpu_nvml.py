@@ -404,6 +404,15 @@ class TestLoading:
         (candidate, *_) = library_candidates(HostPaths(root=tmp_path), "/drv")
         assert candidate == tmp_path / "usr/lib/libnvidia-ml.so.1"
 
+    def test_a_looping_search_directory_is_skipped_and_the_search_goes_on(self, tmp_path):
+        """driverfiles skips such a directory; NVML's search agrees and finds the library in the next."""
+        (tmp_path / "dr/usr/lib64").mkdir(parents=True)
+        (tmp_path / "dr/lib64").symlink_to("lib64")
+        (tmp_path / "dr/usr/lib64/libnvidia-ml.so.1").write_text("x")
+        found = library_candidates(HostPaths(root=tmp_path), "/dr")
+        assert tmp_path / "dr/usr/lib64/libnvidia-ml.so.1" in found
+        assert not any(str(p).startswith(str(tmp_path / "dr/lib64")) for p in found)
+
     def test_no_library_is_unavailable_naming_the_driver_root_and_where_it_looked(self, tmp_path):
         options = GpuOptions().nvml
         with pytest.raises(

@@ -128,12 +128,17 @@ def library_candidates(paths: HostPaths, driver_root: str) -> list[Path]:
     """Where ``libnvidia-ml.so.1`` may be under the driver root, in search order, as paths in this process.
 
     Each is resolved inside the host root (a link in the driver root that
-    points at ``/usr/lib/...`` means the host's, never this container's).
+    points at ``/usr/lib/...`` means the host's, never this container's). One
+    that cannot be resolved (a link loop) is skipped and the search goes on,
+    as :class:`~plugvisor.plugins.gpu.driverfiles.DriverLocator` skips it too.
     """
     found: list[Path] = []
     for directory in library_dirs():
         host_path = os.path.join(driver_root, directory, LIBRARY)
-        candidate = paths.host(host_path)
+        try:
+            candidate = paths.host(host_path)
+        except OSError:
+            continue
         if candidate not in found:
             found.append(candidate)
     return found
