@@ -317,6 +317,63 @@ class TestHealth:
         nvml.track({FIRST, "0000:86:00.0"})
         assert nvml.view(FIRST).problems == ()
 
+    def test_a_gpu_nvml_did_not_know_at_start_is_looked_up_by_bus_id_once_in_a_while_and_then_known(self):
+        """Lost when the plugin started, or plugged in since: sysfs lists it, NVML learns of it later."""
+        api, clock = FakeNvml(), Clock()
+        api.errors[("nvmlDeviceGetPciInfo_v3", 1)] = pynvml.NVML_ERROR_GPU_IS_LOST
+        nvml = opened(api, clock)
+        assert nvml.bus_ids == [FIRST]
+        del api.errors[("nvmlDeviceGetPciInfo_v3", 1)]
+        asked: list[bytes] = []
+        answers: list[object] = [pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND), api.handles[1]]
+
+        def by_bus_id(bus_id: bytes):
+            asked.append(bus_id)
+            answer = answers.pop(0)
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+        api.nvmlDeviceGetHandleByPciBusId = by_bus_id
+        second = "0000:86:00.0"
+        nvml.track({FIRST, second})
+        nvml.track({FIRST, second})
+        assert asked == [b"00000000:86:00.0"]  # not asked at every scan
+        clock.now += 60
+        nvml.track({FIRST, second})
+        assert nvml.bus_ids == [FIRST, second]
+        assert nvml.view(second).identity.product_name == "NVIDIA H200"
+        assert xid(nvml, api, 1, 48)
+
+    def test_a_replugged_gpu_without_a_new_handle_yet_gets_it_on_the_event_threads_recheck(self):
+        """The old handle answers GPU_IS_LOST for good; the recheck looks the new one up and asks it."""
+        api = FakeNvml()
+        nvml = opened(api)
+        old, new = api.handles[0], Handle(0)
+        temperature = api.nvmlDeviceGetTemperature
+
+        def temperature_of(handle, *args):
+            if handle is old:
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+            return temperature(handle, *args)
+
+        api.nvmlDeviceGetTemperature = temperature_of
+        handles: list[object] = []
+
+        def by_bus_id(_bus_id: bytes):
+            if not handles:
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+            return handles[0]
+
+        api.nvmlDeviceGetHandleByPciBusId = by_bus_id
+        nvml.track({"0000:86:00.0"})
+        nvml.track({FIRST, "0000:86:00.0"})
+        assert cause_code(nvml.view(FIRST).problems) == "gpu-lost"
+        assert not nvml._recheck()
+        handles.append(new)
+        assert nvml._recheck()
+        assert nvml.view(FIRST).problems == ()
+
     def test_all_turns_nvml_health_off_and_no_events_are_watched(self):
         api = FakeNvml()
         nvml = opened(api, disableHealthChecks="all")

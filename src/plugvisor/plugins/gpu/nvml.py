@@ -104,6 +104,10 @@ ERROR_GPU_IS_LOST: Final = 15
 
 WAIT_MS: Final = 500
 """How long one event wait blocks: the longest a stop waits for the event thread, and the recovery tick."""
+RECHECK_SECONDS: Final = 1.0
+"""How often the event thread asks a lost GPU again (and looks its handle up again when it was replugged)."""
+LOOKUP_SECONDS: Final = 10.0
+"""How often a GPU sysfs lists but NVML did not know is looked up by bus ID (plugged in, or found late)."""
 
 _GPU: Final = {"sensor": "gpu"}
 _READINGS: Final[tuple[tuple[str, dict[str, str], str, str, tuple[int, ...], int], ...]] = (
@@ -220,6 +224,8 @@ class _Gpu:
     health: _Health = field(default_factory=_Health)
     absent: bool = False
     """Not in the latest scan's sysfs (unplugged): what NVML says of it then belongs to the GPU that left."""
+    stale: bool = False
+    """Came back, but NVML had no new handle for it yet: the event thread keeps asking for one."""
 
 
 def _text(value: object) -> str:
@@ -255,6 +261,8 @@ class Nvml:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._changed: Callable[[], None] = lambda: None
+        self._watch_later = False
+        self._looked_up: dict[str, float] = {}
         self.system = System()
 
     # -- opening ---------------------------------------------------------------------
@@ -376,38 +384,89 @@ class Nvml:
 
     # -- what a scan asks ------------------------------------------------------------
 
-    def track(self, present: Collection[str]) -> None:
+    def track(self, present: Collection[str], nvidia: Collection[str] | None = None) -> None:
         """Note which GPUs sysfs lists now: one that comes back after it was gone is a new GPU to NVML.
 
         Its health starts over (an XID the leaving GPU raised is not the
         returning one's), its handle is looked up again and registered for
-        events again, as the driver gives a re-probed GPU a new one.
+        events again, as the driver gives a re-probed GPU a new one. A GPU of
+        ``nvidia`` (default: all of ``present``) that NVML did not know (lost
+        when the plugin started, plugged in since) is looked up by bus ID, at
+        most every :data:`LOOKUP_SECONDS`, and known from then on.
         """
-        for bus_id, gpu in self._gpus.items():
+        with self._lock:
+            known = list(self._gpus.items())
+        for bus_id, gpu in known:
             if bus_id not in present:
                 gpu.absent = True
             elif gpu.absent:
                 self._returned(gpu)
+        now = self._clock()
+        for bus_id in sorted(set(present if nvidia is None else nvidia) - self._gpus.keys()):
+            last = self._looked_up.get(bus_id)
+            if last is None or now - last >= LOOKUP_SECONDS:
+                self._looked_up[bus_id] = now
+                self._adopt(bus_id)
+
+    def _adopt(self, bus_id: str) -> None:
+        """Know a GPU NVML did not list at start, if it has a handle for its bus ID now."""
+        try:
+            handle = self._api.nvmlDeviceGetHandleByPciBusId(nvml_bus_id(bus_id).encode())
+        except Exception as exc:  # not (yet) NVML's: asked again later
+            self._once(
+                ("adopt", bus_id), "nvml_gpu_unknown", gpu=bus_id, error=f"{type(exc).__name__}: {exc}"
+            )
+            return
+        gpu = _Gpu(bus_id, handle, self._identity(bus_id, handle))
+        with self._lock:
+            self._gpus[bus_id] = gpu
+            self._by_handle[_address(handle)] = bus_id
+            self._looked_up.pop(bus_id, None)
+            self._logged.discard(("adopt", bus_id))
+        self._log.info("nvml_gpu_found", gpu=bus_id, effect="identity, health and telemetry from NVML")
+        if self._event_set is not None:
+            self._register(gpu)
+        elif self._watch_later:
+            self.watch_events(self._changed)
 
     def _returned(self, gpu: _Gpu) -> None:
-        api = self._api
         with self._lock:
             gpu.absent = False
             gpu.health = _Health()
-        try:
-            handle = api.nvmlDeviceGetHandleByPciBusId(nvml_bus_id(gpu.bus_id).encode())
-        except Exception as exc:  # NVML's errors and pynvml's: the old handle is kept, and tried as it is
-            self._log.warning(
-                "nvml_gpu_back", gpu=gpu.bus_id, handle="kept", error=f"{type(exc).__name__}: {exc}"
-            )
+        error = self._new_handle(gpu)
+        if error is not None:  # the old handle is kept, and the event thread asks for a new one
+            gpu.stale = True
+            self._log.warning("nvml_gpu_back", gpu=gpu.bus_id, handle="kept", error=error)
             return
+        self._log.info("nvml_gpu_back", gpu=gpu.bus_id, health="starts over")
+
+    def _new_handle(self, gpu: _Gpu) -> str | None:
+        """Look the GPU's handle up by bus ID again (registering a new one for events); the error, or None."""
+        try:
+            handle = self._api.nvmlDeviceGetHandleByPciBusId(nvml_bus_id(gpu.bus_id).encode())
+        except Exception as exc:  # NVML's errors and pynvml's
+            return f"{type(exc).__name__}: {exc}"
+        gpu.stale = False
+        if _address(handle) == _address(gpu.handle):
+            return None
         with self._lock:
             self._by_handle.pop(_address(gpu.handle), None)
             gpu.handle = handle
             self._by_handle[_address(handle)] = gpu.bus_id
         if self._event_set is not None:
             self._register(gpu)
-        self._log.info("nvml_gpu_back", gpu=gpu.bus_id, health="starts over")
+        return None
+
+    def _recheck(self) -> bool:
+        """Ask each lost GPU again, with a handle looked up anew; returns whether one answers again."""
+        with self._lock:
+            waiting = [g for g in self._gpus.values() if not g.absent and (g.health.lost or g.stale)]
+        answered = False
+        for gpu in waiting:
+            self._new_handle(gpu)  # none yet: the handle it has is asked
+            self._probe(gpu)
+            answered |= not gpu.health.lost
+        return answered
 
     @property
     def bus_ids(self) -> list[str]:
@@ -512,8 +571,12 @@ class Nvml:
         (then one line says why, and health stays sysfs's).
         """
         self._changed = changed
-        if not self.options.health or not self._gpus:
+        if not self.options.health:
             return False
+        if not self._gpus:
+            self._watch_later = True  # started once NVML knows a GPU (:meth:`track`)
+            return False
+        self._watch_later = False
         api = self._api
         try:
             self._event_set = api.nvmlEventSetCreate()
@@ -540,6 +603,7 @@ class Nvml:
     def _wait_loop(self) -> None:
         api = self._api
         failures = 0
+        recheck_at = self._clock()
         while not self._stop.is_set():
             try:
                 data = api.nvmlEventSetWait_v2(self._event_set, WAIT_MS)
@@ -557,6 +621,10 @@ class Nvml:
                     self._changed()
             if self._expired():
                 self._changed()
+            if self._clock() >= recheck_at:
+                recheck_at = self._clock() + RECHECK_SECONDS
+                if self._recheck():
+                    self._changed()
 
     def event(self, handle_address: int | None, event_type: int, data: int) -> bool:
         """Take one NVML event; returns whether it changed the GPU's health (a rescan is then due)."""

@@ -159,7 +159,7 @@ class GpuSource:
             self._problems.report(bdf, "; ".join(gpu.problems) or None)
             gpus.append(gpu)
         if self.nvml is not None:
-            self.nvml.track(addresses)
+            self.nvml.track(addresses, [g.bdf for g in gpus if g.function.vendor == NVIDIA])
         views = self._nvml_views(gpus)
         self._problems.forget_absent([*addresses, *(bdf for bdf, _ in broken)])
         control = self.scanner.control_nodes(sorted({g.function.vendor for g in gpus}))
