@@ -477,6 +477,15 @@ class TestLoading:
         ):
             Nvml.open(HostPaths(root=tmp_path), "/run/nvidia/driver", options)
 
+    def test_a_dangling_link_is_named_where_it_was_looked_for_and_said_to_be_dangling(self, tmp_path):
+        (tmp_path / "dr/lib64").mkdir(parents=True)
+        (tmp_path / "dr/lib64/libnvidia-ml.so.1").symlink_to("libnvidia-ml.so.999")
+        with pytest.raises(Unavailable) as raised:
+            Nvml.open(HostPaths(root=tmp_path), "/dr", GpuOptions().nvml)
+        said = str(raised.value)
+        assert f"{tmp_path}/dr/lib64/libnvidia-ml.so.1: a dangling link" in said
+        assert "libnvidia-ml.so.999" in said
+
     def test_a_file_that_is_no_library_cannot_be_loaded_and_says_so(self, tmp_path):
         (tmp_path / "lib64").mkdir()
         (tmp_path / "lib64/libnvidia-ml.so.1").write_text("not an ELF file\n")

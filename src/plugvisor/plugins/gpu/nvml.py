@@ -131,16 +131,17 @@ TAINT_LOST: Final = "gpu.plugvisor.io/gpu-lost"
 def library_candidates(paths: HostPaths, driver_root: str) -> list[Path]:
     """Where ``libnvidia-ml.so.1`` may be under the driver root, in search order, as paths in this process.
 
-    Each is resolved inside the host root (a link in the driver root that
-    points at ``/usr/lib/...`` means the host's, never this container's). One
-    that cannot be resolved (a link loop) is skipped and the search goes on,
-    as :class:`~plugvisor.plugins.gpu.driverfiles.DriverLocator` skips it too.
+    Each directory is resolved inside the host root (a link in the driver
+    root that points at ``/usr/lib/...`` means the host's, never this
+    container's); the library's own name is kept as written, so that a message
+    names where it was looked for (:func:`_load` resolves it). A directory that
+    cannot be resolved (a link loop) is skipped and the search goes on, as
+    :class:`~plugvisor.plugins.gpu.driverfiles.DriverLocator` skips it too.
     """
     found: list[Path] = []
     for directory in library_dirs():
-        host_path = os.path.join(driver_root, directory, LIBRARY)
         try:
-            candidate = paths.host(host_path)
+            candidate = paths.host(os.path.join(driver_root, directory)) / LIBRARY
         except OSError:
             continue
         if candidate not in found:
@@ -732,14 +733,22 @@ def _load(pynvml: Any, paths: HostPaths, driver_root: str) -> str:
     library: ctypes.CDLL | None = None
     where = ""
     for candidate in candidates:
-        if not candidate.exists():
+        if not os.path.lexists(candidate):
             continue
         try:
-            library = ctypes.CDLL(str(candidate))
+            target = paths.inside(candidate)
+        except OSError as exc:
+            tried.append(f"{candidate}: cannot resolve it: {exc.strerror or exc}")
+            continue
+        if not target.exists():
+            tried.append(f"{candidate}: a dangling link (to {target})")
+            continue
+        try:
+            library = ctypes.CDLL(str(target))
         except OSError as exc:
             tried.append(f"{candidate}: {exc}")
             continue
-        where = str(candidate)
+        where = str(target)
         break
     if library is None and str(paths.root) == "/" and os.path.normpath(driver_root) == "/":
         try:
