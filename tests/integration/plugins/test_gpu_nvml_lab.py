@@ -153,6 +153,7 @@ class TestTheRealH200Node:
                 (device,) = driver.devices.values()
         (said,) = [e for e in logs if e["event"] == "nvml_unavailable"]
         assert "libnvidia-ml.so.1 not found under driverRoot /" in said["reason"]
+        assert said["log_level"] == "info"  # no driver there: not a broken one
         assert "productName" not in device.attributes
 
 

@@ -474,8 +474,22 @@ class TestLoading:
         options = GpuOptions().nvml
         with pytest.raises(
             Unavailable, match=r"libnvidia-ml.so.1 not found under driverRoot /run/nvidia/driver"
-        ):
+        ) as raised:
             Nvml.open(HostPaths(root=tmp_path), "/run/nvidia/driver", options)
+        assert raised.value.absent  # no driver: nothing wrong, said at info
+
+    @pytest.mark.parametrize("kind", ["text", "empty", "directory"])
+    def test_a_library_that_is_there_but_broken_is_not_taken_for_an_absent_one(self, tmp_path, kind):
+        """A broken driver install is a warning for someone to look at, not the info of a node without one."""
+        (tmp_path / "lib64").mkdir()
+        library = tmp_path / "lib64/libnvidia-ml.so.1"
+        if kind == "directory":
+            library.mkdir()
+        else:
+            library.write_text("not an ELF file\n" if kind == "text" else "")
+        with pytest.raises(Unavailable, match="cannot be loaded") as raised:
+            Nvml.open(HostPaths(root=tmp_path), "/", GpuOptions().nvml)
+        assert not raised.value.absent
 
     def test_a_dangling_link_is_named_where_it_was_looked_for_and_said_to_be_dangling(self, tmp_path):
         (tmp_path / "dr/lib64").mkdir(parents=True)

@@ -167,7 +167,17 @@ def normalized_bus_id(bus_id: str) -> str:
 
 
 class Unavailable(Exception):  # noqa: N818 - a state with a reason, not an error of the caller
-    """NVML cannot be used on this node; the text says why (not found, wrong version, init error)."""
+    """NVML cannot be used on this node; the text says why (not found, wrong version, init error).
+
+    ``absent`` is True when there is simply no NVML (no library, no pynvml): a
+    node without NVIDIA's driver, said at info. False when a library is there
+    and fails (not a library, the wrong version, ``nvmlInit`` failing): a
+    broken driver install someone should look at, said as a warning.
+    """
+
+    def __init__(self, reason: str, *, absent: bool = False) -> None:
+        super().__init__(reason)
+        self.absent = absent
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,7 +287,7 @@ class Nvml:
         try:
             import pynvml  # noqa: PLC0415 - only in the plugin process, only when NVML is wanted
         except ImportError as exc:
-            raise Unavailable(f"nvidia-ml-py (pynvml) is not installed: {exc}") from None
+            raise Unavailable(f"nvidia-ml-py (pynvml) is not installed: {exc}", absent=True) from None
         library = _load(pynvml, paths, driver_root)
         nvml = cls(pynvml, options, resource=resource)
         try:
@@ -760,7 +770,9 @@ def _load(pynvml: Any, paths: HostPaths, driver_root: str) -> str:
         if tried:
             raise Unavailable(f"{LIBRARY} cannot be loaded: {'; '.join(tried)}")
         shown = ", ".join(str(c) for c in candidates)
-        raise Unavailable(f"{LIBRARY} not found under driverRoot {driver_root} (looked in {shown})")
+        raise Unavailable(
+            f"{LIBRARY} not found under driverRoot {driver_root} (looked in {shown})", absent=True
+        )
     with pynvml.libLoadLock:
         if pynvml.nvmlLib is not None and _loaded.get("path") != where:
             if pynvml._nvmlLib_refcount > 0:
