@@ -253,6 +253,16 @@ class TestHealth:
         last = {r.family: r.value for r in nvml.readings(FIRST)}["plugvisor_gpu_last_xid"]
         assert last == number
 
+    def test_an_ignored_xid_is_said_once_per_gpu_and_xid_not_at_every_event(self):
+        api = FakeNvml()
+        nvml = opened(api)
+        with structlog.testing.capture_logs() as logs:
+            for number in (13, 13, 13, 31, 31):
+                xid(nvml, api, 0, number)
+            xid(nvml, api, 1, 13)
+        said = [(e["gpu"], e["xid"]) for e in logs if e["event"] == "nvml_xid_ignored"]
+        assert said == [(FIRST, 13), (FIRST, 31), ("0000:86:00.0", 13)]
+
     def test_an_xid_taken_back_from_the_ignored_ones_counts(self):
         api = FakeNvml()
         nvml = opened(api, enableHealthChecks=[13])

@@ -653,7 +653,10 @@ class Nvml:
             if event_type & EVENT_XID:
                 health.last_xid = data
                 if not self.options.xid_is_critical(data):
-                    self._log.info("nvml_xid_ignored", gpu=bus_id, xid=data)
+                    said = ("xid-ignored", bus_id, str(data))  # once per GPU and XID: a fault repeats it
+                    if said not in self._logged:
+                        self._logged.add(said)
+                        self._log.info("nvml_xid_ignored", gpu=bus_id, xid=data, effect="said once")
                     return False
                 health.critical_xid = data
             elif event_type & EVENT_DBE:
