@@ -45,8 +45,42 @@ STATE_DIR: Final = f"{LAB_DIR}/nvml"
 """Where the stand-in reads the lab's GPUs (inside the lab's private directory, not sysfs)."""
 EVENT_PERIOD_MS: Final = 1000
 """An active fault raises its event again this often (a GPU that keeps failing until reset)."""
-CUDA_DRIVER_VERSION: Final = 13000
-"""``nvmlSystemGetCudaDriverVersion``: CUDA 13.0, as the 580 driver reports."""
+CUDA_BY_DRIVER_BRANCH: Final = (
+    (590, 13010),
+    (580, 13000),
+    (575, 12090),
+    (570, 12080),
+    (560, 12060),
+    (555, 12050),
+    (550, 12040),
+    (545, 12030),
+    (535, 12020),
+    (530, 12010),
+    (525, 12000),
+    (520, 11080),
+    (515, 11070),
+    (510, 11060),
+    (495, 11050),
+    (470, 11040),
+    (465, 11030),
+    (460, 11020),
+    (455, 11010),
+    (450, 11000),
+)
+"""The lab's model of ``nvmlSystemGetCudaDriverVersion``: the newest CUDA whose minimum Linux driver branch
+(CUDA's release notes, "CUDA Toolkit and Corresponding Driver Versions") is at most the driver's major;
+580 -> 13000 is what the real H200 node's 580.159.04 reports."""
+
+
+def cuda_driver_version(driver_version: str) -> int:
+    """The CUDA version (``12040`` for 12.4) a driver of this version supports, as NVML reports it."""
+    major = int(driver_version.split(".", 1)[0])
+    for branch, cuda in CUDA_BY_DRIVER_BRANCH:
+        if major >= branch:
+            return cuda
+    return CUDA_BY_DRIVER_BRANCH[-1][1]
+
+
 XID_FALLEN_OFF_BUS: Final = 79
 SOURCE_NAME: Final = "nvml_standin.c"
 CFLAGS: Final = ("-shared", "-fPIC", "-O2", "-fvisibility=hidden")
@@ -288,10 +322,11 @@ def gpu_file(state: LabState, dev: DeviceState) -> bytes:
 def system_file(state: LabState) -> bytes:
     """The node's ``key=value`` lines: versions, GPU count, event period."""
     version = state.profile.nvidia_driver_version
+    cuda = cuda_driver_version(version)
     values = (
         ("driver_version", version),
-        ("nvml_version", f"{CUDA_DRIVER_VERSION // 1000}.{version}"),
-        ("cuda_driver_version", CUDA_DRIVER_VERSION),
+        ("nvml_version", f"{cuda // 1000}.{version}"),  # NVML's own: "13.580.159.04" on the H200 node
+        ("cuda_driver_version", cuda),
         ("count", len(nvidia_gpus(state))),
         ("event_period_ms", EVENT_PERIOD_MS),
     )
