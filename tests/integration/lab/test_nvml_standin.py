@@ -240,3 +240,14 @@ class TestFaults:
         lab.fault("gpu0", "overheat")
         lab.heal("gpu0")
         assert pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) >= first
+
+
+def test_a_cache_directory_that_cannot_be_made_builds_in_a_temporary_one_and_the_lab_is_whole(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """XDG_CACHE_HOME naming a file: the lab is still created whole, with its NVML library."""
+    monkeypatch.setenv("XDG_CACHE_HOME", "/etc/passwd")
+    node = Lab.create(str(tmp_path / "root"), "nvidia-h200-vm")
+    assert node.notes == ()
+    library = tmp_path / "root/usr/local/nvidia/lib64/libnvidia-ml.so.1"
+    assert library.read_bytes().startswith(b"\x7fELF")

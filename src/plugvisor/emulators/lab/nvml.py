@@ -23,6 +23,7 @@ bookkeeping that keeps NVML's counters monotonic across changes is :func:`accoun
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import importlib.resources
 import logging
@@ -159,18 +160,49 @@ def build() -> str | None:
     """Return the path of the compiled stand-in, compiling it once per source version; None without ``cc``.
 
     Keyed by a hash of the source and flags, written under a temporary name and renamed, so
-    concurrent lab creations neither recompile nor see a half-written library.
+    concurrent lab creations neither recompile nor see a half-written library. A cache
+    directory that cannot be used (``XDG_CACHE_HOME`` naming a file, a read-only home) is said
+    once and the library built in a temporary directory of this process instead: a lab is
+    never left half-written for want of a cache.
     """
     cc = compiler()
     if cc is None:
         return None
     source = _source()
     key = hashlib.sha256(source + " ".join(CFLAGS).encode()).hexdigest()[:16]
-    target = os.path.join(cache_dir(), f"libnvidia-ml-{key}.so")
+    try:
+        return _build(cc, source, key, cache_dir())
+    except OSError as exc:
+        log.warning(
+            "the lab's NVML stand-in cannot be cached in %s (%s); built in a temporary directory",
+            cache_dir(),
+            exc.strerror or exc,
+        )
+    try:
+        return _build(cc, source, key, _temporary_cache())
+    except OSError as exc:
+        log.warning("the lab's NVML stand-in cannot be built: %s", exc)
+        return None
+
+
+_TEMPORARY: list[str] = []
+"""This process's fallback build directory, made once and removed at exit."""
+
+
+def _temporary_cache() -> str:
+    if not _TEMPORARY:
+        _TEMPORARY.append(tempfile.mkdtemp(prefix="plugvisor-nvml-"))
+        atexit.register(shutil.rmtree, _TEMPORARY[0], True)
+    return _TEMPORARY[0]
+
+
+def _build(cc: str, source: bytes, key: str, directory: str) -> str | None:
+    """Compile into ``directory`` (OSError when it cannot be used); None when ``cc`` fails."""
+    target = os.path.join(directory, f"libnvidia-ml-{key}.so")
     if os.path.isfile(target):
         return target
-    os.makedirs(cache_dir(), exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache_dir()) as work:
+    os.makedirs(directory, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory) as work:
         src = os.path.join(work, SOURCE_NAME)
         with open(src, "wb") as handle:
             handle.write(source)
@@ -226,7 +258,12 @@ def install(tree: FakeTree, state: LabState) -> list[str]:
     path = build()
     library = None
     if path is None:
-        note = "no C compiler (cc): the lab's NVIDIA driver has no libnvidia-ml (NVML) or other libraries"
+        why = (
+            "no C compiler (cc)"
+            if compiler() is None
+            else "the NVML stand-in could not be built (see the log)"
+        )
+        note = f"{why}: the lab's NVIDIA driver has no libnvidia-ml (NVML) or other libraries"
         notes.append(note)
         if not _WARNED:
             _WARNED.append(True)
