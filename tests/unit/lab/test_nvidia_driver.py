@@ -127,7 +127,9 @@ class TestFaults:
             small.fault("gpu0", "melted")
         assert "overheat, ecc-dbe, ecc-sbe, xid-<N>" in str(caught.value)
 
-    @pytest.mark.parametrize("fault", ["xid-0", "xid-x", "xid-70000", "xid-", "xid-<N>"])
+    @pytest.mark.parametrize(
+        "fault", ["xid-0", "xid-x", "xid-70000", "xid-", "xid-<N>", "xid-079", "xid-0079"]
+    )
     def test_an_xid_out_of_range_names_the_fault_and_the_range(self, small: Lab, fault: str) -> None:
         with pytest.raises(UsageError) as caught:
             small.fault("gpu0", fault)

@@ -350,7 +350,10 @@ def gpu_file(state: LabState, dev: DeviceState) -> bytes:
         ("lost_at", counters.lost_at_ns),
     ]
     for fault in dev.faults:
-        number = gpu.parse_xid(fault)
+        try:
+            number = gpu.parse_xid(fault)
+        except ValueError:  # recorded by an older lab that took "xid-079": no XID NVML could raise
+            continue
         if number is not None:
             values.append(("xid", f"{number}@{counters.fault_since_ns.get(fault, 0)}"))
     return "".join(f"{key}={value}\n" for key, value in values).encode()
