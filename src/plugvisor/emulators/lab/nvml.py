@@ -265,9 +265,9 @@ def install(tree: FakeTree, state: LabState) -> list[str]:
         )
         note = f"{why}: the lab's NVIDIA driver has no libnvidia-ml (NVML) or other libraries"
         notes.append(note)
-        if not _WARNED:
+        if not _WARNED:  # at info: the note is the lab's to show (the CLI prints it), not said twice
             _WARNED.append(True)
-            log.warning("%s", note)
+            log.info("%s", note)
     else:
         with open(path, "rb") as handle:
             library = handle.read()
@@ -275,6 +275,15 @@ def install(tree: FakeTree, state: LabState) -> list[str]:
         tree.put(rel, entry)
     write_state(tree, state, None)
     return notes
+
+
+def standin_present(root: str, state: LabState) -> bool:
+    """Whether the lab has its NVML stand-in (it has none when no C compiler built it)."""
+    return os.path.isfile(os.path.join(root, lib_dir(state), "libnvidia-ml.so.1"))
+
+
+NVML_FAULTS: Final = ("ecc-dbe", "ecc-sbe")
+"""Faults only NVML shows (besides ``xid-<N>``): without the stand-in nothing can see them."""
 
 
 def uninstall(tree: FakeTree, state: LabState) -> None:
