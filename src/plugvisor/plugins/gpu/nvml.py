@@ -51,6 +51,7 @@ import structlog
 
 from plugvisor.common.hostpaths import HostPaths
 from plugvisor.common.monitoring import Reading
+from plugvisor.dra.validation import clip_value
 from plugvisor.plugins.gpu.driverfiles import library_dirs
 from plugvisor.plugins.gpu.options import Nvml as NvmlOptions
 
@@ -355,7 +356,7 @@ class Nvml:
         memory = self._field(bus_id, "memory", lambda: api.nvmlDeviceGetMemoryInfo(handle).total)
         mig = self._field(bus_id, "migMode", lambda: api.nvmlDeviceGetMigMode(handle))
         return Identity(
-            product_name=name[:64] if name else None,
+            product_name=clip_value(name) if name else None,
             brand=None if brand is None else BRANDS.get(int(brand)),
             architecture=None if arch is None else ARCHITECTURES.get(int(arch)),
             compute_capability=None if capability is None else f"{int(capability[0])}.{int(capability[1])}",
@@ -653,7 +654,7 @@ class Nvml:
             if event_type & EVENT_XID:
                 health.last_xid = data
                 if not self.options.xid_is_critical(data):
-                    said = ("xid-ignored", bus_id, str(data))  # once per GPU and XID: a fault repeats it
+                    said = ("xid-ignored", gpu.bus_id, str(data))  # once per GPU and XID: a fault repeats it
                     if said not in self._logged:
                         self._logged.add(said)
                         self._log.info("nvml_xid_ignored", gpu=bus_id, xid=data, effect="said once")
