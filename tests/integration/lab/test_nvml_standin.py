@@ -10,6 +10,7 @@ library must not answer for this one).
 from __future__ import annotations
 
 import ctypes
+import os
 import shutil
 import subprocess
 import sys
@@ -234,6 +235,23 @@ class TestFaults:
             pynvml.nvmlDeviceGetUUID(handle)
         lab.plug("gpu0")
         assert pynvml.nvmlDeviceGetUUID(handle) == UUID
+
+    def test_a_state_file_it_cannot_parse_is_an_unknown_error_not_zeros(
+        self, lab: Lab, handle: object
+    ) -> None:
+        path = f"{lab.root}/.plugvisor-lab/nvml/gpu0"
+        with open(path, "rb") as original:
+            kept = original.read()
+        for garbage in (bytes(range(256)) * 4, b"temperature=40\n"):
+            with open(f"{path}.new", "wb") as replaced:
+                replaced.write(garbage)
+            os.replace(f"{path}.new", path)
+            with pytest.raises(pynvml.NVMLError_Unknown):
+                pynvml.nvmlDeviceGetTemperature(handle, 0)
+        with open(f"{path}.new", "wb") as restored:
+            restored.write(kept)
+        os.replace(f"{path}.new", path)
+        assert pynvml.nvmlDeviceGetName(handle) == "NVIDIA H200"
 
     def test_energy_only_goes_up(self, lab: Lab, handle: object) -> None:
         first = pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
