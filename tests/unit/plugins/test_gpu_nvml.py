@@ -191,6 +191,24 @@ class TestIdentity:
         assert [(e["gpu"], e["field"]) for e in absent] == [(FIRST, "architecture")]
         assert "Not Supported" in absent[0]["error"]
 
+    def test_a_field_that_fails_recovers_and_fails_again_is_said_each_time_it_starts_and_per_cause(self):
+        api = FakeNvml()
+        nvml = opened(api)
+        with structlog.testing.capture_logs() as logs:
+            unknown, unsupported = pynvml.NVML_ERROR_UNKNOWN, pynvml.NVML_ERROR_NOT_SUPPORTED
+            for code in (unknown, unknown, None, unknown, unsupported):
+                api.errors.pop(("nvmlDeviceGetPowerUsage", 0), None)
+                if code is not None:
+                    api.errors[("nvmlDeviceGetPowerUsage", 0)] = code
+                nvml.readings(FIRST)
+        said = [(e["event"], e.get("error")) for e in logs if e.get("field") == "power"]
+        assert said == [
+            ("nvml_field_absent", "Unknown Error"),
+            ("nvml_field_back", None),
+            ("nvml_field_absent", "Unknown Error"),
+            ("nvml_field_absent", "Not Supported"),
+        ]
+
     def test_a_function_an_old_library_lacks_is_one_line_for_all_gpus(self):
         api = FakeNvml()
         api.errors[("nvmlDeviceGetArchitecture", None)] = pynvml.NVML_ERROR_FUNCTION_NOT_FOUND

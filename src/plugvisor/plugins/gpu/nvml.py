@@ -269,6 +269,8 @@ class Nvml:
         self._gpus: dict[str, _Gpu] = {}
         self._by_handle: dict[int | None, str] = {}
         self._logged: set[tuple[str, ...]] = set()
+        self._failing: dict[tuple[str, str], str] = {}
+        """Each (GPU, field) failing now, with its error: said when it starts or changes."""
         self._event_set: Any = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -372,7 +374,7 @@ class Nvml:
         scrape never fails for one field.
         """
         try:
-            return call()
+            value = call()
         except self._api.NVMLError as exc:
             code = exc.value
             if code == ERROR_GPU_IS_LOST:
@@ -380,12 +382,27 @@ class Nvml:
             elif code == ERROR_FUNCTION_NOT_FOUND:  # an older library: the same for every GPU
                 self._once(("absent", name), "nvml_field_absent", field=name, error=str(exc), gpus="all")
                 return None
-            self._once(("field", bus_id, name), "nvml_field_absent", gpu=bus_id, field=name, error=str(exc))
+            self._field_failed(bus_id, name, str(exc))
             return None
         except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-            self._once(("field", bus_id, name), "nvml_field_absent", gpu=bus_id, field=name, error=error)
+            self._field_failed(bus_id, name, f"{type(exc).__name__}: {exc}")
             return None
+        with self._lock:
+            failed = self._failing.pop((bus_id, name), None)
+        if failed is not None:
+            self._log.info("nvml_field_back", gpu=bus_id, field=name, was=failed)
+        return value
+
+    def _field_failed(self, bus_id: str, name: str, error: str) -> None:
+        """Say a field's failure when it starts or its cause changes.
+
+        One line per cause, again after the field answered in between, never at every scrape.
+        """
+        with self._lock:
+            before = self._failing.get((bus_id, name))
+            self._failing[(bus_id, name)] = error
+        if before != error:
+            self._log.warning("nvml_field_absent", gpu=bus_id, field=name, error=error)
 
     def _once(self, key: tuple[str, ...], event: str, **values: Any) -> None:
         with self._lock:
