@@ -26,6 +26,7 @@ from typing import Any, Final, Protocol, runtime_checkable
 from plugvisor.deviceplugin.devices import Device
 from plugvisor.deviceplugin.snapshot import Snapshot
 from plugvisor.dra.devices import NUMA_NODE, AttributeValue, PublishedDevice
+from plugvisor.dra.validation import clip_value
 
 _NAME_UNSAFE: Final = re.compile(r"[^a-z0-9]+")
 _NAME_MAX: Final = 63
@@ -98,7 +99,7 @@ def default_attributes(device: Device) -> dict[str, AttributeValue]:
         mount.container_path for mount in device.mounts
     ]
     if paths:
-        attributes["path"] = paths[0][:64]
+        attributes["path"] = clip_value(paths[0])
     return attributes
 
 

@@ -12,8 +12,8 @@ restated in our own words:
 - a device's name is a DNS-1123 label, unique in the pool;
 - attribute and capacity names are a C identifier of at most 32 characters,
   optionally after a DNS-subdomain domain of at most 63 and a ``/``;
-- a string or version value is at most 64 characters; a version is semver 2.0.0;
-  an integer fits in 64 bits;
+- a string value is at most 64 UTF-8 bytes (Kubernetes counts bytes), a version at most
+  64 characters and semver 2.0.0; an integer fits in 64 bits;
 - a capacity is a Kubernetes quantity;
 - at most 32 attributes and capacities together per device, 16 taints;
 - a taint's key is a label name, its value a label value, its effect one of
@@ -105,10 +105,22 @@ def qualified_problem(name: str) -> str | None:
 
 
 def string_problem(value: str) -> str | None:
-    """Why ``value`` cannot be a string attribute; None when it can."""
-    if len(value) > MAX_VALUE_LENGTH:
-        return f"the value is {len(value)} characters long; at most {MAX_VALUE_LENGTH} are allowed"
+    """Why ``value`` cannot be a string attribute; None when it can.
+
+    Kubernetes counts the length in bytes (Go's ``len`` of a string), so UTF-8 bytes here too.
+    """
+    size = len(value.encode("utf-8", "surrogatepass"))
+    if size > MAX_VALUE_LENGTH:
+        return f"the value is {size} bytes long (UTF-8); at most {MAX_VALUE_LENGTH} are allowed"
     return None
+
+
+def clip_value(text: str, limit: int = MAX_VALUE_LENGTH) -> str:
+    """``text`` cut to at most ``limit`` UTF-8 bytes, never inside a character (an attribute's value)."""
+    data = text.encode("utf-8", "surrogatepass")
+    if len(data) <= limit:
+        return text
+    return data[:limit].decode("utf-8", "ignore")  # a character cut in two is dropped whole
 
 
 def version_problem(value: str) -> str | None:

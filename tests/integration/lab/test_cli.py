@@ -188,3 +188,26 @@ def test_damaged_state_file_exits_2_naming_it(root: str, how: str, command: list
     assert result.exit_code == 2, result.output
     assert f"{root}/.plugvisor-lab/state.json" in result.output
     assert isinstance(result.exception, SystemExit)
+
+
+def test_without_a_compiler_the_missing_nvml_is_said_once_and_an_nvml_fault_warns_no_one_will_see_it(
+    root: str,
+) -> None:
+    """No cc: the lab has no NVML stand-in; create says so once, and an xid fault (recorded) says that NVML
+    events cannot reach anyone on this lab."""
+    env = {**os.environ, "PATH": "/nonexistent"}
+    command = [sys.executable, "-m", "plugvisor", "lab"]
+    created = subprocess.run(
+        [*command, "create", root, "--profile", "nvidia-h200-vm"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert created.returncode == 0
+    assert created.stderr.count("no C compiler (cc)") == 1
+    faulted = subprocess.run(
+        [*command, "fault", root, "gpu0", "xid-79"], env=env, capture_output=True, text=True, check=False
+    )
+    assert faulted.returncode == 0 and "faults=xid-79" in faulted.stdout
+    assert "no NVML stand-in" in faulted.stderr

@@ -10,6 +10,7 @@ library must not answer for this one).
 from __future__ import annotations
 
 import ctypes
+import os
 import shutil
 import subprocess
 import sys
@@ -235,8 +236,36 @@ class TestFaults:
         lab.plug("gpu0")
         assert pynvml.nvmlDeviceGetUUID(handle) == UUID
 
+    def test_a_state_file_it_cannot_parse_is_an_unknown_error_not_zeros(
+        self, lab: Lab, handle: object
+    ) -> None:
+        path = f"{lab.root}/.plugvisor-lab/nvml/gpu0"
+        with open(path, "rb") as original:
+            kept = original.read()
+        for garbage in (bytes(range(256)) * 4, b"temperature=40\n"):
+            with open(f"{path}.new", "wb") as replaced:
+                replaced.write(garbage)
+            os.replace(f"{path}.new", path)
+            with pytest.raises(pynvml.NVMLError_Unknown):
+                pynvml.nvmlDeviceGetTemperature(handle, 0)
+        with open(f"{path}.new", "wb") as restored:
+            restored.write(kept)
+        os.replace(f"{path}.new", path)
+        assert pynvml.nvmlDeviceGetName(handle) == "NVIDIA H200"
+
     def test_energy_only_goes_up(self, lab: Lab, handle: object) -> None:
         first = pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
         lab.fault("gpu0", "overheat")
         lab.heal("gpu0")
         assert pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) >= first
+
+
+def test_a_cache_directory_that_cannot_be_made_builds_in_a_temporary_one_and_the_lab_is_whole(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """XDG_CACHE_HOME naming a file: the lab is still created whole, with its NVML library."""
+    monkeypatch.setenv("XDG_CACHE_HOME", "/etc/passwd")
+    node = Lab.create(str(tmp_path / "root"), "nvidia-h200-vm")
+    assert node.notes == ()
+    library = tmp_path / "root/usr/local/nvidia/lib64/libnvidia-ml.so.1"
+    assert library.read_bytes().startswith(b"\x7fELF")

@@ -2,6 +2,7 @@
 
 import pytest
 
+from plugvisor.dra import validation
 from plugvisor.dra.devices import (
     NUMA_NODE,
     PCIE_ROOT,
@@ -79,7 +80,7 @@ class TestPublishedDevice:
             ({"name": "a" * 64}, "is 64 characters"),
             ({"name": "ok", "attributes": {"bad-name": 1}}, "attribute 'bad-name'"),
             ({"name": "ok", "attributes": {"x": 1.5}}, "float is not an attribute value"),
-            ({"name": "ok", "attributes": {"x": "y" * 65}}, "65 characters long; at most 64"),
+            ({"name": "ok", "attributes": {"x": "y" * 65}}, r"65 bytes long \(UTF-8\); at most 64"),
             ({"name": "ok", "attributes": {"x": 2**63}}, "does not fit in a 64-bit integer"),
             ({"name": "ok", "capacity": {"memory": "lots"}}, "not a Kubernetes quantity"),
             ({"name": "ok", "capacity": {"mem ory": "1"}}, "capacity 'mem ory'"),
@@ -174,3 +175,20 @@ class TestQuantities:
     @pytest.mark.parametrize("value", ["", "80 Gi", "Gi", "1.2.3", "80GiB"])
     def test_other_strings_are_not_quantities(self, value):
         assert quantity_problem(value) is not None
+
+
+class TestAttributeLength:
+    """Kubernetes counts an attribute's length in bytes (Go's len of a string), not in characters."""
+
+    def test_a_string_of_64_characters_but_more_bytes_is_refused(self):
+        assert "128 bytes long (UTF-8)" in str(validation.string_problem("é" * 64))
+
+    @pytest.mark.parametrize("text", ["é" * 40, "a" + "é" * 40, "x" * 70, "NVIDIA ✓ " * 10])
+    def test_a_value_is_cut_to_64_bytes_without_splitting_a_character(self, text):
+        clipped = validation.clip_value(text)
+        assert len(clipped.encode()) <= 64 and text.startswith(clipped)
+        assert len(clipped.encode()) > 64 - 4  # cut at the last whole character, not shorter
+        assert validation.string_problem(clipped) is None
+
+    def test_a_short_value_is_kept_whole(self):
+        assert validation.clip_value("NVIDIA H200") == "NVIDIA H200"

@@ -15,6 +15,7 @@ import pytest
 from pyfakefs.fake_filesystem import FakeFilesystem
 
 from plugvisor.emulators.lab import Lab, ProfileError, UsageError, fidelity, parse_profile
+from plugvisor.emulators.lab.nvml import cuda_driver_version
 
 ROOT = "/lab/root"
 NVML_GPU0 = f"{ROOT}/.plugvisor-lab/nvml/gpu0"
@@ -71,7 +72,17 @@ class TestNvmlState:
         assert values["minor"] == ["0"]
         assert values["memory_total"] == ["85520809984"]
         system = Path(f"{ROOT}/.plugvisor-lab/nvml/system").read_text()
-        assert "driver_version=550.54.15\nnvml_version=13.550.54.15\ncuda_driver_version=13000\n" in system
+        assert "driver_version=550.54.15\nnvml_version=12.550.54.15\ncuda_driver_version=12040\n" in system
+
+    @pytest.mark.parametrize(
+        ("driver", "cuda"),
+        [("470.256.02", 11040), ("535.230.02", 12020), ("550.54.15", 12040), ("560.35.03", 12060),
+         ("570.86.10", 12080), ("575.51.03", 12090), ("580.159.04", 13000), ("590.44.01", 13010)],
+    )  # fmt: skip
+    def test_the_cuda_driver_version_is_the_one_nvidias_driver_of_that_branch_supports(
+        self, driver: str, cuda: int
+    ) -> None:
+        assert cuda_driver_version(driver) == cuda
 
     def test_overheat_moves_nvml_temperature_and_power(self, small: Lab) -> None:
         cool = nvml_values()
@@ -116,7 +127,9 @@ class TestFaults:
             small.fault("gpu0", "melted")
         assert "overheat, ecc-dbe, ecc-sbe, xid-<N>" in str(caught.value)
 
-    @pytest.mark.parametrize("fault", ["xid-0", "xid-x", "xid-70000", "xid-", "xid-<N>"])
+    @pytest.mark.parametrize(
+        "fault", ["xid-0", "xid-x", "xid-70000", "xid-", "xid-<N>", "xid-079", "xid-0079"]
+    )
     def test_an_xid_out_of_range_names_the_fault_and_the_range(self, small: Lab, fault: str) -> None:
         with pytest.raises(UsageError) as caught:
             small.fault("gpu0", fault)

@@ -131,6 +131,23 @@ class TestHostileDriverRoots:
         assert f"{LIBS}/libcuda.so.1" in mounted(files)
         assert len(logs) == 1 and "dangling" in str(logs[0]["problem"])
 
+    @pytest.mark.parametrize("where", ["loop", "etc/cdi"])
+    def test_a_looping_driver_root_or_cdi_dir_finds_no_files_with_one_line_and_raises_nothing(
+        self, root, where
+    ):
+        """A symlink loop where the driver root or a CDI directory should be: nothing of it is found, the
+        allocation goes on without driver files, and it is said once, not at every find."""
+        (root / where).parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(Path(where).name, root / where)
+        found = locator(root, "/loop")
+        with structlog.testing.capture_logs() as logs:
+            first = found.find()
+            second = found.find()
+        assert first.mounts == () and second.mounts == ()
+        lines = [e for e in logs if e["event"] == "driver_file_skipped"]
+        assert len(lines) == 1 and "symbolic links" in str(lines[0]["problem"])
+        assert lines[0]["path"] == f"/{where}"
+
     def test_a_library_that_is_a_directory_is_skipped_with_one_line(self, root):
         directory = write_driver(root)
         (directory / f"libnvidia-encode.so.{VERSION}").mkdir()

@@ -191,6 +191,24 @@ class TestIdentity:
         assert [(e["gpu"], e["field"]) for e in absent] == [(FIRST, "architecture")]
         assert "Not Supported" in absent[0]["error"]
 
+    def test_a_field_that_fails_recovers_and_fails_again_is_said_each_time_it_starts_and_per_cause(self):
+        api = FakeNvml()
+        nvml = opened(api)
+        with structlog.testing.capture_logs() as logs:
+            unknown, unsupported = pynvml.NVML_ERROR_UNKNOWN, pynvml.NVML_ERROR_NOT_SUPPORTED
+            for code in (unknown, unknown, None, unknown, unsupported):
+                api.errors.pop(("nvmlDeviceGetPowerUsage", 0), None)
+                if code is not None:
+                    api.errors[("nvmlDeviceGetPowerUsage", 0)] = code
+                nvml.readings(FIRST)
+        said = [(e["event"], e.get("error")) for e in logs if e.get("field") == "power"]
+        assert said == [
+            ("nvml_field_absent", "Unknown Error"),
+            ("nvml_field_back", None),
+            ("nvml_field_absent", "Unknown Error"),
+            ("nvml_field_absent", "Not Supported"),
+        ]
+
     def test_a_function_an_old_library_lacks_is_one_line_for_all_gpus(self):
         api = FakeNvml()
         api.errors[("nvmlDeviceGetArchitecture", None)] = pynvml.NVML_ERROR_FUNCTION_NOT_FOUND
@@ -252,6 +270,16 @@ class TestHealth:
         assert nvml.view(FIRST).problems == ()
         last = {r.family: r.value for r in nvml.readings(FIRST)}["plugvisor_gpu_last_xid"]
         assert last == number
+
+    def test_an_ignored_xid_is_said_once_per_gpu_and_xid_not_at_every_event(self):
+        api = FakeNvml()
+        nvml = opened(api)
+        with structlog.testing.capture_logs() as logs:
+            for number in (13, 13, 13, 31, 31):
+                xid(nvml, api, 0, number)
+            xid(nvml, api, 1, 13)
+        said = [(e["gpu"], e["xid"]) for e in logs if e["event"] == "nvml_xid_ignored"]
+        assert said == [(FIRST, 13), (FIRST, 31), ("0000:86:00.0", 13)]
 
     def test_an_xid_taken_back_from_the_ignored_ones_counts(self):
         api = FakeNvml()
@@ -315,6 +343,63 @@ class TestHealth:
         xid(nvml, api, 0, 79)
         nvml.track({"0000:86:00.0"})
         nvml.track({FIRST, "0000:86:00.0"})
+        assert nvml.view(FIRST).problems == ()
+
+    def test_a_gpu_nvml_did_not_know_at_start_is_looked_up_by_bus_id_once_in_a_while_and_then_known(self):
+        """Lost when the plugin started, or plugged in since: sysfs lists it, NVML learns of it later."""
+        api, clock = FakeNvml(), Clock()
+        api.errors[("nvmlDeviceGetPciInfo_v3", 1)] = pynvml.NVML_ERROR_GPU_IS_LOST
+        nvml = opened(api, clock)
+        assert nvml.bus_ids == [FIRST]
+        del api.errors[("nvmlDeviceGetPciInfo_v3", 1)]
+        asked: list[bytes] = []
+        answers: list[object] = [pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND), api.handles[1]]
+
+        def by_bus_id(bus_id: bytes):
+            asked.append(bus_id)
+            answer = answers.pop(0)
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+        api.nvmlDeviceGetHandleByPciBusId = by_bus_id
+        second = "0000:86:00.0"
+        nvml.track({FIRST, second})
+        nvml.track({FIRST, second})
+        assert asked == [b"00000000:86:00.0"]  # not asked at every scan
+        clock.now += 60
+        nvml.track({FIRST, second})
+        assert nvml.bus_ids == [FIRST, second]
+        assert nvml.view(second).identity.product_name == "NVIDIA H200"
+        assert xid(nvml, api, 1, 48)
+
+    def test_a_replugged_gpu_without_a_new_handle_yet_gets_it_on_the_event_threads_recheck(self):
+        """The old handle answers GPU_IS_LOST for good; the recheck looks the new one up and asks it."""
+        api = FakeNvml()
+        nvml = opened(api)
+        old, new = api.handles[0], Handle(0)
+        temperature = api.nvmlDeviceGetTemperature
+
+        def temperature_of(handle, *args):
+            if handle is old:
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+            return temperature(handle, *args)
+
+        api.nvmlDeviceGetTemperature = temperature_of
+        handles: list[object] = []
+
+        def by_bus_id(_bus_id: bytes):
+            if not handles:
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+            return handles[0]
+
+        api.nvmlDeviceGetHandleByPciBusId = by_bus_id
+        nvml.track({"0000:86:00.0"})
+        nvml.track({FIRST, "0000:86:00.0"})
+        assert cause_code(nvml.view(FIRST).problems) == "gpu-lost"
+        assert not nvml._recheck()
+        handles.append(new)
+        assert nvml._recheck()
         assert nvml.view(FIRST).problems == ()
 
     def test_all_turns_nvml_health_off_and_no_events_are_watched(self):
@@ -404,12 +489,44 @@ class TestLoading:
         (candidate, *_) = library_candidates(HostPaths(root=tmp_path), "/drv")
         assert candidate == tmp_path / "usr/lib/libnvidia-ml.so.1"
 
+    def test_a_looping_search_directory_is_skipped_and_the_search_goes_on(self, tmp_path):
+        """driverfiles skips such a directory; NVML's search agrees and finds the library in the next."""
+        (tmp_path / "dr/usr/lib64").mkdir(parents=True)
+        (tmp_path / "dr/lib64").symlink_to("lib64")
+        (tmp_path / "dr/usr/lib64/libnvidia-ml.so.1").write_text("x")
+        found = library_candidates(HostPaths(root=tmp_path), "/dr")
+        assert tmp_path / "dr/usr/lib64/libnvidia-ml.so.1" in found
+        assert not any(str(p).startswith(str(tmp_path / "dr/lib64")) for p in found)
+
     def test_no_library_is_unavailable_naming_the_driver_root_and_where_it_looked(self, tmp_path):
         options = GpuOptions().nvml
         with pytest.raises(
             Unavailable, match=r"libnvidia-ml.so.1 not found under driverRoot /run/nvidia/driver"
-        ):
+        ) as raised:
             Nvml.open(HostPaths(root=tmp_path), "/run/nvidia/driver", options)
+        assert raised.value.absent  # no driver: nothing wrong, said at info
+
+    @pytest.mark.parametrize("kind", ["text", "empty", "directory"])
+    def test_a_library_that_is_there_but_broken_is_not_taken_for_an_absent_one(self, tmp_path, kind):
+        """A broken driver install is a warning for someone to look at, not the info of a node without one."""
+        (tmp_path / "lib64").mkdir()
+        library = tmp_path / "lib64/libnvidia-ml.so.1"
+        if kind == "directory":
+            library.mkdir()
+        else:
+            library.write_text("not an ELF file\n" if kind == "text" else "")
+        with pytest.raises(Unavailable, match="cannot be loaded") as raised:
+            Nvml.open(HostPaths(root=tmp_path), "/", GpuOptions().nvml)
+        assert not raised.value.absent
+
+    def test_a_dangling_link_is_named_where_it_was_looked_for_and_said_to_be_dangling(self, tmp_path):
+        (tmp_path / "dr/lib64").mkdir(parents=True)
+        (tmp_path / "dr/lib64/libnvidia-ml.so.1").symlink_to("libnvidia-ml.so.999")
+        with pytest.raises(Unavailable) as raised:
+            Nvml.open(HostPaths(root=tmp_path), "/dr", GpuOptions().nvml)
+        said = str(raised.value)
+        assert f"{tmp_path}/dr/lib64/libnvidia-ml.so.1: a dangling link" in said
+        assert "libnvidia-ml.so.999" in said
 
     def test_a_file_that_is_no_library_cannot_be_loaded_and_says_so(self, tmp_path):
         (tmp_path / "lib64").mkdir()

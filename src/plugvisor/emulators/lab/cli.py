@@ -17,7 +17,7 @@ from typing import ParamSpec, TypeVar
 
 import click
 
-from plugvisor.emulators.lab import errors, profiles
+from plugvisor.emulators.lab import errors, nvml, profiles
 from plugvisor.emulators.lab.lab import DeviceRecord, Lab
 
 P = ParamSpec("P")
@@ -116,7 +116,16 @@ def fault(root: str, device: str, kind: str) -> None:
 
     A KIND that does not apply to DEVICE is refused, listing those that do.
     """
-    click.echo(_line(Lab.open(root).fault(device, kind)))
+    lab = Lab.open(root)
+    click.echo(_line(lab.fault(device, kind)))
+    if (kind.startswith("xid-") or kind in nvml.NVML_FAULTS) and not nvml.standin_present(
+        str(lab.root), lab.state()
+    ):
+        click.echo(
+            f"plugvisor lab: warning: {kind} recorded, but this lab has no NVML stand-in (it was created "
+            "without a C compiler): only NVML shows this fault, so nothing will see it",
+            err=True,
+        )
 
 
 @lab_group.command()

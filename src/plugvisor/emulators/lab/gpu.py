@@ -41,8 +41,16 @@ def parse_xid(name: str) -> int | None:
         return None
     number = name.removeprefix("xid-")
     low, high = XID_RANGE
-    if not number.isascii() or not number.isdigit() or not low <= int(number) <= high:
-        raise ValueError(f"fault {name!r}: expected xid-<N> with N a decimal number in {low}..{high}")
+    # one name per XID: "xid-079" would be a second fault beside "xid-79", so leading zeros are refused
+    if (
+        not number.isascii()
+        or not number.isdigit()
+        or number != str(int(number))
+        or not low <= int(number) <= high
+    ):
+        raise ValueError(
+            f"fault {name!r}: expected xid-<N> with N a decimal number in {low}..{high}, no leading zeros"
+        )
     return int(number)
 
 

@@ -23,6 +23,7 @@ bookkeeping that keeps NVML's counters monotonic across changes is :func:`accoun
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import importlib.resources
 import logging
@@ -45,8 +46,42 @@ STATE_DIR: Final = f"{LAB_DIR}/nvml"
 """Where the stand-in reads the lab's GPUs (inside the lab's private directory, not sysfs)."""
 EVENT_PERIOD_MS: Final = 1000
 """An active fault raises its event again this often (a GPU that keeps failing until reset)."""
-CUDA_DRIVER_VERSION: Final = 13000
-"""``nvmlSystemGetCudaDriverVersion``: CUDA 13.0, as the 580 driver reports."""
+CUDA_BY_DRIVER_BRANCH: Final = (
+    (590, 13010),
+    (580, 13000),
+    (575, 12090),
+    (570, 12080),
+    (560, 12060),
+    (555, 12050),
+    (550, 12040),
+    (545, 12030),
+    (535, 12020),
+    (530, 12010),
+    (525, 12000),
+    (520, 11080),
+    (515, 11070),
+    (510, 11060),
+    (495, 11050),
+    (470, 11040),
+    (465, 11030),
+    (460, 11020),
+    (455, 11010),
+    (450, 11000),
+)
+"""The lab's model of ``nvmlSystemGetCudaDriverVersion``: the newest CUDA whose minimum Linux driver branch
+(CUDA's release notes, "CUDA Toolkit and Corresponding Driver Versions") is at most the driver's major;
+580 -> 13000 is what the real H200 node's 580.159.04 reports."""
+
+
+def cuda_driver_version(driver_version: str) -> int:
+    """The CUDA version (``12040`` for 12.4) a driver of this version supports, as NVML reports it."""
+    major = int(driver_version.split(".", 1)[0])
+    for branch, cuda in CUDA_BY_DRIVER_BRANCH:
+        if major >= branch:
+            return cuda
+    return CUDA_BY_DRIVER_BRANCH[-1][1]
+
+
 XID_FALLEN_OFF_BUS: Final = 79
 SOURCE_NAME: Final = "nvml_standin.c"
 CFLAGS: Final = ("-shared", "-fPIC", "-O2", "-fvisibility=hidden")
@@ -125,18 +160,49 @@ def build() -> str | None:
     """Return the path of the compiled stand-in, compiling it once per source version; None without ``cc``.
 
     Keyed by a hash of the source and flags, written under a temporary name and renamed, so
-    concurrent lab creations neither recompile nor see a half-written library.
+    concurrent lab creations neither recompile nor see a half-written library. A cache
+    directory that cannot be used (``XDG_CACHE_HOME`` naming a file, a read-only home) is said
+    once and the library built in a temporary directory of this process instead: a lab is
+    never left half-written for want of a cache.
     """
     cc = compiler()
     if cc is None:
         return None
     source = _source()
     key = hashlib.sha256(source + " ".join(CFLAGS).encode()).hexdigest()[:16]
-    target = os.path.join(cache_dir(), f"libnvidia-ml-{key}.so")
+    try:
+        return _build(cc, source, key, cache_dir())
+    except OSError as exc:
+        log.warning(
+            "the lab's NVML stand-in cannot be cached in %s (%s); built in a temporary directory",
+            cache_dir(),
+            exc.strerror or exc,
+        )
+    try:
+        return _build(cc, source, key, _temporary_cache())
+    except OSError as exc:
+        log.warning("the lab's NVML stand-in cannot be built: %s", exc)
+        return None
+
+
+_TEMPORARY: list[str] = []
+"""This process's fallback build directory, made once and removed at exit."""
+
+
+def _temporary_cache() -> str:
+    if not _TEMPORARY:
+        _TEMPORARY.append(tempfile.mkdtemp(prefix="plugvisor-nvml-"))
+        atexit.register(shutil.rmtree, _TEMPORARY[0], True)
+    return _TEMPORARY[0]
+
+
+def _build(cc: str, source: bytes, key: str, directory: str) -> str | None:
+    """Compile into ``directory`` (OSError when it cannot be used); None when ``cc`` fails."""
+    target = os.path.join(directory, f"libnvidia-ml-{key}.so")
     if os.path.isfile(target):
         return target
-    os.makedirs(cache_dir(), exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache_dir()) as work:
+    os.makedirs(directory, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory) as work:
         src = os.path.join(work, SOURCE_NAME)
         with open(src, "wb") as handle:
             handle.write(source)
@@ -192,11 +258,16 @@ def install(tree: FakeTree, state: LabState) -> list[str]:
     path = build()
     library = None
     if path is None:
-        note = "no C compiler (cc): the lab's NVIDIA driver has no libnvidia-ml (NVML) or other libraries"
+        why = (
+            "no C compiler (cc)"
+            if compiler() is None
+            else "the NVML stand-in could not be built (see the log)"
+        )
+        note = f"{why}: the lab's NVIDIA driver has no libnvidia-ml (NVML) or other libraries"
         notes.append(note)
-        if not _WARNED:
+        if not _WARNED:  # at info: the note is the lab's to show (the CLI prints it), not said twice
             _WARNED.append(True)
-            log.warning("%s", note)
+            log.info("%s", note)
     else:
         with open(path, "rb") as handle:
             library = handle.read()
@@ -204,6 +275,15 @@ def install(tree: FakeTree, state: LabState) -> list[str]:
         tree.put(rel, entry)
     write_state(tree, state, None)
     return notes
+
+
+def standin_present(root: str, state: LabState) -> bool:
+    """Whether the lab has its NVML stand-in (it has none when no C compiler built it)."""
+    return os.path.isfile(os.path.join(root, lib_dir(state), "libnvidia-ml.so.1"))
+
+
+NVML_FAULTS: Final = ("ecc-dbe", "ecc-sbe")
+"""Faults only NVML shows (besides ``xid-<N>``): without the stand-in nothing can see them."""
 
 
 def uninstall(tree: FakeTree, state: LabState) -> None:
@@ -279,7 +359,10 @@ def gpu_file(state: LabState, dev: DeviceState) -> bytes:
         ("lost_at", counters.lost_at_ns),
     ]
     for fault in dev.faults:
-        number = gpu.parse_xid(fault)
+        try:
+            number = gpu.parse_xid(fault)
+        except ValueError:  # recorded by an older lab that took "xid-079": no XID NVML could raise
+            continue
         if number is not None:
             values.append(("xid", f"{number}@{counters.fault_since_ns.get(fault, 0)}"))
     return "".join(f"{key}={value}\n" for key, value in values).encode()
@@ -288,10 +371,11 @@ def gpu_file(state: LabState, dev: DeviceState) -> bytes:
 def system_file(state: LabState) -> bytes:
     """The node's ``key=value`` lines: versions, GPU count, event period."""
     version = state.profile.nvidia_driver_version
+    cuda = cuda_driver_version(version)
     values = (
         ("driver_version", version),
-        ("nvml_version", f"{CUDA_DRIVER_VERSION // 1000}.{version}"),
-        ("cuda_driver_version", CUDA_DRIVER_VERSION),
+        ("nvml_version", f"{cuda // 1000}.{version}"),  # NVML's own: "13.580.159.04" on the H200 node
+        ("cuda_driver_version", cuda),
         ("count", len(nvidia_gpus(state))),
         ("event_period_ms", EVENT_PERIOD_MS),
     )

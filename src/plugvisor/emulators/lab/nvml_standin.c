@@ -143,7 +143,16 @@ typedef struct {
     long long lost_at;
     int nxid;
     xid_t xids[MAX_XIDS];
+    unsigned int required; /* REQUIRED_* bits of the keys the file had */
 } gpu_t;
+
+/* Keys the lab always writes: a file without one of them is not the lab's (garbage, truncated),
+   and every query of that GPU answers NVML_ERROR_UNKNOWN rather than zeros. */
+#define REQUIRED_UUID 0x1u
+#define REQUIRED_BUS_ID 0x2u
+#define REQUIRED_MEMORY 0x4u
+#define REQUIRED_NAME 0x8u
+#define REQUIRED_ALL (REQUIRED_UUID | REQUIRED_BUS_ID | REQUIRED_MEMORY | REQUIRED_NAME)
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static int refcount;
@@ -188,11 +197,11 @@ static void parse_pair(const char *value, long long *a, long long *b) {
 static void gpu_line(gpu_t *g, const char *key, const char *value) {
     unsigned long long u = strtoull(value, NULL, 0);
     long long a, b;
-    if (!strcmp(key, "name")) copy_value(g->name, sizeof g->name, value);
-    else if (!strcmp(key, "uuid")) copy_value(g->uuid, sizeof g->uuid, value);
+    if (!strcmp(key, "name")) { copy_value(g->name, sizeof g->name, value); g->required |= REQUIRED_NAME; }
+    else if (!strcmp(key, "uuid")) { copy_value(g->uuid, sizeof g->uuid, value); g->required |= REQUIRED_UUID; }
     else if (!strcmp(key, "serial")) copy_value(g->serial, sizeof g->serial, value);
     else if (!strcmp(key, "vbios")) copy_value(g->vbios, sizeof g->vbios, value);
-    else if (!strcmp(key, "bus_id")) copy_value(g->bus_id, sizeof g->bus_id, value);
+    else if (!strcmp(key, "bus_id")) { copy_value(g->bus_id, sizeof g->bus_id, value); g->required |= REQUIRED_BUS_ID; }
     else if (!strcmp(key, "brand")) g->brand = (unsigned int)u;
     else if (!strcmp(key, "architecture")) g->arch = (unsigned int)u;
     else if (!strcmp(key, "cc_major")) g->cc_major = (unsigned int)u;
@@ -203,7 +212,7 @@ static void gpu_line(gpu_t *g, const char *key, const char *value) {
     else if (!strcmp(key, "device")) g->device = (unsigned int)u;
     else if (!strcmp(key, "pci_device_id")) g->pci_device_id = (unsigned int)u;
     else if (!strcmp(key, "pci_subsystem_id")) g->pci_subsystem_id = (unsigned int)u;
-    else if (!strcmp(key, "memory_total")) g->memory_total = u;
+    else if (!strcmp(key, "memory_total")) { g->memory_total = u; g->required |= REQUIRED_MEMORY; }
     else if (!strcmp(key, "memory_used")) g->memory_used = u;
     else if (!strcmp(key, "memory_reserved")) g->memory_reserved = u;
     else if (!strcmp(key, "temperature")) g->temperature = (unsigned int)u;
@@ -263,7 +272,7 @@ static int load_gpu(unsigned int index, gpu_t *g) {
         c->ctime.tv_sec == st.st_ctim.tv_sec && c->ctime.tv_nsec == st.st_ctim.tv_nsec) {
         *g = c->gpu;
         pthread_mutex_unlock(&cache_lock);
-        return 0;
+        return (g->required & REQUIRED_ALL) == REQUIRED_ALL ? 0 : -1;
     }
     pthread_mutex_unlock(&cache_lock);
     int fd = open(path, O_RDONLY | O_CLOEXEC);
@@ -300,7 +309,7 @@ static int load_gpu(unsigned int index, gpu_t *g) {
         cache[index]->gpu = *g;
     }
     pthread_mutex_unlock(&cache_lock);
-    return 0;
+    return (g->required & REQUIRED_ALL) == REQUIRED_ALL ? 0 : -1;
 }
 
 /* Read one value of the system file into ``out``; 0 when found. */

@@ -33,6 +33,7 @@ from plugvisor.common.hostpaths import HostPaths
 from plugvisor.deviceplugin.snapshot import Snapshot
 from plugvisor.dra.devices import AttributeValue, DeviceTaint, PublishedDevice, SemVer, bytes_quantity
 from plugvisor.dra.hooks import dra_device_name
+from plugvisor.dra.validation import clip_value
 from plugvisor.plugins import sysfs
 from plugvisor.plugins.draattributes import function_attributes, module_version, read_bytes_count
 from plugvisor.plugins.gpu.discovery import Gpu, parse_information
@@ -95,7 +96,7 @@ def nvml_attributes(view: GpuView, system: System | None) -> dict[str, Attribute
         ("architecture", identity.architecture),
     ):
         if text:
-            attributes[name] = text[:64]
+            attributes[name] = clip_value(text)
     for name, version in (
         ("cudaComputeCapability", identity.compute_capability),
         ("driverVersion", system.driver_version if system else None),
@@ -137,13 +138,13 @@ def published(
         if gpu.index is not None:
             attributes["index"] = gpu.index
         if gpu.uuid:
-            attributes["uuid"] = gpu.uuid[:64]
+            attributes["uuid"] = clip_value(gpu.uuid)
         driver = gpu.function.driver or ""
         if gpu.function.vendor == NVIDIA:
             info = sysfs.read_text(paths.procfs / "driver/nvidia/gpus" / gpu.bdf / "information")
             model = parse_information(info).get("Model") if isinstance(info, str) else None
             if model:
-                attributes["model"] = model[:64]
+                attributes["model"] = clip_value(model)
             if "nvidia" not in versions:
                 versions["nvidia"] = nvidia_driver_version(paths)
             version = versions["nvidia"]

@@ -216,13 +216,25 @@ class DriverLocator:
     # -- what is read -----------------------------------------------------------------
 
     def _root(self) -> Path:
-        return self.paths.host(self.driver_root)
+        return self._host(self.driver_root)
+
+    def _host(self, absolute: str) -> Path:
+        """Where a host path is read, resolved inside the host root.
+
+        A path that cannot be resolved (a link loop) is said once and kept as
+        written, so that reading it fails and it is treated as absent.
+        """
+        try:
+            return self.paths.host(absolute)
+        except OSError as exc:
+            self._report(absolute, f"cannot resolve it: {exc.strerror or exc}; nothing read from it")
+            return self.paths.root.joinpath(*path_parts(absolute))
 
     def _directories(self) -> list[Path]:
         root = self._root()
         names = [*library_dirs(self.machine), *BINARY_DIRS]
         found = [_inside(self.paths, root / name) for name in names]
-        found += [self.paths.host(d) for d in (*CDI_DIRS, *HOOK_DIRS)]
+        found += [self._host(d) for d in (*CDI_DIRS, *HOOK_DIRS)]
         return found
 
     def _read(self) -> DriverFiles:
@@ -277,7 +289,7 @@ class DriverLocator:
         """The toolkit's hook program as the runtime names it (``specRoot``: the hook runs on the host)."""
         for program, selector in HOOK_BINARIES:
             for directory in HOOK_DIRS:
-                local = self.paths.host(f"{directory}/{program}")
+                local = self._host(f"{directory}/{program}")
                 try:
                     mode = local.stat().st_mode
                 except OSError:
@@ -290,7 +302,7 @@ class DriverLocator:
         names: set[str] = set()
         minors: dict[int, str] = {}
         for cdi_dir in CDI_DIRS:
-            directory = self.paths.host(cdi_dir)
+            directory = self._host(cdi_dir)
             entries = sorted(e for e in self._entries(directory) if e.endswith(_SPEC_SUFFIXES))
             if len(entries) > MAX_SPECS:
                 self._report(

@@ -51,6 +51,7 @@ import structlog
 
 from plugvisor.common.hostpaths import HostPaths
 from plugvisor.common.monitoring import Reading
+from plugvisor.dra.validation import clip_value
 from plugvisor.plugins.gpu.driverfiles import library_dirs
 from plugvisor.plugins.gpu.options import Nvml as NvmlOptions
 
@@ -104,6 +105,10 @@ ERROR_GPU_IS_LOST: Final = 15
 
 WAIT_MS: Final = 500
 """How long one event wait blocks: the longest a stop waits for the event thread, and the recovery tick."""
+RECHECK_SECONDS: Final = 1.0
+"""How often the event thread asks a lost GPU again (and looks its handle up again when it was replugged)."""
+LOOKUP_SECONDS: Final = 10.0
+"""How often a GPU sysfs lists but NVML did not know is looked up by bus ID (plugged in, or found late)."""
 
 _GPU: Final = {"sensor": "gpu"}
 _READINGS: Final[tuple[tuple[str, dict[str, str], str, str, tuple[int, ...], int], ...]] = (
@@ -127,13 +132,19 @@ TAINT_LOST: Final = "gpu.plugvisor.io/gpu-lost"
 def library_candidates(paths: HostPaths, driver_root: str) -> list[Path]:
     """Where ``libnvidia-ml.so.1`` may be under the driver root, in search order, as paths in this process.
 
-    Each is resolved inside the host root (a link in the driver root that
-    points at ``/usr/lib/...`` means the host's, never this container's).
+    Each directory is resolved inside the host root (a link in the driver
+    root that points at ``/usr/lib/...`` means the host's, never this
+    container's); the library's own name is kept as written, so that a message
+    names where it was looked for (:func:`_load` resolves it). A directory that
+    cannot be resolved (a link loop) is skipped and the search goes on, as
+    :class:`~plugvisor.plugins.gpu.driverfiles.DriverLocator` skips it too.
     """
     found: list[Path] = []
     for directory in library_dirs():
-        host_path = os.path.join(driver_root, directory, LIBRARY)
-        candidate = paths.host(host_path)
+        try:
+            candidate = paths.host(os.path.join(driver_root, directory)) / LIBRARY
+        except OSError:
+            continue
         if candidate not in found:
             found.append(candidate)
     return found
@@ -157,7 +168,17 @@ def normalized_bus_id(bus_id: str) -> str:
 
 
 class Unavailable(Exception):  # noqa: N818 - a state with a reason, not an error of the caller
-    """NVML cannot be used on this node; the text says why (not found, wrong version, init error)."""
+    """NVML cannot be used on this node; the text says why (not found, wrong version, init error).
+
+    ``absent`` is True when there is simply no NVML (no library, no pynvml): a
+    node without NVIDIA's driver, said at info. False when a library is there
+    and fails (not a library, the wrong version, ``nvmlInit`` failing): a
+    broken driver install someone should look at, said as a warning.
+    """
+
+    def __init__(self, reason: str, *, absent: bool = False) -> None:
+        super().__init__(reason)
+        self.absent = absent
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,6 +236,8 @@ class _Gpu:
     health: _Health = field(default_factory=_Health)
     absent: bool = False
     """Not in the latest scan's sysfs (unplugged): what NVML says of it then belongs to the GPU that left."""
+    stale: bool = False
+    """Came back, but NVML had no new handle for it yet: the event thread keeps asking for one."""
 
 
 def _text(value: object) -> str:
@@ -246,10 +269,14 @@ class Nvml:
         self._gpus: dict[str, _Gpu] = {}
         self._by_handle: dict[int | None, str] = {}
         self._logged: set[tuple[str, ...]] = set()
+        self._failing: dict[tuple[str, str], str] = {}
+        """Each (GPU, field) failing now, with its error: said when it starts or changes."""
         self._event_set: Any = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._changed: Callable[[], None] = lambda: None
+        self._watch_later = False
+        self._looked_up: dict[str, float] = {}
         self.system = System()
 
     # -- opening ---------------------------------------------------------------------
@@ -263,7 +290,7 @@ class Nvml:
         try:
             import pynvml  # noqa: PLC0415 - only in the plugin process, only when NVML is wanted
         except ImportError as exc:
-            raise Unavailable(f"nvidia-ml-py (pynvml) is not installed: {exc}") from None
+            raise Unavailable(f"nvidia-ml-py (pynvml) is not installed: {exc}", absent=True) from None
         library = _load(pynvml, paths, driver_root)
         nvml = cls(pynvml, options, resource=resource)
         try:
@@ -331,7 +358,7 @@ class Nvml:
         memory = self._field(bus_id, "memory", lambda: api.nvmlDeviceGetMemoryInfo(handle).total)
         mig = self._field(bus_id, "migMode", lambda: api.nvmlDeviceGetMigMode(handle))
         return Identity(
-            product_name=name[:64] if name else None,
+            product_name=clip_value(name) if name else None,
             brand=None if brand is None else BRANDS.get(int(brand)),
             architecture=None if arch is None else ARCHITECTURES.get(int(arch)),
             compute_capability=None if capability is None else f"{int(capability[0])}.{int(capability[1])}",
@@ -347,7 +374,7 @@ class Nvml:
         scrape never fails for one field.
         """
         try:
-            return call()
+            value = call()
         except self._api.NVMLError as exc:
             code = exc.value
             if code == ERROR_GPU_IS_LOST:
@@ -355,12 +382,27 @@ class Nvml:
             elif code == ERROR_FUNCTION_NOT_FOUND:  # an older library: the same for every GPU
                 self._once(("absent", name), "nvml_field_absent", field=name, error=str(exc), gpus="all")
                 return None
-            self._once(("field", bus_id, name), "nvml_field_absent", gpu=bus_id, field=name, error=str(exc))
+            self._field_failed(bus_id, name, str(exc))
             return None
         except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-            self._once(("field", bus_id, name), "nvml_field_absent", gpu=bus_id, field=name, error=error)
+            self._field_failed(bus_id, name, f"{type(exc).__name__}: {exc}")
             return None
+        with self._lock:
+            failed = self._failing.pop((bus_id, name), None)
+        if failed is not None:
+            self._log.info("nvml_field_back", gpu=bus_id, field=name, was=failed)
+        return value
+
+    def _field_failed(self, bus_id: str, name: str, error: str) -> None:
+        """Say a field's failure when it starts or its cause changes.
+
+        One line per cause, again after the field answered in between, never at every scrape.
+        """
+        with self._lock:
+            before = self._failing.get((bus_id, name))
+            self._failing[(bus_id, name)] = error
+        if before != error:
+            self._log.warning("nvml_field_absent", gpu=bus_id, field=name, error=error)
 
     def _once(self, key: tuple[str, ...], event: str, **values: Any) -> None:
         with self._lock:
@@ -371,38 +413,89 @@ class Nvml:
 
     # -- what a scan asks ------------------------------------------------------------
 
-    def track(self, present: Collection[str]) -> None:
+    def track(self, present: Collection[str], nvidia: Collection[str] | None = None) -> None:
         """Note which GPUs sysfs lists now: one that comes back after it was gone is a new GPU to NVML.
 
         Its health starts over (an XID the leaving GPU raised is not the
         returning one's), its handle is looked up again and registered for
-        events again, as the driver gives a re-probed GPU a new one.
+        events again, as the driver gives a re-probed GPU a new one. A GPU of
+        ``nvidia`` (default: all of ``present``) that NVML did not know (lost
+        when the plugin started, plugged in since) is looked up by bus ID, at
+        most every :data:`LOOKUP_SECONDS`, and known from then on.
         """
-        for bus_id, gpu in self._gpus.items():
+        with self._lock:
+            known = list(self._gpus.items())
+        for bus_id, gpu in known:
             if bus_id not in present:
                 gpu.absent = True
             elif gpu.absent:
                 self._returned(gpu)
+        now = self._clock()
+        for bus_id in sorted(set(present if nvidia is None else nvidia) - self._gpus.keys()):
+            last = self._looked_up.get(bus_id)
+            if last is None or now - last >= LOOKUP_SECONDS:
+                self._looked_up[bus_id] = now
+                self._adopt(bus_id)
+
+    def _adopt(self, bus_id: str) -> None:
+        """Know a GPU NVML did not list at start, if it has a handle for its bus ID now."""
+        try:
+            handle = self._api.nvmlDeviceGetHandleByPciBusId(nvml_bus_id(bus_id).encode())
+        except Exception as exc:  # not (yet) NVML's: asked again later
+            self._once(
+                ("adopt", bus_id), "nvml_gpu_unknown", gpu=bus_id, error=f"{type(exc).__name__}: {exc}"
+            )
+            return
+        gpu = _Gpu(bus_id, handle, self._identity(bus_id, handle))
+        with self._lock:
+            self._gpus[bus_id] = gpu
+            self._by_handle[_address(handle)] = bus_id
+            self._looked_up.pop(bus_id, None)
+            self._logged.discard(("adopt", bus_id))
+        self._log.info("nvml_gpu_found", gpu=bus_id, effect="identity, health and telemetry from NVML")
+        if self._event_set is not None:
+            self._register(gpu)
+        elif self._watch_later:
+            self.watch_events(self._changed)
 
     def _returned(self, gpu: _Gpu) -> None:
-        api = self._api
         with self._lock:
             gpu.absent = False
             gpu.health = _Health()
-        try:
-            handle = api.nvmlDeviceGetHandleByPciBusId(nvml_bus_id(gpu.bus_id).encode())
-        except Exception as exc:  # NVML's errors and pynvml's: the old handle is kept, and tried as it is
-            self._log.warning(
-                "nvml_gpu_back", gpu=gpu.bus_id, handle="kept", error=f"{type(exc).__name__}: {exc}"
-            )
+        error = self._new_handle(gpu)
+        if error is not None:  # the old handle is kept, and the event thread asks for a new one
+            gpu.stale = True
+            self._log.warning("nvml_gpu_back", gpu=gpu.bus_id, handle="kept", error=error)
             return
+        self._log.info("nvml_gpu_back", gpu=gpu.bus_id, health="starts over")
+
+    def _new_handle(self, gpu: _Gpu) -> str | None:
+        """Look the GPU's handle up by bus ID again (registering a new one for events); the error, or None."""
+        try:
+            handle = self._api.nvmlDeviceGetHandleByPciBusId(nvml_bus_id(gpu.bus_id).encode())
+        except Exception as exc:  # NVML's errors and pynvml's
+            return f"{type(exc).__name__}: {exc}"
+        gpu.stale = False
+        if _address(handle) == _address(gpu.handle):
+            return None
         with self._lock:
             self._by_handle.pop(_address(gpu.handle), None)
             gpu.handle = handle
             self._by_handle[_address(handle)] = gpu.bus_id
         if self._event_set is not None:
             self._register(gpu)
-        self._log.info("nvml_gpu_back", gpu=gpu.bus_id, health="starts over")
+        return None
+
+    def _recheck(self) -> bool:
+        """Ask each lost GPU again, with a handle looked up anew; returns whether one answers again."""
+        with self._lock:
+            waiting = [g for g in self._gpus.values() if not g.absent and (g.health.lost or g.stale)]
+        answered = False
+        for gpu in waiting:
+            self._new_handle(gpu)  # none yet: the handle it has is asked
+            self._probe(gpu)
+            answered |= not gpu.health.lost
+        return answered
 
     @property
     def bus_ids(self) -> list[str]:
@@ -507,8 +600,12 @@ class Nvml:
         (then one line says why, and health stays sysfs's).
         """
         self._changed = changed
-        if not self.options.health or not self._gpus:
+        if not self.options.health:
             return False
+        if not self._gpus:
+            self._watch_later = True  # started once NVML knows a GPU (:meth:`track`)
+            return False
+        self._watch_later = False
         api = self._api
         try:
             self._event_set = api.nvmlEventSetCreate()
@@ -535,6 +632,7 @@ class Nvml:
     def _wait_loop(self) -> None:
         api = self._api
         failures = 0
+        recheck_at = self._clock()
         while not self._stop.is_set():
             try:
                 data = api.nvmlEventSetWait_v2(self._event_set, WAIT_MS)
@@ -552,6 +650,10 @@ class Nvml:
                     self._changed()
             if self._expired():
                 self._changed()
+            if self._clock() >= recheck_at:
+                recheck_at = self._clock() + RECHECK_SECONDS
+                if self._recheck():
+                    self._changed()
 
     def event(self, handle_address: int | None, event_type: int, data: int) -> bool:
         """Take one NVML event; returns whether it changed the GPU's health (a rescan is then due)."""
@@ -569,7 +671,10 @@ class Nvml:
             if event_type & EVENT_XID:
                 health.last_xid = data
                 if not self.options.xid_is_critical(data):
-                    self._log.info("nvml_xid_ignored", gpu=bus_id, xid=data)
+                    said = ("xid-ignored", gpu.bus_id, str(data))  # once per GPU and XID: a fault repeats it
+                    if said not in self._logged:
+                        self._logged.add(said)
+                        self._log.info("nvml_xid_ignored", gpu=bus_id, xid=data, effect="said once")
                     return False
                 health.critical_xid = data
             elif event_type & EVENT_DBE:
@@ -659,14 +764,22 @@ def _load(pynvml: Any, paths: HostPaths, driver_root: str) -> str:
     library: ctypes.CDLL | None = None
     where = ""
     for candidate in candidates:
-        if not candidate.exists():
+        if not os.path.lexists(candidate):
             continue
         try:
-            library = ctypes.CDLL(str(candidate))
+            target = paths.inside(candidate)
+        except OSError as exc:
+            tried.append(f"{candidate}: cannot resolve it: {exc.strerror or exc}")
+            continue
+        if not target.exists():
+            tried.append(f"{candidate}: a dangling link (to {target})")
+            continue
+        try:
+            library = ctypes.CDLL(str(target))
         except OSError as exc:
             tried.append(f"{candidate}: {exc}")
             continue
-        where = str(candidate)
+        where = str(target)
         break
     if library is None and str(paths.root) == "/" and os.path.normpath(driver_root) == "/":
         try:
@@ -678,7 +791,9 @@ def _load(pynvml: Any, paths: HostPaths, driver_root: str) -> str:
         if tried:
             raise Unavailable(f"{LIBRARY} cannot be loaded: {'; '.join(tried)}")
         shown = ", ".join(str(c) for c in candidates)
-        raise Unavailable(f"{LIBRARY} not found under driverRoot {driver_root} (looked in {shown})")
+        raise Unavailable(
+            f"{LIBRARY} not found under driverRoot {driver_root} (looked in {shown})", absent=True
+        )
     with pynvml.libLoadLock:
         if pynvml.nvmlLib is not None and _loaded.get("path") != where:
             if pynvml._nvmlLib_refcount > 0:

@@ -116,18 +116,17 @@ class GpuSource:
                 self.paths, self.options.driver_root, self.options.nvml, resource=self.resource
             )
         except Unavailable as exc:
-            reason = str(exc)
+            reason, absent = str(exc), exc.absent
         except Exception as exc:  # a bug or a library gone wrong must not keep the GPUs from the kubelet
-            reason = f"{type(exc).__name__}: {exc}"
+            reason, absent = f"{type(exc).__name__}: {exc}", False
         else:
             try:
                 self.nvml.watch_events(self._health_changed)
             except Exception as exc:  # identity and telemetry stay; health is sysfs's alone
                 self._log.error("nvml_events_unavailable", error=f"{type(exc).__name__}: {exc}")
             return
-        self._log.info(
-            "nvml_unavailable", reason=reason, effect="identity, health and telemetry from sysfs only"
-        )
+        say = self._log.info if absent else self._log.warning  # no driver, or a broken one
+        say("nvml_unavailable", reason=reason, effect="identity, health and telemetry from sysfs only")
 
     def close(self) -> None:
         """Stop NVML's event thread and shut NVML down."""
@@ -159,7 +158,7 @@ class GpuSource:
             self._problems.report(bdf, "; ".join(gpu.problems) or None)
             gpus.append(gpu)
         if self.nvml is not None:
-            self.nvml.track(addresses)
+            self.nvml.track(addresses, [g.bdf for g in gpus if g.function.vendor == NVIDIA])
         views = self._nvml_views(gpus)
         self._problems.forget_absent([*addresses, *(bdf for bdf, _ in broken)])
         control = self.scanner.control_nodes(sorted({g.function.vendor for g in gpus}))
