@@ -20,6 +20,7 @@ from __future__ import annotations
 import difflib
 import errno
 import os
+import platform
 import stat
 from collections import deque
 from dataclasses import dataclass
@@ -261,3 +262,14 @@ class HostPaths:
         spec_root = self.root if self.spec_root is None else self.spec_root
         rel = local.relative_to(self.root)
         return str(spec_root / rel)
+
+
+def multiarch_triplet(machine: str | None = None) -> str:
+    """The multiarch triplet of this machine (``x86_64-linux-gnu``, ``aarch64-linux-gnu``).
+
+    Debian and Ubuntu keep a host's libraries in ``/usr/lib/<triplet>``: the gpu kind looks for
+    NVIDIA's driver there, and the lab writes it there, so both name the directory with this one
+    function (``arm64``, as some systems call the machine, is Debian's ``aarch64``).
+    """
+    machine = (machine or platform.machine() or "x86_64").lower()
+    return f"{'aarch64' if machine == 'arm64' else machine}-linux-gnu"

@@ -16,7 +16,7 @@ import pytest
 import structlog
 
 from plugvisor.common.hostpaths import HostPaths
-from plugvisor.plugins.gpu.driverfiles import triplet
+from plugvisor.common.hostpaths import multiarch_triplet as triplet
 from plugvisor.plugins.gpu.nvml import (
     EVENT_DBE,
     EVENT_SBE,

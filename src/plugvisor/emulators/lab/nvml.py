@@ -28,13 +28,13 @@ import hashlib
 import importlib.resources
 import logging
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
 import time
 from typing import Final
 
+from plugvisor.common.hostpaths import multiarch_triplet
 from plugvisor.emulators.lab import catalog, gpu, hwmon
 from plugvisor.emulators.lab.spec import File, Link, Spec
 from plugvisor.emulators.lab.state import DeviceState, LabState
@@ -115,15 +115,10 @@ LIBRARIES: Final = (
 BINARIES: Final = ("nvidia-smi", "nvidia-debugdump", "nvidia-persistenced", "nvidia-cuda-mps-control")
 
 
-def triplet() -> str:
-    """The multiarch directory of this machine (``x86_64-linux-gnu``), where Debian keeps libraries."""
-    return f"{platform.machine() or 'x86_64'}-linux-gnu"
-
-
 def lib_dir(state: LabState) -> str:
     """Root-relative directory of the driver's libraries."""
     root = state.profile.driver_root.strip("/")
-    return f"{root}/lib64" if root else f"usr/lib/{triplet()}"
+    return f"{root}/lib64" if root else f"usr/lib/{multiarch_triplet()}"
 
 
 def bin_dir(state: LabState) -> str:

@@ -38,7 +38,6 @@ found is kept until one of the directories it came from changes (their ``mtime``
 from __future__ import annotations
 
 import os
-import platform
 import re
 import stat
 import threading
@@ -50,7 +49,7 @@ from typing import Any, Final
 import structlog
 import yaml
 
-from plugvisor.common.hostpaths import HostPaths, path_parts
+from plugvisor.common.hostpaths import HostPaths, multiarch_triplet, path_parts
 
 TOOLKIT_KIND: Final = "nvidia.com/gpu"
 """The CDI kind of the NVIDIA container toolkit's GPU devices (``nvidia-ctk cdi generate``)."""
@@ -109,15 +108,9 @@ _LIBRARY: Final = re.compile(
 _SPEC_SUFFIXES: Final = (".json", ".yaml", ".yml")
 
 
-def triplet(machine: str | None = None) -> str:
-    """The multiarch triplet of this machine (``x86_64-linux-gnu``, ``aarch64-linux-gnu``)."""
-    machine = (machine or platform.machine()).lower()
-    return f"{'aarch64' if machine == 'arm64' else machine}-linux-gnu"
-
-
 def library_dirs(machine: str | None = None) -> tuple[str, ...]:
     """Where libraries are looked for under the driver root, first found first used."""
-    arch = triplet(machine)
+    arch = multiarch_triplet(machine)
     return ("lib64", f"lib/{arch}", "usr/lib64", f"usr/lib/{arch}", "lib", "usr/lib")
 
 
@@ -239,7 +232,7 @@ class DriverLocator:
 
     def _read(self) -> DriverFiles:
         toolkit, minors = self._toolkit_devices()
-        arch = triplet(self.machine)
+        arch = multiarch_triplet(self.machine)
         library_dir = f"/usr/lib/{arch}"
         root = self._root()
         libraries = self._libraries(root, library_dir)
@@ -469,5 +462,4 @@ __all__ = [
     "Mount",
     "library_dirs",
     "toolkit_ids",
-    "triplet",
 ]
