@@ -67,10 +67,23 @@ async def test_follows_replug(root: str) -> None:
         lab.unplug("nic0")
         lab.plug("nic0")
         pf_dir = os.path.realpath(os.path.dirname(attr))
-        await until(
-            lambda: watcher._watches.get(pf_dir, (None, -1))[1] == os.stat(pf_dir).st_ino,
-            "re-plugged PF not watched",
-        )
+        await until(lambda: watcher.watching(pf_dir), "re-plugged PF not watched")
         write(attr, "0\n")
         await until(lambda: watcher.applied == 1, "write after re-plug ignored")
         assert lab.device("nic0").num_vfs == 0
+
+
+async def test_follows_many_replugs(root: str) -> None:
+    """Every re-plug is followed, also when the new PF directory reuses the old one's inode number."""
+    lab = Lab.create(root, "small")
+    attr = f"{root}/sys/bus/pci/devices/{lab.device('nic0').bdf}/sriov_numvfs"
+    pf_dir = os.path.realpath(os.path.dirname(attr))
+    async with NumVfsWatcher(root) as watcher:
+        for cycle in range(1, 9):
+            lab.unplug("nic0")
+            lab.plug("nic0")
+            await until(lambda: watcher.watching(pf_dir), "re-plug not watched")
+            wanted = 0 if lab.device("nic0").num_vfs else 2
+            write(attr, f"{wanted}\n")
+            await until(lambda c=cycle: watcher.applied == c, f"write after re-plug {cycle} ignored")
+            assert (lab.device("nic0").num_vfs or 0) == wanted

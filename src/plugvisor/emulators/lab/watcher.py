@@ -11,7 +11,11 @@ the old value back and logs why.
 
 The lab's own writes are renames (``IN_MOVED_TO``), so the watcher never reacts
 to itself. It follows plug/unplug by re-reading the state whenever the state
-file is replaced.
+file is replaced, and by asking the kernel for each PF directory's watch again
+every time: a re-plugged PF is a new directory, perhaps with the old one's inode
+number (file systems reuse them), and only the kernel can tell the two apart
+(``inotify_add_watch`` returns the existing watch for the same inode, a new one
+otherwise).
 """
 
 from __future__ import annotations
@@ -36,6 +40,20 @@ log = structlog.get_logger("plugvisor.lab.watcher")
 ATTRIBUTE = "sriov_numvfs"
 
 
+def _inotify_watches(fd: int) -> set[tuple[int, int]]:
+    """The (watch descriptor, inode) pairs the kernel holds for inotify instance ``fd`` of this process."""
+    try:
+        lines = Path(f"/proc/self/fdinfo/{fd}").read_text().splitlines()
+    except OSError:
+        return set()
+    pairs = set()
+    for line in lines:
+        if line.startswith("inotify "):
+            fields = dict(item.split(":", 1) for item in line.split()[1:] if ":" in item)
+            pairs.add((int(fields["wd"], 16), int(fields["ino"], 16)))  # both printed in hex
+    return pairs
+
+
 class NumVfsWatcher:
     """Applies writes to every PF's ``sriov_numvfs`` until stopped.
 
@@ -48,12 +66,13 @@ class NumVfsWatcher:
         self.lab = Lab.open(root)
         self._tree = FakeTree(self.lab.root)
         self._pf_dirs: dict[str, str] = {}
-        self._watches: dict[str, tuple[Watch, int]] = {}
-        """PF directory -> (inotify watch, inode): a re-plugged PF is a new inode and needs a new watch."""
+        self._watches: dict[str, Watch] = {}
+        """PF directory -> its inotify watch (a re-plugged PF is another directory with another watch)."""
         self.applied = 0
         """Writes applied so far (for tests and the CLI's summary)."""
         self.rejected = 0
         """Writes refused and rolled back."""
+        self._fd = -1
         self._stop = asyncio.Event()
         self._ready = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -67,16 +86,36 @@ class NumVfsWatcher:
                 self._pf_dirs[path] = dev.name
         for path in list(self._watches):
             if path not in self._pf_dirs:
-                watch, _ = self._watches.pop(path)
-                with contextlib.suppress(OSError, KeyError, ValueError):
-                    inotify.rm_watch(watch)
+                self._forget(inotify, path)
         for path in self._pf_dirs:
             try:
-                inode = Path(path).stat().st_ino
-            except FileNotFoundError:
-                continue
-            if self._watches.get(path, (None, -1))[1] != inode:
-                self._watches[path] = (inotify.add_watch(path, Mask.CLOSE_WRITE | Mask.ONLYDIR), inode)
+                watch = inotify.add_watch(path, Mask.CLOSE_WRITE | Mask.ONLYDIR)
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # unplugged again since the state was read: the next state change says so
+            if self._watches.get(path) is not watch:
+                self._forget(inotify, path)  # the directory it watched is gone (IN_IGNORED may be queued)
+                self._watches[path] = watch
+
+    def _forget(self, inotify: Inotify, path: str) -> None:
+        watch = self._watches.pop(path, None)
+        if watch is not None:
+            with contextlib.suppress(OSError, KeyError, ValueError):  # the kernel dropped it already
+                inotify.rm_watch(watch)
+
+    def watching(self, pf_dir: str | Path) -> bool:
+        """Whether writes in ``pf_dir`` (as it is now on disk) reach this watcher.
+
+        Asks the kernel through /proc (the watch's device and inode) rather than comparing
+        inode numbers alone, which a re-plugged directory may share with the one it replaced.
+        """
+        watch = self._watches.get(str(pf_dir))
+        if watch is None:
+            return False
+        try:
+            info = Path(pf_dir).stat()
+        except OSError:
+            return False
+        return (watch.wd, info.st_ino) in _inotify_watches(self._fd)
 
     async def _apply(self, pf_dir: str) -> None:
         name = self._pf_dirs.get(pf_dir)
@@ -110,6 +149,7 @@ class NumVfsWatcher:
         lab_dir = str(self.lab.root / LAB_DIR)
         state_name = posixpath.basename(STATE_FILE)
         with Inotify() as inotify:
+            self._fd = inotify.fd
             inotify.add_watch(lab_dir, Mask.MOVED_TO | Mask.CLOSE_WRITE | Mask.ONLYDIR)
             self._sync(inotify)
             self._ready.set()
@@ -127,8 +167,8 @@ class NumVfsWatcher:
                     event = get.result()
                     where = str(event.watch.path) if event.watch is not None else ""
                     if event.mask & Mask.IGNORED:
-                        if self._watches.get(where, (None, 0))[0] is event.watch:
-                            del self._watches[where]
+                        if self._watches.get(where) is event.watch:
+                            del self._watches[where]  # its directory went; a re-plug changes the state too
                     elif where == lab_dir and event.name is not None and str(event.name) == state_name:
                         self._sync(inotify)
                     elif event.name is not None and str(event.name) == ATTRIBUTE:
