@@ -451,6 +451,14 @@ class WatchGroup:
         self._watches[handle.wd] = handle
         return handle
 
+    def watching(self, watch: WatchHandle) -> bool:
+        """Whether ``watch`` still watches: False once its inode went (deleted, replaced, unmounted).
+
+        The path may exist again by then as another directory, which this watch does not see:
+        whoever keeps watches by path asks this to know when to add one again.
+        """
+        return watch.wd in self._watches
+
     def rm_watch(self, watch: WatchHandle) -> None:
         """Stop watching (the inode stays watched for other groups that watch it)."""
         self._watches.pop(watch.wd, None)

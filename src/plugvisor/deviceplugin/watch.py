@@ -77,11 +77,15 @@ class WatchSet:
     def sync(self, wanted: Iterable[Path]) -> None:
         """Add and remove watches so that exactly the nearest directories of ``wanted`` are watched."""
         dirs = {d for d in (nearest_directory(p) for p in wanted) if d is not None}
-        for path in list(self._watches):
+        for path, watch in list(self._watches.items()):
             if path not in dirs:
-                watch = self._watches.pop(path)
+                del self._watches[path]
                 with contextlib.suppress(OSError):  # the kernel already dropped it (directory deleted)
                     self._inotify.rm_watch(watch)
+            elif not self._inotify.watching(watch):
+                # Its directory went, and the path is there again (a driver reload makes its /dev
+                # directory anew): the old watch sees nothing of the new directory.
+                del self._watches[path]
         for path in dirs - set(self._watches):
             # Vanished in between: the periodic rescan covers it (as it covers a watch polled for
             # want of inotify budget, which add_watch takes care of).

@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import shutil
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,22 @@ async def test_a_directory_that_appears_later_is_watched_from_then_on(short_dir)
         await until(cell, lambda d: list(d) == ["a"])
         (short_dir / "devs" / "b").touch()
         await until(cell, lambda d: list(d) == ["a", "b"])
+    finally:
+        await stop(task)
+
+
+async def test_a_watched_directory_removed_and_made_again_is_watched_again(short_dir):
+    """A driver reload removes and recreates its /dev directory at once: the new one must be watched too."""
+    (short_dir / "devs").mkdir()
+    (short_dir / "devs" / "a").touch()
+    cell, _, task = await start(short_dir)
+    try:
+        shutil.rmtree(short_dir / "devs")  # no await in between: the watcher sees both at once
+        (short_dir / "devs").mkdir()
+        (short_dir / "devs" / "b").touch()
+        await until(cell, lambda d: list(d) == ["b"])
+        (short_dir / "devs" / "c").touch()  # only a watch on the new directory sees this (no rescans)
+        await until(cell, lambda d: list(d) == ["b", "c"])
     finally:
         await stop(task)
 
