@@ -140,6 +140,17 @@ async def test_children_over_the_budget_poll_register_and_show_it(node, kubelet,
             timeout=30,
         )
         await agent.wait_state(running_registered, timeout=30)
+        # Polling or not, each was restarted for the kubelet restart, by the agent or by itself first,
+        # and says so: never a bare "exit status 0", as if it had quit.
+        shown = {
+            "kubelet-restart (stopped by the agent)",
+            "kubelet-restart (exited to register again (exit status 3))",
+        }
+        for child in agent.children().values():
+            last = child["last_exit"]
+            assert f"{last['cause']} ({last['status']})" in shown, child
+        table = status_of(node)
+        assert "exit status 0" not in table and table.count("kubelet-restart (") == 3, table
         log = agent.log()
         assert "Traceback" not in log
         assert "cannot_run" not in log
