@@ -28,7 +28,7 @@ import socket
 import socketserver
 import sys
 import threading
-from typing import TYPE_CHECKING, Any, Final
+from typing import IO, TYPE_CHECKING, Any, Final, cast
 from wsgiref.simple_server import ServerHandler, WSGIRequestHandler, WSGIServer
 
 import structlog
@@ -73,11 +73,12 @@ class _Handler(WSGIRequestHandler):
             return
         if not self.parse_request():  # an error answer was sent, or there was no request at all
             return
-        handler = _ServerHandler(
-            self.rfile, self.wfile, self.get_stderr(), self.get_environ(), multithread=False
-        )
+        app = self.server.get_app()
+        assert app is not None, "serve() sets the application before it serves"
+        wfile = cast("IO[bytes]", self.wfile)  # typeshed's BufferedIOBase: a socket writer, as wsgiref passes
+        handler = _ServerHandler(self.rfile, wfile, self.get_stderr(), self.get_environ(), multithread=False)
         handler.request_handler = self  # type: ignore[attr-defined]  # wsgiref's back-pointer
-        handler.run(self.server.get_app())
+        handler.run(app)
 
     def parse_request(self) -> bool:
         """Once the request line and headers are in, the connection is no longer a silent one."""
