@@ -160,7 +160,9 @@ def dra_devices(
     By name in the pool, healthy or not: the kind's :class:`~plugvisor.dra.hooks.DraDescriber`
     answer, checked as the driver checks it, or the default one.
     """
-    source = kind.build(dict(options), HostPaths(root=root), resource=kind_resource(driver, kind.name))
+    source = kind.build(
+        dict(options), HostPaths(root=root), resource=kind_resource(driver, kind.name), log_as=driver
+    )
     describer = source if isinstance(source, DraDescriber) else None
     return dict(build_pool(source.scan(), describer, driver=driver).devices)
 
@@ -300,7 +302,7 @@ async def running_dra_driver(
         rescan_interval=rescan_interval,
         plugins_registry=kubelet.plugins_registry,
     )
-    source = kind.build(dict(options), paths, resource=kind_resource(driver, kind.name))
+    source = kind.build(dict(options), paths, resource=kind_resource(driver, kind.name), log_as=driver)
     runtime = DraDriverRuntime(
         config,
         source,

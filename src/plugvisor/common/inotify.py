@@ -23,8 +23,11 @@ user's instances, or its own descriptors, are spent) or a watch (``ENOSPC``: the
 user's watches are spent) does not refuse to serve: that watch is *polled*
 instead (:class:`_PolledWatch`), and the process says so once
 (``watching_by_polling``, naming the sysctl to raise) and tells whoever asked
-(:func:`on_polling`: a plugin reports it to its agent, which shows it). What
-polling costs is the group's choice, made when it is opened:
+(:func:`on_polling`: a plugin reports it to its agent, which shows it). The line
+is said through the logger a listener hands over, so it carries that process's
+name (a plugin's ``resource``, the agent's ``process="agent"``): under ``plugvisor
+run`` all of them write to one standard error, and a line naming nobody could be
+any of 256 processes'. What polling costs is the group's choice, made when it is opened:
 
 - ``poll_interval`` seconds (:data:`POLL_INTERVAL` for the kubelet's directories):
   the group looks at its directories that often while it waits for an event,
@@ -57,7 +60,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 import structlog
 from asyncinotify import Inotify, Mask, Watch
@@ -159,6 +162,22 @@ class WatchEvent:
 _OVERFLOW: Final = WatchEvent(Mask.Q_OVERFLOW, "", None)
 
 
+def _say_polling(log: Any, reason: str) -> None:
+    log.warning(
+        "watching_by_polling",
+        reason=reason,
+        meaning=f"files are looked at instead: the kubelet's directories every {POLL_INTERVAL:g} s, "
+        "device paths at each periodic rescan; everything keeps working, changes are seen later",
+    )
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Listener:
+    hear: Callable[[str], None]
+    log: Any
+    """The logger (bound to the process's name) that says ``watching_by_polling``; None: says nothing."""
+
+
 class _LoopState:
     """What a loop's watchers share beyond the instance: whether it polls, and who wants to hear."""
 
@@ -166,21 +185,24 @@ class _LoopState:
         self.instance: _Instance | None = None
         self.polling: str | None = None
         """Why this loop polls (the first budget error's text); None while everything is inotify."""
-        self.listeners: list[Callable[[str], None]] = []
+        self.listeners: list[_Listener] = []
 
     def fall_back(self, reason: str) -> None:
-        """Record (and say, once) that some watch of this loop is polled."""
+        """Record that some watch of this loop is polled; say it once, through each listener's logger.
+
+        With no listener that names itself (an emulator, a tool), the line is
+        said unnamed rather than not at all.
+        """
         if self.polling is not None:
             return
         self.polling = reason
-        structlog.get_logger("plugvisor.watch").warning(
-            "watching_by_polling",
-            reason=reason,
-            meaning=f"files are looked at instead: the kubelet's directories every {POLL_INTERVAL:g} s, "
-            "device paths at each periodic rescan; everything keeps working, changes are seen later",
-        )
-        for listener in list(self.listeners):
-            listener(reason)
+        listeners = list(self.listeners)
+        if not any(listener.log is not None for listener in listeners):
+            _say_polling(structlog.get_logger("plugvisor.watch"), reason)
+        for listener in listeners:
+            if listener.log is not None:
+                _say_polling(listener.log, reason)
+            listener.hear(reason)
 
 
 _loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopState] = weakref.WeakKeyDictionary()
@@ -201,19 +223,25 @@ def watch_mode() -> tuple[WatchMode, str | None]:
     return ("inotify", None) if state.polling is None else ("polling", state.polling)
 
 
-def on_polling(listener: Callable[[str], None]) -> Callable[[], None]:
+def on_polling(listener: Callable[[str], None], *, log: Any = None) -> Callable[[], None]:
     """Call ``listener(why)`` when the running loop falls back to polling (at once if it has).
 
-    Returns a function that stops the calls.
+    ``log``: a structlog logger bound to the name the operator knows this
+    process by (``resource=...``); the ``watching_by_polling`` line is said
+    through it, once, so that it names the process. Returns a function that
+    stops the calls.
     """
     state = _state()
-    state.listeners.append(listener)
+    entry = _Listener(listener, log)
+    state.listeners.append(entry)
     if state.polling is not None:
+        if log is not None:
+            _say_polling(log, state.polling)
         listener(state.polling)
 
     def stop() -> None:
         with contextlib.suppress(ValueError):
-            state.listeners.remove(listener)
+            state.listeners.remove(entry)
 
     return stop
 

@@ -277,7 +277,7 @@ class DevicePluginRuntime:
 
     async def _run(self, stop: asyncio.Event) -> None:
         # Before any watch is opened, so that the agent hears of a fallback from the first one.
-        stop_hearing = inotify_.on_polling(self._watching_by_polling)
+        stop_hearing = inotify_.on_polling(self._watching_by_polling, log=self._log)
         dir_watch = KubeletDirState(self.config.paths.kubelet_dir)
         try:
             dir_watch.open()

@@ -251,7 +251,10 @@ class DraDriverRuntime:
         coming back); otherwise they stay for the driver's next process.
         """
         # Before any watch is opened, so that the agent hears of a fallback from the first one.
-        stop_hearing = inotify_.on_polling(self._watching_by_polling)
+        # The line names the driver as ``resource=``, as the agent and the device plugins' lines do.
+        stop_hearing = inotify_.on_polling(
+            self._watching_by_polling, log=self._log.bind(resource=self.config.driver)
+        )
         try:
             async with kind_lifecycle(self.hooks.lifecycle, self._log):
                 await self._run(stop, for_good)

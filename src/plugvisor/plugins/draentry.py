@@ -229,7 +229,9 @@ def run(opts: DriverOptions) -> NoReturn:
             replace=opts.replace,
             withdraw_on_stop=opts.withdraw_on_stop,
         )
-        source = plugin_kind.build(options, host, resource=kind_resource(driver_name, opts.kind))
+        source = plugin_kind.build(
+            options, host, resource=kind_resource(driver_name, opts.kind), log_as=driver_name
+        )
     except ConfigurationError as exc:
         refuse(f"plugvisor plugin {opts.kind}: {exc}")
     for directory in (config.driver_dir, config.registry_dir):

@@ -220,13 +220,14 @@ def _check_not_served(kind: str, resource: str, directories: Sequence[Path], *, 
 
 
 def _serve_metrics(listen: str) -> None:
-    from prometheus_client import start_http_server
+    """Serve ``/metrics`` on ``listen`` with bounded threads (:mod:`plugvisor.deviceplugin.metrics_http`)."""
+    from plugvisor.deviceplugin import metrics_http
 
     host, sep, port = listen.rpartition(":")
     if not sep or not port.isdigit():
         raise click.BadParameter(f"{listen!r} is not HOST:PORT", param_hint="--metrics-listen")
     try:
-        start_http_server(int(port), addr=host or "127.0.0.1")
+        metrics_http.serve(host or "127.0.0.1", int(port))
     except OSError as exc:
         raise click.BadParameter(
             f"cannot listen on {listen}: {exc.strerror}", param_hint="--metrics-listen"

@@ -124,6 +124,8 @@ class GenericSource:
     options: GenericOptions
     paths: HostPaths
     resource: str = ""
+    log_as: str | None = None
+    """The name its log lines give the process (a DRA driver's name); None: ``resource``."""
 
     def __post_init__(self) -> None:
         """Warn, once per source, about each path that matches nothing yet, naming where it looked.
@@ -131,7 +133,7 @@ class GenericSource:
         A typo, or a host root (a lab) without that node, would otherwise register zero devices in
         silence. It is not an error: hot-plugged devices appear later and are picked up then.
         """
-        log = structlog.get_logger("plugvisor.plugins.generic").bind(resource=self.resource)
+        log = structlog.get_logger("plugvisor.plugins.generic").bind(resource=self.log_as or self.resource)
         for path in self.unmatched_paths():
             log.warning(
                 "path_matches_nothing",
@@ -223,4 +225,4 @@ class GenericSource:
         return sorted(dirs, key=str)
 
 
-KIND: Final = PluginKind("generic", GenericOptions, GenericSource)
+KIND: Final = PluginKind("generic", GenericOptions, GenericSource, names_logs=True)

@@ -87,11 +87,26 @@ class PluginKind(Generic[OptionsT]):
     """Modules the agent's fork server imports for this kind's children (pure Python that starts nothing:
     no library loaded, no thread), so that each child inherits them instead of importing them again;
     the kind's own module must not import them, since the agent loads it to validate configuration."""
+    names_logs: bool = False
+    """Its factory takes ``log_as=``: the name its log lines give the process when that is not
+    ``resource``. A DRA driver builds a kind with ``resource=<driver>/<kind>`` (what names its CDI kind,
+    its environment variables), but the process is known by the driver's name, which every other line of
+    it (and its agent's) carries as ``resource=``; a kind without it logs under ``resource``."""
 
-    def build(self, options: OptionsT | Any, paths: HostPaths, *, resource: str) -> DeviceSource:
-        """Create the device source for one resource (``options``: validated, or raw keys to validate)."""
+    def build(
+        self, options: OptionsT | Any, paths: HostPaths, *, resource: str, log_as: str | None = None
+    ) -> DeviceSource:
+        """Create the device source for one resource (``options``: validated, or raw keys to validate).
+
+        ``log_as``: the name the process is known by, when not ``resource`` (a DRA driver's name); handed
+        to a kind that takes it (:attr:`names_logs`).
+        """
         if not isinstance(options, self.options_model):
             options = self.options_model.model_validate(options)
+        if self.names_logs and log_as is not None:
+            factory: Any = self.factory  # the keyword is beyond SourceFactory, which outside kinds implement
+            source: DeviceSource = factory(options, paths, resource=resource, log_as=log_as)
+            return source
         return self.factory(options, paths, resource=resource)
 
 

@@ -24,7 +24,7 @@ from typing import IO, TYPE_CHECKING, Final
 
 import structlog
 
-from plugvisor.common import constants
+from plugvisor.common import constants, inotify
 from plugvisor.common.notify import STATUS_SOCKET_ENV
 from plugvisor.common.validation import shorten
 from plugvisor.plugins import kinds
@@ -322,6 +322,8 @@ class Agent:
             reports.open()
             cleanup.callback(reports.close)
             self._reports = reports
+            # Its watching_by_polling line says it is the agent's: every child writes to this stderr too.
+            cleanup.callback(inotify.on_polling(_ignore, log=_log.bind(process="agent")))
             watch = self._open_kubelet_watch()
             cleanup.push_async_callback(watch.close)
             if self.config.metrics is not None:
@@ -532,3 +534,7 @@ def run_agent(config_path: Path, *, log_format: str = "kv", log_level: str = "in
     config = load_node_config(config_path)
     agent = Agent(config, config_path=config_path, log_format=log_format, log_level=log_level)
     return asyncio.run(agent.run())
+
+
+def _ignore(_why: str) -> None:
+    """The agent's own fallback needs no action: the line says it, its watch keeps working by polling."""

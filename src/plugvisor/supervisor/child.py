@@ -88,6 +88,25 @@ def describe_status(returncode: int) -> str:
     return f"exit status {returncode}"
 
 
+def describe_exit(returncode: int, *, stopped_by_agent: bool) -> str:
+    """How a process ended, in words that say what happened, for logs and ``plugvisor status``.
+
+    A process the agent stopped (a restart for a kubelet restart, a reload, a
+    removal) ended as asked: ``stopped by the agent``, with its status only when
+    it did not end cleanly (0 or SIGTERM). A plain ``exit status 0`` there read as
+    if the process had quit on its own. Status 3 is the plugin's own exit to
+    register again (it saw the kubelet restart or its socket go), whichever of
+    the two noticed first: a polling plugin notices half a second later than the
+    agent, an inotify one often before it.
+    """
+    if returncode == EXIT_KUBELET_RESTARTED:
+        return f"exited to register again ({describe_status(returncode)})"
+    if stopped_by_agent:
+        clean = returncode in (0, -signal.SIGTERM)
+        return "stopped by the agent" if clean else f"stopped by the agent ({describe_status(returncode)})"
+    return describe_status(returncode)
+
+
 @dataclass(frozen=True, slots=True)
 class ExitRecord:
     """How a child's latest process ended."""
@@ -239,7 +258,7 @@ class Child:
             return
         now = self._clock.monotonic()
         uptime = now - (self.started_at if self.started_at is not None else now)
-        detail = describe_status(returncode)
+        detail = describe_exit(returncode, stopped_by_agent=self.state is states.STOPPING)
         if self.state is states.STOPPING:
             cause = self.restart_after_stop or "stopped"
         else:

@@ -11,9 +11,11 @@ import sys
 import pytest
 
 from plugvisor.common import notify
+from plugvisor.common.hostpaths import HostPaths
 from plugvisor.emulators.kubelet.dra import DraCallError, resource_claim
+from plugvisor.plugins.gpu.nvml import LIBRARY, library_candidates
 
-from .conftest import NODE, driver_args, eventually, registered, slice_devices
+from .conftest import NODE, Driver, driver_args, eventually, registered, slice_devices
 
 DRIVER = "gpu.plugvisor.io"
 
@@ -133,6 +135,27 @@ class TestProcess:
         assert await driver.stop() == 0
         assert len(slice_devices(base)) == (0 if withdrawn else 8)
         assert not (base / "plugins_registry" / f"{DRIVER}-reg.sock").exists()
+
+    async def test_every_line_that_names_a_resource_names_the_driver_nvmls_too(self, kubelet, base, lab_root):
+        """The operator knows the process by the driver's name (the agent's ``resource=``), not the kind's
+        ``<driver>/gpu``, which names only its CDI kind."""
+        if not any(p.exists() for p in library_candidates(HostPaths(root=lab_root), "/")):
+            pytest.skip(f"the lab wrote no {LIBRARY} (it needs a C compiler, cc, to build its NVML stand-in)")
+        log_path = base / "driver.log"
+        with log_path.open("wb") as log:
+            proc = await asyncio.create_subprocess_exec(
+                *driver_args(base, lab_root), stdout=asyncio.subprocess.DEVNULL, stderr=log
+            )
+        driver = Driver(proc)
+        try:
+            await kubelet.wait_for(registered(), what="the driver registered", timeout=60)
+            await eventually(lambda: len(slice_devices(base)) == 8, what="the slice")
+        finally:
+            assert await driver.stop() == 0
+        lines = log_path.read_text().splitlines()
+        named = {line.split("resource=")[1].split()[0] for line in lines if " resource=" in line}
+        assert named == {f"'{DRIVER}'"}, lines
+        assert any("event='nvml_opened'" in line for line in lines), lines
 
     async def test_a_second_driver_of_the_same_name_exits_2_naming_the_socket(self, kubelet, start_driver):
         await start_driver()

@@ -183,6 +183,13 @@ class TestDevicePlugin:
             "plugvisor_gpu_sm_clock_hertz",
         } <= families
 
+    async def test_nvmls_lines_name_the_resource_the_plugin_serves(self, nvidia_lab, kubelet, running):
+        with structlog.testing.capture_logs() as logs:
+            async with running(kubelet, nvidia_lab(), KIND, {}, RESOURCE):
+                await kubelet.wait_for(lambda k: allocatable(k) == 8)
+        (opened,) = [e for e in logs if e["event"] == "nvml_opened"]
+        assert opened["resource"] == RESOURCE
+
     async def test_an_xid_makes_its_gpu_unhealthy_with_the_xid_as_cause_and_heal_brings_it_back(
         self, nvidia_lab, kubelet, running, health_of
     ):
@@ -289,6 +296,16 @@ class TestDra:
         assert attributes["uuid"] == first.uuid
         assert written["capacity"]["memory"] == {"value": "81559Mi"}
         assert written["attributes"]["cudaComputeCapability"] == {"version": "9.0.0"}
+
+    async def test_nvmls_lines_name_the_driver_not_the_kinds_resource(self, nvidia_lab, dra_kubelet, base):
+        """The kind is built as ``<driver>/gpu`` (its CDI kind); the process is known by the driver's name."""
+        node = nvidia_lab()
+        with structlog.testing.capture_logs() as logs:
+            async with running_dra_driver(dra_kubelet, KIND, {}, driver=DRIVER, root=Path(node.root)):
+                await eventually(lambda: len(published_slice(base)) == 8, what="8 devices in the slice")
+        (opened,) = [e for e in logs if e["event"] == "nvml_opened"]
+        assert opened["resource"] == DRIVER
+        assert {e["resource"] for e in logs if "resource" in e} == {DRIVER}
 
     async def test_an_xid_taints_the_device_in_the_slice_and_heal_removes_the_taint(
         self, nvidia_lab, dra_kubelet, base

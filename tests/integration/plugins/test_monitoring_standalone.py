@@ -5,6 +5,9 @@ import socket
 import sys
 import time
 import urllib.request
+from pathlib import Path
+
+from plugvisor.deviceplugin.metrics_http import MAX_CONNECTIONS
 
 GPU = "plugvisor.io/gpu"
 
@@ -66,3 +69,50 @@ async def test_a_standalone_plugin_serves_device_metrics_with_owners(make_lab, k
         process.terminate()
         await process.wait()
         log.close()
+
+
+def threads_of(pid: int) -> int:
+    return len(list(Path(f"/proc/{pid}/task").iterdir()))
+
+
+async def test_many_idle_connections_cost_a_bounded_number_of_threads_and_a_scrape_still_answers(
+    kubelet, base
+):
+    """prometheus-client's server held one thread per connection for as long as the client kept it open.
+
+    300 connections that never send a request: the process keeps at most MAX_CONNECTIONS of them
+    (the one silent the longest gives way to a new one), each dropped after IDLE_TIMEOUT of silence,
+    and a scrape made after all of them were accepted is answered.
+    """
+    (base / "dev").mkdir()
+    (base / "dev" / "null0").touch()
+    port = free_port()
+    log_path = base / "plugin.log"
+    log = log_path.open("wb")
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "plugvisor", "plugin", "generic", "--resource", "example.com/null",
+        "--path", "/dev/null0", "--host-root", str(base), "--kubelet-dir", str(kubelet.socket_dir),
+        "--metrics-listen", f"127.0.0.1:{port}", stderr=log,
+    )  # fmt: skip
+    idle: list[socket.socket] = []
+    try:
+        await kubelet.wait_for(lambda k: k.resource("example.com/null") is not None, timeout=30)
+        assert "plugvisor_" in await asyncio.to_thread(scrape, port), log_path.read_text()
+        before = threads_of(process.pid)  # registered and scraped once: every thread it keeps is there
+        for _ in range(300):
+            idle.append(socket.create_connection(("127.0.0.1", port)))
+        # Connections are accepted one after the other: once this scrape is answered, all 300 were handled.
+        assert "plugvisor_" in await asyncio.to_thread(scrape, port)
+        assert threads_of(process.pid) <= before + MAX_CONNECTIONS
+        # Each idle one is dropped after its silence: the threads go back to what they were.
+        deadline = time.monotonic() + 60
+        while threads_of(process.pid) > before:
+            assert time.monotonic() < deadline, f"{threads_of(process.pid)} threads, {before} before"
+            await asyncio.sleep(0.2)
+    finally:
+        for connection in idle:
+            connection.close()
+        process.terminate()
+        await process.wait()
+        log.close()
+    assert "Traceback" not in log_path.read_text()

@@ -69,6 +69,7 @@ async def test_a_plugin_without_inotify_registers_and_notices_kubelet_restarts_b
     said = [line for line in text.splitlines() if "watching_by_polling" in line]
     assert len(said) == 1, text
     assert "fs.inotify.max_user_instances" in said[0]
+    assert "resource='example.com/null'" in said[0]  # which of many plugins polls
 
 
 class LimitedAgent(Agent):
@@ -109,6 +110,11 @@ async def test_children_over_the_budget_poll_register_and_show_it(node, kubelet,
         await kubelet.wait_for(registered_all(EXPECTED), timeout=30)
         polling = [c for c in agent.children().values() if c["watch"] == "polling"]
         assert all("fs.inotify.max_user_instances" in c["watch_reason"] for c in polling)
+        # One stderr for all: each line that says a process polls names it.
+        said = [line for line in agent.log().splitlines() if "watching_by_polling" in line]
+        assert sorted(line.split("resource=")[1].split()[0] for line in said) == sorted(
+            repr(c["resource"]) for c in polling
+        ), said
         assert all(c["restarts"] == 0 for c in agent.children().values())
         rows = {line.split()[0]: line.split() for line in status_of(node).splitlines()[2:5]}
         assert sorted(row[-1] for row in rows.values()) == ["inotify", "polling", "polling"]
@@ -134,8 +140,39 @@ async def test_children_over_the_budget_poll_register_and_show_it(node, kubelet,
             timeout=30,
         )
         await agent.wait_state(running_registered, timeout=30)
+        # Polling or not, each was restarted for the kubelet restart, by the agent or by itself first,
+        # and says so: never a bare "exit status 0", as if it had quit.
+        shown = {
+            "kubelet-restart (stopped by the agent)",
+            "kubelet-restart (exited to register again (exit status 3))",
+        }
+        for child in agent.children().values():
+            last = child["last_exit"]
+            assert f"{last['cause']} ({last['status']})" in shown, child
+        table = status_of(node)
+        assert "exit status 0" not in table and table.count("kubelet-restart (") == 3, table
         log = agent.log()
         assert "Traceback" not in log
         assert "cannot_run" not in log
+    finally:
+        assert await agent.stop() == 0
+
+
+class AgentWithoutInotify(LimitedAgent):
+    instances = 0
+
+
+@needs_user_namespace
+async def test_without_any_inotify_each_polling_line_names_its_process_the_agents_too(node, kubelet, agents):
+    node.write_config()
+    agent = AgentWithoutInotify(node)
+    await agent.start()
+    try:
+        await agent.wait_state(running_registered, timeout=30)
+        await kubelet.wait_for(registered_all(EXPECTED), timeout=30)
+        said = [line for line in agent.log().splitlines() if "watching_by_polling" in line]
+        names = [line.split("resource=" if "resource=" in line else "process=")[1] for line in said]
+        named = sorted(name.split()[0] for name in names)
+        assert named == sorted(["'agent'", *(repr(resource) for resource in EXPECTED)]), said
     finally:
         assert await agent.stop() == 0

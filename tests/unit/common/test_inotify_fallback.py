@@ -5,6 +5,7 @@ import errno
 import os
 
 import pytest
+import structlog
 from asyncinotify import Inotify, Mask
 
 from plugvisor.common import inotify
@@ -83,6 +84,26 @@ async def test_no_instance_left_means_polling_said_once_to_every_listener(instan
     assert first.polled == second.polled == frozenset({tmp_path})
     first.close()
     second.close()
+
+
+async def test_the_polling_line_names_each_listeners_process(instances_spent, tmp_path):
+    told = []
+    with structlog.testing.capture_logs() as logs:
+        inotify.on_polling(told.append, log=structlog.get_logger("test").bind(resource="example.com/a"))
+        with inotify.open_watches(poll_interval=0.01) as group:
+            group.add_watch(tmp_path, DIR_MASK)
+    said = [entry for entry in logs if entry["event"] == "watching_by_polling"]
+    assert [entry.get("resource") for entry in said] == ["example.com/a"]
+    assert len(told) == 1
+
+
+async def test_with_no_listener_naming_itself_the_polling_line_is_said_unnamed(instances_spent, tmp_path):
+    with structlog.testing.capture_logs() as logs:
+        inotify.on_polling(lambda _why: None)
+        with inotify.open_watches(poll_interval=0.01) as group:
+            group.add_watch(tmp_path, DIR_MASK)
+    said = [entry for entry in logs if entry["event"] == "watching_by_polling"]
+    assert len(said) == 1 and "resource" not in said[0]
 
 
 async def test_a_polled_directory_reports_entries_created_and_deleted(instances_spent, tmp_path):

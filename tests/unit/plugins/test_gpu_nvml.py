@@ -251,6 +251,24 @@ class TestIdentity:
         assert normalized_bus_id(nvml_bus_id(sysfs)) == sysfs
 
 
+class TestNaming:
+    def test_a_failed_shutdown_names_the_process_as_every_other_nvml_line(self):
+        """``nvml_close_failed`` at nvmlShutdown named nobody: under one stderr it could be any resource's."""
+        api = FakeNvml()
+
+        def refuse() -> None:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+
+        api.nvmlShutdown = refuse
+        options = GpuOptions.model_validate({}).nvml
+        nvml = Nvml(api, options, resource="gpu.plugvisor.io", clock=Clock())
+        nvml.enumerate()
+        with structlog.testing.capture_logs() as logs:
+            nvml.close()
+        (said,) = [e for e in logs if e["event"] == "nvml_close_failed"]
+        assert (said["step"], said["resource"]) == ("nvmlShutdown", "gpu.plugvisor.io")
+
+
 class TestHealth:
     def test_a_critical_xid_makes_only_its_gpu_unhealthy_with_the_xid_as_cause_and_taint(self):
         api = FakeNvml()

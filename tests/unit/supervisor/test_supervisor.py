@@ -190,6 +190,34 @@ class TestKubeletRestart:
         assert supervisor.children[GPU].state is states.STARTING
         assert supervisor.children[GPU].restarts == {"kubelet-restart": 1}
 
+    def test_a_child_the_agent_restarted_for_it_was_stopped_not_exited(self, make_supervisor, spawner, clock):
+        """Its SIGTERM'd process ends with 0: stopped by the agent, never a bare ``exit status 0``."""
+        supervisor = make_supervisor(GPU, onKubeletRestart="restart")
+        registered(supervisor, GPU)
+        supervisor.handle_kubelet_started(clock.wall() + 0.001)
+        crash(supervisor, spawner, GPU, 0)
+        last = supervisor.snapshot()["children"][0]["last_exit"]
+        assert (last["cause"], last["status"]) == ("kubelet-restart", "stopped by the agent")
+
+    def test_a_child_that_exited_itself_for_it_says_so(self, make_supervisor, spawner):
+        """The plugin noticed first (status 3): shown as an exit to register again, the same restart."""
+        supervisor = make_supervisor(GPU, onKubeletRestart="restart")
+        registered(supervisor, GPU)
+        crash(supervisor, spawner, GPU, 3)
+        last = supervisor.snapshot()["children"][0]["last_exit"]
+        assert (last["cause"], last["status"]) == (
+            "kubelet-restart",
+            "exited to register again (exit status 3)",
+        )
+
+    def test_a_stopped_child_that_had_to_be_killed_says_how_it_ended(self, make_supervisor, spawner, clock):
+        supervisor = make_supervisor(GPU, onKubeletRestart="restart")
+        registered(supervisor, GPU)
+        supervisor.handle_kubelet_started(clock.wall() + 0.001)
+        crash(supervisor, spawner, GPU, -signal.SIGKILL)
+        last = supervisor.snapshot()["children"][0]["last_exit"]
+        assert last["status"] == "stopped by the agent (signal SIGKILL)"
+
     def test_a_child_that_registered_with_the_new_kubelet_is_left_alone(
         self, make_supervisor, spawner, clock
     ):

@@ -27,7 +27,7 @@ from plugvisor.plugins.fpga.source import (
 )
 from plugvisor.plugins.kinds import PluginKind
 
-KIND: Final = PluginKind("fpga", FpgaOptions, FpgaSource, reads_pci=True)
+KIND: Final = PluginKind("fpga", FpgaOptions, FpgaSource, reads_pci=True, names_logs=True)
 
 __all__ = [
     "KIND",

@@ -105,12 +105,16 @@ class FpgaSource:
     :meth:`released` once per use of a device.
     """
 
-    def __init__(self, options: FpgaOptions, paths: HostPaths, *, resource: str) -> None:
+    def __init__(
+        self, options: FpgaOptions, paths: HostPaths, *, resource: str, log_as: str | None = None
+    ) -> None:
         self.options = options
         self.paths = paths
         self.resource = resource
         self.scanner = FpgaScanner(options, paths)
-        self._log = structlog.get_logger("plugvisor.plugins.fpga").bind(resource=resource)
+        self.log_as = log_as or resource
+        """The name its log lines give the process (a DRA driver's name; else ``resource``)."""
+        self._log = structlog.get_logger("plugvisor.plugins.fpga").bind(resource=self.log_as)
         self._problems = sysfs.ProblemLog(self._log)
         self._telemetry = telemetry.TelemetryLog(self._log)
 

@@ -18,7 +18,7 @@ from plugvisor.plugins.gpu.options import GpuOptions
 from plugvisor.plugins.gpu.source import GpuScan, GpuSource
 from plugvisor.plugins.kinds import PluginKind
 
-KIND: Final = PluginKind("gpu", GpuOptions, GpuSource, reads_pci=True, preload=("pynvml",))
+KIND: Final = PluginKind("gpu", GpuOptions, GpuSource, reads_pci=True, preload=("pynvml",), names_logs=True)
 """``pynvml`` is imported by the fork server (10-40 ms, a pure-Python module that loads nothing until
 ``nvmlInit``); the library itself is loaded in each child only (:mod:`.nvml`)."""
 

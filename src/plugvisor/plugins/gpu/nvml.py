@@ -304,7 +304,7 @@ class Nvml:
         try:
             nvml.enumerate()
         except Unavailable as exc:
-            _shutdown(pynvml)
+            _shutdown(pynvml, nvml._log)
             raise Unavailable(f"{library}: {exc}") from None
         nvml._log.info(
             "nvml_opened",
@@ -722,7 +722,7 @@ class Nvml:
                 api.nvmlEventSetFree(self._event_set)
             except api.NVMLError as exc:
                 self._log.warning("nvml_close_failed", step="nvmlEventSetFree", error=str(exc))
-        _shutdown(api)
+        _shutdown(api, self._log)
 
 
 def _address(handle: Any) -> int | None:
@@ -740,13 +740,12 @@ def _cuda_version(value: object) -> str | None:
     return f"{value // 1000}.{value % 1000 // 10}"
 
 
-def _shutdown(api: Any) -> None:
+def _shutdown(api: Any, log: Any) -> None:
+    """``nvmlShutdown``; a failure is said through ``log``, bound to the process's name as every NVML line."""
     try:
         api.nvmlShutdown()
     except api.NVMLError as exc:
-        structlog.get_logger("plugvisor.plugins.gpu.nvml").warning(
-            "nvml_close_failed", step="nvmlShutdown", error=str(exc)
-        )
+        log.warning("nvml_close_failed", step="nvmlShutdown", error=str(exc))
 
 
 _loaded: dict[str, str] = {}

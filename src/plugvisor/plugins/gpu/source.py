@@ -91,12 +91,16 @@ class GpuSource:
     loads; its event thread asks for a rescan when a GPU's health changes.
     """
 
-    def __init__(self, options: GpuOptions, paths: HostPaths, *, resource: str) -> None:
+    def __init__(
+        self, options: GpuOptions, paths: HostPaths, *, resource: str, log_as: str | None = None
+    ) -> None:
         self.options = options
         self.paths = paths
         self.resource = resource
         self.scanner = GpuScanner(options, paths)
-        self._log = structlog.get_logger("plugvisor.plugins.gpu").bind(resource=resource)
+        self.log_as = log_as or resource
+        """The name its log lines give the process (a DRA driver's name; else ``resource``)."""
+        self._log = structlog.get_logger("plugvisor.plugins.gpu").bind(resource=self.log_as)
         self._problems = sysfs.ProblemLog(self._log)
         self._telemetry = telemetry.TelemetryLog(self._log)
         self._driver = DriverLocator(paths, options.driver_root, log=self._log)
@@ -113,7 +117,7 @@ class GpuSource:
             return
         try:
             self.nvml = Nvml.open(
-                self.paths, self.options.driver_root, self.options.nvml, resource=self.resource
+                self.paths, self.options.driver_root, self.options.nvml, resource=self.log_as
             )
         except Unavailable as exc:
             reason, absent = str(exc), exc.absent

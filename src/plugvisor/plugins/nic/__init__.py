@@ -13,6 +13,6 @@ from plugvisor.plugins.kinds import PluginKind
 from plugvisor.plugins.nic.options import NicOptions
 from plugvisor.plugins.nic.source import NicSource, env_name
 
-KIND: Final = PluginKind("nic", NicOptions, NicSource, reads_pci=True)
+KIND: Final = PluginKind("nic", NicOptions, NicSource, reads_pci=True, names_logs=True)
 
 __all__ = ["KIND", "NicOptions", "NicSource", "env_name"]

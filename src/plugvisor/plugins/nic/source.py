@@ -93,7 +93,9 @@ class ScannedVf:
 class NicSource:
     """Device source for SR-IOV VFs (the ``nic`` kind); a post-allocate hook adds the ``_INFO`` variable."""
 
-    def __init__(self, options: NicOptions, paths: HostPaths, *, resource: str) -> None:
+    def __init__(
+        self, options: NicOptions, paths: HostPaths, *, resource: str, log_as: str | None = None
+    ) -> None:
         self.options = options
         self.paths = paths
         self.resource = resource
@@ -107,7 +109,9 @@ class NicSource:
         self._addresses = None if match.pci_addresses is None else frozenset(match.pci_addresses)
         self._is_rdma = match.is_rdma
         self._aer = [k.value for k in options.aer_unhealthy]
-        self._log = structlog.get_logger("plugvisor.plugins.nic").bind(resource=resource)
+        self.log_as = log_as or resource
+        """The name its log lines give the process (a DRA driver's name; else ``resource``)."""
+        self._log = structlog.get_logger("plugvisor.plugins.nic").bind(resource=self.log_as)
         self._problems = sysfs.ProblemLog(self._log)
         self._telemetry = telemetry.TelemetryLog(self._log)
         self._matched_nothing = False
