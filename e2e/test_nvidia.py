@@ -33,7 +33,7 @@ import pytest
 import yaml
 
 from plugvisor.common.hostpaths import multiarch_triplet
-from plugvisor.emulators.lab import Lab, load_profile
+from plugvisor.emulators.lab import DeviceRecord, Lab, load_profile
 from plugvisor.emulators.lab import nvml as lab_nvml
 
 from .backends import Backend, LocalBackend, wait_until
@@ -52,7 +52,8 @@ PROFILE = REPO / "src/plugvisor/emulators/lab/profiles/nvidia-h200-vm.yaml"
 DRIVER_ROOT = "/usr/local/nvidia"
 H200_MEMORY = 150754820096
 """NVML's memory total of the real H200 (nvmlDeviceGetMemoryInfo), the profile's and the stand-in's."""
-NVML_STATE = f"{lab_nvml.STATE_DIR}"
+NVML_STATE = lab_nvml.STATE_DIR
+"""The lab's NVML state, relative to the lab's root (.plugvisor-lab/nvml)."""
 DRIVER_FILES = ("lib64/libnvidia-ml.so.1", "lib64/libcuda.so.1", "bin/nvidia-smi")
 """Driver files checked in the containers: under the driver root on the node, and where they are mounted."""
 FITS_AN_H200 = (
@@ -157,7 +158,8 @@ def h200(backend: Backend) -> Iterator[DraLab]:
         local.wait_daemonsets()
 
 
-def _lab_gpu() -> Any:
+def _lab_gpu() -> DeviceRecord:
+    """The lab's one GPU, as the lab on the node records it."""
     (gpu,) = Lab.open(LAB_DIR).devices(kind="gpu")
     return gpu
 
