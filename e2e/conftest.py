@@ -87,13 +87,14 @@ def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
         _ACTIVE.remove(chosen)
 
 
-LAST = ("test_dra.py",)
-"""Modules that run after the others: the DRA scenarios start on the worker the device-plugin scenarios
-end on, and leave their drivers running (the local node plays one worker at a time: a switch takes time)."""
+LAST = ("test_dra.py", "test_nvidia.py")
+"""Modules that run after the others, in this order: the DRA scenarios start on the worker the device-plugin
+scenarios end on (the local node plays one worker at a time: a switch takes time), and the NVIDIA ones
+make the node a role no other module plays, so they switch once, at the end."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: item.path.name in LAST)
+    items.sort(key=lambda item: LAST.index(item.path.name) + 1 if item.path.name in LAST else 0)
 
 
 @pytest.hookimpl(wrapper=True)

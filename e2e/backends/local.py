@@ -4,7 +4,8 @@ The node has no labels of its own: to play a worker it gets that worker's labels
 lab profile at /etc/plugvisor/lab-profile.yaml, where kind mounts it. Switching roles is what an operator
 would do to repurpose a node: take the lab labels off (the DaemonSet controller deletes the lab and the
 agents), remove the old lab, put the new profile in place, label the node as the other worker, and wait
-for the lab and that worker's agents to be rolled out.
+for the lab and that worker's agents to be rolled out. A scenario may add a role no kind worker has
+(``add_role``), whose lab can be written on the node itself rather than by the lab's pod.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..deployment import PROFILE_LABEL, REPO, agents
+from ..deployment import PROFILE_LABEL, REPO, Worker
 from ..local.cluster import NODE, ClusterError, LocalCluster, unavailable
 from .api import ApiBackend
 from .common import SHELL_POD_SCRIPT, Progress, run, wait_until
@@ -47,6 +48,9 @@ class LocalBackend(ApiBackend):
         super().__init__(progress)
         self.cluster = LocalCluster(progress)
         self.node_names = {w.name: NODE for w in self.workers}
+        self.roles: dict[str, Worker] = {w.name: w for w in self.workers}
+        """What the node can play: the kind workers, and the roles scenarios add (:meth:`add_role`)."""
+        self.host_labs: set[str] = set()
         self.playing: str | None = None
         self.left_behind: list[str] = []
 
@@ -80,15 +84,29 @@ class LocalBackend(ApiBackend):
         self.play(worker)
         return NODE
 
+    def add_role(self, role: Worker, *, lab_on_host: bool = False) -> None:
+        """Let the node play ``role`` too (a profile no kind worker has), under its name.
+
+        ``lab_on_host``: its lab is written on the node by this process before the role's labels go on,
+        where the lab's pod finds it and keeps it (its init container creates a lab only where there is
+        none), as a real node's NVIDIA driver is installed on the host, not by a pod. The project's image
+        has no C compiler, so a lab made in the pod has no NVML stand-in; the node has one.
+        """
+        self.roles[role.name] = role
+        self.node_names[role.name] = NODE
+        if lab_on_host:
+            self.host_labs.add(role.name)
+
     def play(self, worker: str) -> None:
-        """Make the node the kind worker ``worker``: its labels, its lab profile, its lab and its agents."""
+        """Make the node play ``worker`` (a kind worker, or a role of :meth:`add_role`): its labels, its lab
+        profile, its lab and its agents."""
         if self.playing == worker:
             return
-        (role,) = [w for w in self.workers if w.name == worker]
+        role = self.roles[worker]
         self.progress(f"the node plays {worker} now")
         started = time.monotonic()
         if self.playing is not None:
-            labels = {key for w in self.workers for key in w.labels}
+            labels = {key for w in self.roles.values() for key in w.labels}
             self.kubectl("label", "node", NODE, *(f"{key}-" for key in sorted(labels)))
             wait_until(
                 lambda: not self.core.list_namespaced_pod("kube-system").items,
@@ -100,10 +118,25 @@ class LocalBackend(ApiBackend):
         shutil.rmtree(LAB_DIR, ignore_errors=True)
         LAB_PROFILE.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(role.profile_path, LAB_PROFILE)
+        if worker in self.host_labs:
+            run(
+                [sys.executable, "-m", "plugvisor", "lab", "create", str(LAB_DIR),
+                 "--profile", str(LAB_PROFILE), "--mknod"],
+                timeout=300,
+            )  # fmt: skip
         self.kubectl("label", "node", NODE, "--overwrite", *(f"{k}={v}" for k, v in role.labels.items()))
         self.wait_daemonsets()
         self.playing = worker
-        kinds = [a.kind for a in agents() if a.runs_on(role.labels)]
+        # What runs, not what the repository's overlay says: a scenario may have applied its own on top.
+        kinds = sorted(
+            {
+                f"{pod.metadata.labels['plugvisor.io/kind']}"
+                + (" (dra)" if pod.metadata.labels.get("plugvisor.io/mode") == "dra" else "")
+                for pod in self.core.list_namespaced_pod(
+                    "kube-system", label_selector="plugvisor.io/kind"
+                ).items
+            }
+        )
         self.progress(
             f"{worker}: lab and agents ({', '.join(kinds)}) ready ({time.monotonic() - started:.1f} s)"
         )
