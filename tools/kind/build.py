@@ -42,6 +42,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import tomllib
 from collections.abc import Sequence
@@ -65,12 +66,13 @@ class UsageError(ValueError):
     """Bad input (versions.toml or the command line); one line naming it and what was expected."""
 
 
-def versions(path: Path = VERSIONS) -> dict[str, str]:
+def versions(path: Path | None = None) -> dict[str, str]:
     """The pinned versions, checked: table name -> release tag.
 
     A version becomes a directory name (the cache) and a module query, so anything but a release tag
     (``../../tmp/x``) is refused before it is used.
     """
+    path = path or VERSIONS
     try:
         document = tomllib.loads(path.read_text())
     except OSError as exc:
@@ -97,10 +99,10 @@ def parse_steps(text: str) -> tuple[str, ...]:
     """``--only`` as a tuple of steps in build order: a comma-separated subset of STEPS."""
     wanted = [part.strip() for part in text.split(",")]
     wrong = [part for part in wanted if part not in STEPS]
-    if not text.strip() or wrong:
+    if wrong:
+        detail = f"{wrong[0]!r:.40} is none of them" if wrong[0] else "an empty step"
         raise UsageError(
-            f"--only {text!r}: expected one or more of {', '.join(STEPS)}, comma-separated"
-            + (f" ({wrong[0]!r} is none of them)" if wrong and wrong[0] else "")
+            f"--only {text!r:.80}: expected one or more of {', '.join(STEPS)}, comma-separated ({detail})"
         )
     return tuple(step for step in STEPS if step in wanted)
 
@@ -210,11 +212,12 @@ def node_ref(kubernetes: str) -> str:
     return f"localhost/plugvisor/kind-node:{kubernetes}"
 
 
-def go_raw_string(source: str, name: str) -> str:
+def go_raw_string(source: str, name: str, values: dict[str, str] | None = None) -> str:
     """The value of ``const name = `...` + ident + `...``` in a Go file, identifiers resolved.
 
     kind keeps its default CNI and storage manifests as such constants (pkg/build/nodeimage); the
-    node image carries them in /kind/manifests. Only string constants of the same file are resolved.
+    node image carries them in /kind/manifests. Identifiers are resolved from ``values`` first, then
+    from the file's own string constants.
     """
     match = re.search(rf"^(?:const|var)\s+{re.escape(name)}\s*=\s*((?:`[^`]*`|\s*\+\s*|\w+)+)", source, re.M)
     if match is None:
@@ -222,7 +225,9 @@ def go_raw_string(source: str, name: str) -> str:
     parts = re.findall(r"`([^`]*)`|(\w+)", match.group(1))
     text = []
     for literal, ident in parts:
-        if ident:
+        if ident and values and ident in values:
+            text.append(values[ident])
+        elif ident:
             value = re.search(rf'^\s*(?:const\s+)?{re.escape(ident)}\s*=\s*"([^"]*)"', source, re.M)
             if value is None:
                 raise UsageError(f"Go source: {name} names {ident}, which is no string constant")
@@ -296,7 +301,7 @@ def status_lines(layout: Layout, pinned: dict[str, str], kubernetes: str) -> tup
 
 
 def build_commands(layout: Layout, pinned: dict[str, str], steps: Sequence[str], go: str) -> None:
-    """kind (for the host), crictl, kubeadm and kubectl (for the node): Go builds with stamps."""
+    """The commands: kind (for the host), crictl, kubeadm and kubectl (for the node): Go builds with stamps."""
     components = []
     if "kind" in steps:
         components.append(
@@ -329,12 +334,413 @@ def build_commands(layout: Layout, pinned: dict[str, str], steps: Sequence[str],
         kbuild.build_component(component, layout.root, go)
 
 
+# ---------------------------------------------------------------------------------------------------
+# The images (buildah, daemonless, on a store of this cache's own).
+# ---------------------------------------------------------------------------------------------------
+
+# Run in the base image's working container (host network): what kind's base Dockerfile's RUN steps
+# do, with Debian's runc and CNI plugins in place of the ones it downloads.
+BASE_SCRIPT = f"""\
+set -eu
+export DEBIAN_FRONTEND=noninteractive
+rm -f /etc/apt/sources.list
+cat > /etc/apt/sources.list.d/debian.sources <<'EOF'
+Types: deb
+URIs: {kimages.MIRROR}
+Suites: {kimages.SUITE} {kimages.SUITE}-updates
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+
+Types: deb
+URIs: {kimages.SECURITY_MIRROR}
+Suites: {kimages.SUITE}-security
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+EOF
+chmod 755 /kind /kind/bin
+clean-install {" ".join(BASE_PACKAGES)}
+find /lib/systemd/system/sysinit.target.wants/ -name "systemd-tmpfiles-setup.service" -delete
+rm -f /lib/systemd/system/multi-user.target.wants/*
+rm -f /etc/systemd/system/*.wants/*
+rm -f /lib/systemd/system/local-fs.target.wants/*
+rm -f /lib/systemd/system/sockets.target.wants/*udev*
+rm -f /lib/systemd/system/sockets.target.wants/*initctl*
+rm -f /lib/systemd/system/basic.target.wants/*
+echo "ReadKMsg=no" >> /etc/systemd/journald.conf
+ln -sf /usr/lib/systemd/systemd /sbin/init
+systemctl enable kubelet.service
+systemctl enable containerd.service
+systemctl enable undo-mount-hacks.service
+systemctl mask systemd-binfmt.service
+mkdir -p /etc/kubernetes/manifests /opt/cni/bin
+for plugin in {" ".join(CNI_PLUGINS)}; do cp /usr/lib/cni/$plugin /opt/cni/bin/; done
+ctr oci spec \\
+    | jq '.hooks.createContainer[.hooks.createContainer| length] |= . + {{"path": "/kind/bin/mount-product-files.sh"}}' \\
+    | jq 'del(.process.rlimits)' > /etc/containerd/cri-base.json
+containerd --version
+runc --version
+crictl --version
+"""
+BASE_CONFIG = [
+    "--env", "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "--env", "container=docker",
+    "--stop-signal", "SIGRTMIN+3",
+    "--entrypoint", json.dumps(KIND_ENTRYPOINT),
+    "--cmd", "",
+    "--label", "org.opencontainers.image.description=A stand-in for kindest/base made by tools/kind/build.py:"
+    f" Debian {kimages.SUITE} with systemd, containerd, runc and kind's files",
+]  # fmt: skip
+# The Kubernetes components' common base: Debian minbase, what kube-proxy drives, nothing cached.
+RUNTIME_SCRIPT = f"""\
+set -eu
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -q
+apt-get install -y -q --no-install-recommends {" ".join(RUNTIME_PACKAGES)}
+apt-get clean
+rm -rf /var/lib/apt/lists/* /var/cache/apt/* /usr/share/doc/* /usr/share/man/* /usr/share/locale/* \\
+    /var/log/* /tmp/* /var/tmp/*
+"""
+RUNTIME_REF = f"localhost/plugvisor/kind-runtime:{kimages.SUITE}"
+# Images kind's own node image carries that cannot be made here: the module proxy refuses the module.
+REFUSED = {
+    "kindnetd": "sigs.k8s.io/kindnet (also github.com/kubernetes-sigs/kindnet, github.com/aojea/kindnet)"
+}
+
+
+def file_hash(path: Path) -> str:
+    """sha256 of a file, for the images' keys (a new binary makes a new image)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def tree_hash(root: Path) -> str:
+    """sha256 over a directory's files (relative names and contents), for kind's files in the base."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + file_hash(path).encode())
+    return digest.hexdigest()
+
+
+def copy_kind_files(files: Path, root: Path) -> None:
+    """Copy kind's images/base/files into a root file system, with the modes its Dockerfile gives them.
+
+    Scripts (usr/local/bin, kind/bin) 0755, everything else 0644, directories 0755, owned by root.
+    """
+    for path in sorted(files.rglob("*")):
+        target = root / path.relative_to(files)
+        if path.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+            target.chmod(0o755)
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, target)
+        relative = path.relative_to(files).as_posix()
+        target.chmod(0o755 if relative.startswith(("usr/local/bin/", "kind/bin/")) else 0o644)
+        os.chown(target, 0, 0)
+
+
+def install_binary(source: Path, target: Path) -> None:
+    """A binary into an image's root, 0755, owned by root."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(source, target)
+    target.chmod(0o755)
+    os.chown(target, 0, 0)
+
+
+@dataclass
+class NodeImages:
+    """Makes the runtime, component, base and node images of one run, under the cache's lock."""
+
+    layout: Layout
+    pinned: dict[str, str]
+    kubernetes: str
+    etcd: str
+
+    def __post_init__(self) -> None:
+        self.runner = kimages.Runner(self.layout.root)
+        self.buildah = kimages.Buildah(
+            self.runner, self.layout.root / "storage", self.layout.root / "runroot"
+        )
+        self.images = kimages.Images(self.layout.root, self.buildah, self.runner)
+        pin = f"sigs.k8s.io/kind@{self.pinned['kind']}"
+        self.kind_module = Path(json.loads(kbuild.run(["go", "mod", "download", "-json", pin]))["Dir"])
+
+    # -- the debootstrapped Debian both bases start from ------------------------------------------
+
+    def debian_root(self) -> Path:
+        """Debian minbase, debootstrapped once into the cache and kept (the bases copy it)."""
+        rootfs = self.layout.root / "debootstrap" / kimages.SUITE
+        stamp = rootfs.parent / f".{kimages.SUITE}.done"
+        if stamp.exists():
+            return rootfs
+        shutil.rmtree(rootfs, ignore_errors=True)
+        rootfs.parent.mkdir(parents=True, exist_ok=True)
+        self.runner.use_log("debootstrap")
+        with kimages.Step(f"debootstrap {kimages.SUITE} (minbase)"):
+            self.runner.run(
+                ["unshare", "--mount", "--propagation", "private", "debootstrap", "--variant=minbase",
+                 kimages.SUITE, str(rootfs), kimages.MIRROR]
+            )  # fmt: skip
+        stamp.write_text(kimages.MIRROR + "\n")
+        return rootfs
+
+    def from_debian(
+        self, name: str, script: str, ref: str, config: Sequence[str], files: dict[Path, Path]
+    ) -> None:
+        """An image from the debootstrapped root, committed as one layer named ``ref``.
+
+        ``files`` (host path -> path in the image) are copied in first, then ``script`` runs inside
+        with the host's network.
+        """
+        rootfs = self.debian_root()
+        self.runner.use_log(name)
+        with self.buildah.working_container(name) as container:
+            with kimages.Step(f"{ref}: load Debian and the files"), self.buildah.mounted(container) as mount:
+                self.runner.run(["sh", "-c", kimages.COPY_ROOTFS, "sh", str(rootfs), str(mount)])
+                for source, target in files.items():
+                    if source.is_dir():
+                        copy_kind_files(source, mount / target.relative_to("/"))
+                    else:
+                        install_binary(source, mount / target.relative_to("/"))
+            with kimages.Step(f"{ref}: apt-get and set up"):
+                self.buildah("run", "--runtime", kimages.runtime(), "--network", "host", container, "--",
+                             "sh", "-c", script)  # fmt: skip
+            with kimages.Step(f"{ref}: commit (one layer)"):
+                self.buildah("config", *config, container)
+                self.buildah("commit", "--quiet", "--squash", "--rm", container, kimages.normalize_ref(ref))
+        self.buildah("rmi", "--prune")
+
+    # -- the images --------------------------------------------------------------------------------
+
+    def base(self) -> Built:
+        """The stand-in for kindest/base."""
+        ref = base_ref(self.pinned)
+        name = kimages.normalize_ref(ref)
+        binaries = {
+            **{
+                self.layout.kubernetes_bin / b: Path("/usr/local/bin") / b for b in kbuild.CONTAINERD_COMMANDS
+            },
+            self.layout.bin / "crictl": Path("/usr/local/bin/crictl"),
+        }
+        files = self.kind_module / "images" / "base" / "files"
+        recipe = [RECIPE_VERSION, BASE_SCRIPT, BASE_CONFIG, tree_hash(files)]
+        recipe += [f"{target}={file_hash(source)}" for source, target in sorted(binaries.items())]
+        key = hashlib.sha256(json.dumps(recipe, default=str).encode()).hexdigest()
+        cached = self.images.cached(ref, name, key)
+        if cached is not None:
+            return cached
+        config = [*BASE_CONFIG, "--label", f"{kimages.KEY_LABEL}={key}"]
+        self.from_debian("plugvisor-kind-base", BASE_SCRIPT, ref, config, {files: Path("/"), **binaries})
+        return self.images.write_archive(ref, name, key)
+
+    def runtime_base(self) -> str:
+        """The components' base image (Debian minbase, iptables, nftables, conntrack); its image ID."""
+        key = hashlib.sha256(f"{RECIPE_VERSION}\0{RUNTIME_SCRIPT}".encode()).hexdigest()
+        info = self.buildah.image_info(RUNTIME_REF)
+        if info is not None and info[1].get(kimages.KEY_LABEL) == key:
+            return str(info[0])
+        config = ["--env", "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                  "--label", f"{kimages.KEY_LABEL}={key}"]  # fmt: skip
+        self.from_debian("plugvisor-kind-runtime", RUNTIME_SCRIPT, RUNTIME_REF, config, {})
+        info = self.buildah.image_info(RUNTIME_REF)
+        assert info is not None
+        return str(info[0])
+
+    def component(self, ref: str, binary: Path, target: str, entrypoint: list[str] | None) -> Built:
+        """One program on the components' base: its binary at ``target``, the entrypoint given."""
+        name = kimages.normalize_ref(ref)
+        base_id = self.runtime_base()
+        key = hashlib.sha256(
+            json.dumps([RECIPE_VERSION, base_id, file_hash(binary), target, entrypoint]).encode()
+        ).hexdigest()
+        cached = self.images.cached(ref, name, key)
+        if cached is not None:
+            return cached
+        self.runner.use_log(kimages.archive_filename(name).removesuffix(".tar"))
+        container = self.buildah("from", "--pull=never", RUNTIME_REF, capture=True).strip()
+        try:
+            with kimages.Step(f"{ref}: {binary.name} on the components' base"):
+                with self.buildah.mounted(container) as mount:
+                    install_binary(binary, mount / target.lstrip("/"))
+                config = ["--entrypoint", json.dumps(entrypoint)] if entrypoint else []
+                self.buildah("config", *config, container)
+                self.buildah("commit", "--quiet", "--rm", container, name)
+        finally:
+            subprocess.run([*self.buildah.global_args(), "rm", container], capture_output=True, check=False)
+        self.buildah("rmi", "--prune")
+        return self.images.write_archive(ref, name, key)
+
+    def helper(self, ref: str) -> Built:
+        """The storage provisioner's helper pods' image: a shell, rm and mkdir (Debian's busybox)."""
+        name = kimages.normalize_ref(ref)
+        applets = sorted(self.runner.run([str(kimages.BUSYBOX), "--list-full"], capture=True).split())
+        key = hashlib.sha256(
+            f"{RECIPE_VERSION}\0{file_hash(kimages.BUSYBOX)}\0{applets}".encode()
+        ).hexdigest()
+        cached = self.images.cached(ref, name, key)
+        if cached is not None:
+            return cached
+        with (
+            kimages.Step(f"{ref}: busybox-static"),
+            self.buildah.working_container("plugvisor-kind-helper") as container,
+        ):
+            with self.buildah.mounted(container) as mount:
+                kimages.fill_pod_root(mount, applets)
+            self.buildah("commit", "--quiet", "--rm", container, name)
+        return self.images.write_archive(ref, name, key)
+
+    def go_images(self, go: str) -> dict[str, Path]:
+        """CoreDNS and the local-path provisioner, built from their modules: name -> binary."""
+        version = self.pinned["local-path-provisioner"]
+        components = [
+            kbuild.Component("coredns", "github.com/coredns/coredns", self.pinned["coredns"],
+                             {"coredns": "github.com/coredns/coredns"}, "-s -w"),
+            kbuild.Component("local-path-provisioner", "github.com/rancher/local-path-provisioner", version,
+                             {"local-path-provisioner": "github.com/rancher/local-path-provisioner"},
+                             f"-s -w -X main.VERSION={version}"),
+        ]  # fmt: skip
+        for component in components:
+            kbuild.build_component(component, self.layout.root, go)
+        return {c.name: self.layout.bin / c.name for c in components}
+
+    def preload(self, archives: Sequence[Path], into: Path) -> None:
+        """Import the archives into a containerd content store at ``into`` (/var/lib/containerd).
+
+        As ``kind build node-image`` does in its build container, but with the cache's containerd run
+        on the host, on a private socket and root, CRI off; images are not unpacked (containerd
+        unpacks them when a container is first made from them).
+        """
+        work = Path(tempfile.mkdtemp(prefix="pvkind-", dir="/tmp"))  # a short socket path
+        config = work / "config.toml"
+        config.write_text(
+            'version = 3\ndisabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.cri.v1.images",'
+            ' "io.containerd.cri.v1.runtime", "io.containerd.internal.v1.tracing"]\n'
+        )
+        socket = work / "c.sock"
+        log = (self.layout.root / "logs" / "preload-containerd.log").open("w")
+        daemon = subprocess.Popen(
+            [str(self.layout.kubernetes_bin / "containerd"), "--config", str(config), "--root", str(into),
+             "--state", str(work / "state"), "--address", str(socket)],
+            stdout=log, stderr=log,
+        )  # fmt: skip
+        ctr = [str(self.layout.kubernetes_bin / "ctr"), "--address", str(socket), "--namespace", "k8s.io"]
+        try:
+            deadline = time.monotonic() + 30
+            while not socket.exists():
+                if daemon.poll() is not None or time.monotonic() > deadline:
+                    raise kimages.BuildError(f"containerd did not start; see {log.name}")
+                time.sleep(0.2)
+            self.runner.use_log("preload")
+            with kimages.Step(f"import {len(archives)} images into the node's containerd"):
+                for archive in archives:
+                    self.runner.run([*ctr, "images", "import", "--no-unpack", "--local", str(archive)])
+                listed = self.runner.run([*ctr, "images", "list", "--quiet"], capture=True)
+                say(f"the node's containerd holds: {' '.join(listed.split())}")
+        finally:
+            daemon.terminate()
+            daemon.wait(timeout=30)
+            log.close()
+            shutil.rmtree(work, ignore_errors=True)
+
+    def node(self, base: Built, go: str) -> Built:
+        """The stand-in for kindest/node, from the base."""
+        ref = node_ref(self.kubernetes)
+        name = kimages.normalize_ref(ref)
+        binaries = {
+            self.layout.kubernetes_bin / "kubelet": Path("/usr/bin/kubelet"),
+            self.layout.bin / "kubeadm": Path("/usr/bin/kubeadm"),
+            self.layout.bin / "kubectl": Path("/usr/bin/kubectl"),
+        }
+        names = image_names(self.kubernetes, self.etcd, self.pinned)
+        built_go = self.go_images(go)
+        parts = [
+            *(self.component(names[c], self.layout.kubernetes_bin / c, f"/usr/local/bin/{c}", None)
+              for c in CONTROL_PLANE),
+            self.component(names["etcd"], self.layout.kubernetes_bin / "etcd", "/usr/local/bin/etcd", None),
+            self.component(names["coredns"], built_go["coredns"], "/coredns", ["/coredns"]),
+            self.component(names["local-path-provisioner"], built_go["local-path-provisioner"],
+                           "/usr/local/bin/local-path-provisioner", None),
+            self.helper(names["local-path-helper"]),
+        ]  # fmt: skip
+        pause = kbuild.pause_archive(self.layout.kubernetes_bin.parent)
+        archives = [p.archive for p in parts] + [pause]
+        nodeimage = self.kind_module / "pkg" / "build" / "nodeimage"
+        cni = go_raw_string((nodeimage / "const_cni.go").read_text(), "defaultCNIManifest")
+        storage = go_raw_string(
+            (nodeimage / "const_storage.go").read_text(),
+            "defaultStorageManifest",
+            {"storageProvisionerImage": names["local-path-provisioner"],
+             "storageHelperImage": names["local-path-helper"]},
+        )  # fmt: skip
+        recipe = [RECIPE_VERSION, base.image_id, self.kubernetes, cni, storage, names]
+        recipe += [f"{target}={file_hash(source)}" for source, target in sorted(binaries.items())]
+        recipe += [file_hash(archive) for archive in archives]
+        key = hashlib.sha256(json.dumps(recipe, default=str).encode()).hexdigest()
+        cached = self.images.cached(ref, name, key)
+        if cached is not None:
+            return cached
+        self.runner.use_log("kind-node")
+        container = self.buildah("from", "--pull=never", base.name, capture=True).strip()
+        try:
+            with self.buildah.mounted(container) as mount:
+                with kimages.Step(f"{ref}: kubelet, kubeadm, kubectl, /kind"):
+                    for source, target in binaries.items():
+                        install_binary(source, mount / target.relative_to("/"))
+                    (mount / "kind/version").write_text(self.kubernetes)
+                    (mount / "kind/manifests").mkdir(parents=True, exist_ok=True)
+                    (mount / "kind/manifests/default-cni.yaml").write_text(cni)
+                    (mount / "kind/manifests/default-storage.yaml").write_text(storage)
+                    containerd_config = mount / "etc/containerd/config.toml"
+                    text = containerd_config.read_text()
+                    text = re.sub(r'sandbox_image = "[^"]*"', f'sandbox_image = "{names["pause"]}"', text)
+                    containerd_config.write_text(text)
+                self.preload(archives, mount / "var/lib/containerd")
+            with kimages.Step(f"{ref}: commit"):
+                self.buildah("config", "--entrypoint", json.dumps(KIND_ENTRYPOINT), container)
+                self.buildah("commit", "--quiet", "--squash", "--rm", container, name)
+        finally:
+            subprocess.run([*self.buildah.global_args(), "rm", container], capture_output=True, check=False)
+        self.buildah("rmi", "--prune")
+        return self.images.write_archive(ref, name, key)
+
+
+Built = kimages.Built
+say = kimages.say
+
+
 def build_images(
-    layout: Layout, pinned: dict[str, str], kubernetes: str, etcd: str, steps: Sequence[str]
+    layout: Layout, pinned: dict[str, str], kubernetes: str, etcd: str, steps: Sequence[str], go: str
 ) -> None:
-    """The base and node images (next commit)."""
-    if "base" in steps or "node" in steps:
-        raise UsageError("the base and node images are not made by this version of the tool yet")
+    """The base image, then the node image (which needs the base), under the cache's lock (root only)."""
+    if "base" not in steps and "node" not in steps:
+        return
+    if os.geteuid() != 0:
+        raise UsageError("the images need root (debootstrap and buildah's image store)")
+    # The base needs containerd's commands and crictl; the node everything.
+    needed = {
+        "base": ["crictl", *kbuild.CONTAINERD_COMMANDS],
+        "node": [*TOOL_BINARIES, *KUBERNETES_CACHE_BINARIES],
+    }
+    wanted = [b for step in steps for b in needed.get(step, [])]
+    absent = [b for b in wanted if not (layout.bin / b).exists() and not (layout.kubernetes_bin / b).exists()]
+    if absent:
+        raise UsageError(
+            f"not built yet: {' '.join(dict.fromkeys(absent))} (tools/kubernetes/build.py builds the"
+            " Kubernetes cache, tools/kind/build.py --only tools the rest)"
+        )
+    with kimages.locked(layout.root):
+        kimages.install_packages(kimages.Runner(layout.root), allowed=True)
+        maker = NodeImages(layout, pinned, kubernetes, etcd)
+        base = maker.base()
+        say(f"{base.ref}: {base.archive} ({base.unpacked_bytes / 1e6:.0f} MB unpacked)")
+        if "node" in steps:
+            node = maker.node(base, go)
+            say(f"{node.ref}: {node.archive} ({node.unpacked_bytes / 1e6:.0f} MB unpacked)")
+            for image, module in REFUSED.items():
+                say(f"not in the node: {image} (the module proxy refuses {module})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -378,7 +784,7 @@ def main(argv: list[str] | None = None) -> int:
         go = kbuild.go_version()
         print(f"[build] {go}, cache {layout.root}", flush=True)
         build_commands(layout, pinned, steps, go)
-        build_images(layout, pinned, kubernetes, etcd, steps)
+        build_images(layout, pinned, kubernetes, etcd, steps, go)
     except (kbuild.BuildError, kimages.BuildError, UsageError, OSError) as error:
         print(f"[build] failed: {error}", file=sys.stderr)
         return 1
