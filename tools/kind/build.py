@@ -3,6 +3,7 @@
     python3 tools/kind/build.py                 # build what is missing or out of date, print each step
     python3 tools/kind/build.py --only kind     # only the kind command (also: tools, base, node)
     python3 tools/kind/build.py --status        # say what is built and what is missing; build nothing
+    python3 tools/kind/build.py --kubeadm-patch # the kubeadmConfigPatches a kind config needs with it
 
 Why: these machines reach the Go module proxy and Debian's archive and nothing else (docs/kind.md), so
 kind's own images (kindest/base, kindest/node), which download containerd, runc, crictl and the CNI
@@ -301,7 +302,7 @@ def status_lines(layout: Layout, pinned: dict[str, str], kubernetes: str) -> tup
 
 
 def build_commands(layout: Layout, pinned: dict[str, str], steps: Sequence[str], go: str) -> None:
-    """The commands: kind (for the host), crictl, kubeadm and kubectl (for the node): Go builds with stamps."""
+    """The commands, Go builds with stamps: kind (for the host), crictl, kubeadm and kubectl (the node)."""
     components = []
     if "kind" in steps:
         components.append(
@@ -338,6 +339,26 @@ def build_commands(layout: Layout, pinned: dict[str, str], steps: Sequence[str],
 # The images (buildah, daemonless, on a store of this cache's own).
 # ---------------------------------------------------------------------------------------------------
 
+# Added to the base, run by a containerd drop-in before containerd starts. Lowering a process's
+# oom_score_adj needs CAP_SYS_RESOURCE, and the kubelet asks for -997 for the control plane's pods: in a
+# node container without it (these machines' root lacks it, so capfit drops it: docs/kind.md) every
+# sandbox fails ("runc create failed: unable to start container process: can't get final child's PID
+# from pipe: EOF"). containerd's restrict_oom_score_adj (which kind's config leaves false, and rootless
+# nodes set true) keeps pods at or above containerd's own score instead. With the capability, nothing
+# changes.
+RESTRICT_OOM_SCRIPT = """\
+#!/bin/sh
+# tools/kind/build.py (plugvisor): restrict_oom_score_adj when CAP_SYS_RESOURCE (bit 24) is not in
+# this node's effective capabilities.
+set -eu
+mask=$(awk '/^CapEff:/ {print $2}' /proc/self/status)
+if [ $(( 0x$mask >> 24 & 1 )) -eq 0 ]; then
+  sed -i 's/restrict_oom_score_adj = false/restrict_oom_score_adj = true/' /etc/containerd/config.toml
+fi
+"""
+
+# kind's hook that mounts the product UUID files into every container (its base Dockerfile adds it).
+PRODUCT_FILES_HOOK = '{"path": "/kind/bin/mount-product-files.sh"}'
 # Run in the base image's working container (host network): what kind's base Dockerfile's RUN steps
 # do, with Debian's runc and CNI plugins in place of the ones it downloads.
 BASE_SCRIPT = f"""\
@@ -372,10 +393,17 @@ systemctl enable kubelet.service
 systemctl enable containerd.service
 systemctl enable undo-mount-hacks.service
 systemctl mask systemd-binfmt.service
-mkdir -p /etc/kubernetes/manifests /opt/cni/bin
+mkdir -p /etc/kubernetes/manifests /opt/cni/bin /etc/systemd/system/containerd.service.d
+cat > /kind/bin/restrict-oom-score-adj.sh <<'SCRIPT'
+{RESTRICT_OOM_SCRIPT}SCRIPT
+chmod 755 /kind/bin/restrict-oom-score-adj.sh
+cat > /etc/systemd/system/containerd.service.d/10-restrict-oom-score-adj.conf <<'UNIT'
+[Service]
+ExecStartPre=/kind/bin/restrict-oom-score-adj.sh
+UNIT
 for plugin in {" ".join(CNI_PLUGINS)}; do cp /usr/lib/cni/$plugin /opt/cni/bin/; done
 ctr oci spec \\
-    | jq '.hooks.createContainer[.hooks.createContainer| length] |= . + {{"path": "/kind/bin/mount-product-files.sh"}}' \\
+    | jq '.hooks.createContainer[.hooks.createContainer| length] |= . + {PRODUCT_FILES_HOOK}' \\
     | jq 'del(.process.rlimits)' > /etc/containerd/cri-base.json
 containerd --version
 runc --version
@@ -712,7 +740,7 @@ say = kimages.say
 
 
 def build_images(
-    layout: Layout, pinned: dict[str, str], kubernetes: str, etcd: str, steps: Sequence[str], go: str
+    layout: Layout, pinned: dict[str, str], *, kubernetes: str, etcd: str, steps: Sequence[str], go: str
 ) -> None:
     """The base image, then the node image (which needs the base), under the cache's lock (root only)."""
     if "base" not in steps and "node" not in steps:
@@ -751,6 +779,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", default=None, help="the cache directory (default: per kind version)")
     parser.add_argument("--status", action="store_true", help="say what is built and what is missing")
     parser.add_argument(
+        "--kubeadm-patch",
+        action="store_true",
+        help="print the kubeadmConfigPatches entries a kind config needs with the node image",
+    )
+    parser.add_argument(
         "--only", default=",".join(STEPS), help="comma-separated steps (default: %(default)s)"
     )
     args = parser.parse_args(argv)
@@ -764,6 +797,9 @@ def main(argv: list[str] | None = None) -> int:
     kubernetes = str(kubernetes_pins["kubernetes"]["version"])
     etcd = str(kubernetes_pins["etcd"]["version"])
     layout = Layout(cache_root(pinned["kind"], args.cache), kbuild.bin_dir())
+    if args.kubeadm_patch:
+        print(kubeadm_patch(etcd), end="")
+        return 0
     if args.status:
         built, missing = status_lines(layout, pinned, kubernetes)
         for line in built:
@@ -772,6 +808,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"missing: {line}")
         if not missing:
             print(f"ready: kind create cluster --image {node_ref(kubernetes)} (with {layout.bin / 'kind'})")
+            print("  its config needs the kubeadmConfigPatches that --kubeadm-patch prints")
+            for image, module in REFUSED.items():
+                print(f"  not in the node: {image} (the module proxy refuses {module}); see docs/kind.md")
         return 1 if missing else 0
     if shutil.which("go") is None:
         print(
@@ -784,7 +823,7 @@ def main(argv: list[str] | None = None) -> int:
         go = kbuild.go_version()
         print(f"[build] {go}, cache {layout.root}", flush=True)
         build_commands(layout, pinned, steps, go)
-        build_images(layout, pinned, kubernetes, etcd, steps, go)
+        build_images(layout, pinned, kubernetes=kubernetes, etcd=etcd, steps=steps, go=go)
     except (kbuild.BuildError, kimages.BuildError, UsageError, OSError) as error:
         print(f"[build] failed: {error}", file=sys.stderr)
         return 1

@@ -145,7 +145,15 @@ def test_status_with_everything_built_says_ready_and_exits_0(caches, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert f"built: kind: {kind_bin / 'kind'}" in lines
     assert f"built: node image: {archives / 'localhost_plugvisor_kind-node_v1.37.2.tar'} (3 MB)" in lines
-    assert lines[-1].startswith("ready: kind create cluster --image localhost/plugvisor/kind-node:v1.37.2")
+    assert "ready: kind create cluster --image localhost/plugvisor/kind-node:v1.37.2" in lines[-3]
+    assert "--kubeadm-patch" in lines[-2]
+    assert lines[-1].startswith("  not in the node: kindnetd (the module proxy refuses sigs.k8s.io/kindnet")
+
+
+def test_kubeadm_patch_prints_the_patches_and_builds_nothing(caches, capsys):
+    assert kind.main(["--kubeadm-patch"]) == 0
+    assert capsys.readouterr().out == kind.kubeadm_patch("v3.7.3")
+    assert not (caches / "kind").exists()
 
 
 GO = """package nodeimage
