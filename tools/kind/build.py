@@ -17,7 +17,9 @@ makes their equivalents daemonless, with buildah, as tools/kubernetes/images.py 
 - ``base``: the stand-in for kindest/base. Debian (debootstrap, bookworm, minbase) with the packages
   kind's base Dockerfile installs (systemd, iptables, nftables, ...), Debian's runc and CNI plugins,
   containerd, its shim and ctr from tools/kubernetes/build.py's cache, crictl, and kind's entrypoint,
-  systemd units and containerd configuration read from the kind module (images/base/files).
+  systemd units and containerd configuration read from the kind module (images/base/files); and a
+  containerd drop-in that sets restrict_oom_score_adj where the node lacks CAP_SYS_RESOURCE (these
+  machines: see RESTRICT_OOM_SCRIPT).
 - ``node``: the stand-in for kindest/node, from the base: kubelet (that cache), kubeadm and kubectl in
   /usr/bin, /kind/version, the default CNI and storage manifests, and the images kubeadm and kind
   start, imported into the node's containerd beforehand (as ``kind build node-image`` does): the
@@ -273,6 +275,8 @@ def status_lines(layout: Layout, pinned: dict[str, str], kubernetes: str) -> tup
             f"{'kind' if name in HOST_BINARIES else 'tools'})"
         )
     absent = [b for b in KUBERNETES_CACHE_BINARIES if not (layout.kubernetes_bin / b).exists()]
+    if not kbuild.pause_archive(layout.kubernetes_bin.parent).exists():
+        absent.append("images/pause.tar")
     if absent:
         missing.append(
             f"Kubernetes {kubernetes} cache: {' '.join(absent)} not in {layout.kubernetes_bin}"

@@ -111,7 +111,10 @@ def test_status_on_an_empty_cache_names_every_missing_piece_and_what_makes_it(ca
     assert all(line.startswith("missing: ") for line in lines)
     assert "missing: kind: not built (tools/kind/build.py --only kind)" in lines
     assert "missing: kubeadm: not built (tools/kind/build.py --only tools)" in lines
-    assert any("kubelet" in line and "tools/kubernetes/build.py builds them" in line for line in lines)
+    assert any(
+        "kubelet" in line and "images/pause.tar" in line and "tools/kubernetes/build.py builds them" in line
+        for line in lines
+    )
     assert any(
         line.startswith("missing: base image: no localhost_plugvisor_kind-base_v0.33.0.tar") for line in lines
     )
@@ -137,6 +140,8 @@ def test_status_with_everything_built_says_ready_and_exits_0(caches, capsys):
     kubernetes_bin.mkdir(parents=True)
     for name in kind.KUBERNETES_CACHE_BINARIES:
         (kubernetes_bin / name).write_text("")
+    (caches / "kubernetes" / "images").mkdir()
+    (caches / "kubernetes" / "images" / "pause.tar").write_text("")
     archives = caches / "kind" / "archives"
     archives.mkdir()
     (archives / "localhost_plugvisor_kind-base_v0.33.0.tar").write_bytes(b"x" * 2_000_000)
