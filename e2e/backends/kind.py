@@ -59,10 +59,9 @@ def kind_unavailable() -> str | None:
     """Why the kind backend cannot run here (every reason at once), or None.
 
     Where tools/kind/build.py made the offline node image (a machine without a registry:
-    docs/kind.md), the reason names what that route still lacks, as measured there: kind's
-    default CNI (kindnetd) has no image, the module proxy refusing its module, so no node becomes
-    Ready unless a CNI configuration is written into each node by hand; and this backend builds the
-    project's image with ``docker build``, which pulls its base.
+    docs/kind.md), the reason names what this backend still lacks for that route, as measured there:
+    the image makes the repository's cluster Ready by hand, but setup() runs neither it nor the
+    project's image from tools/kubernetes/images.py, and ``docker build`` pulls its base.
     """
     missing = [f"{tool} is not installed" for tool in ("docker", "kubectl") if shutil.which(tool) is None]
     if shutil.which("kind") is None:
@@ -81,10 +80,11 @@ def kind_unavailable() -> str | None:
     archive = offline_node_image()
     if archive is not None:
         missing.append(
-            f"the offline node image is built ({archive}) but this backend cannot use it yet: kind's"
-            " default CNI needs a kindnetd image, which cannot be built here (the Go module proxy"
-            " refuses sigs.k8s.io/kindnet), so no node becomes Ready; and the backend builds the"
-            " project's image with docker build, which pulls python:3.11-slim (docs/kind.md)"
+            f"the offline node image is built ({archive}) and brings kind-config.yaml's cluster up by"
+            " hand (docs/kind.md), but this backend does not use it yet: it creates the cluster without"
+            " --image and tools/kind/build.py --kubeadm-patch's patches, and builds the project's image"
+            " with docker build, which pulls python:3.11-slim, instead of loading tools/kubernetes/"
+            "images.py's archive with kind load image-archive"
         )
     return "; ".join(missing) or None
 

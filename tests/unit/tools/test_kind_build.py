@@ -6,11 +6,14 @@ No network and no builds here: only the parts that decide what to do.
 from __future__ import annotations
 
 import importlib.util
+import json
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[3]
 GOOD = (REPO / "tools" / "kind" / "versions.toml").read_text()
@@ -153,6 +156,7 @@ def test_status_with_everything_built_says_ready_and_exits_0(caches, capsys):
     assert "ready: kind create cluster --image localhost/plugvisor/kind-node:v1.37.2" in lines[-3]
     assert "--kubeadm-patch" in lines[-2]
     assert lines[-1].startswith("  not in the node: kindnetd (the module proxy refuses sigs.k8s.io/kindnet")
+    assert lines[-1].endswith("a stand-in does its job (docs/kind.md)")
 
 
 def test_kubeadm_patch_prints_the_patches_and_builds_nothing(caches, capsys):
@@ -197,3 +201,66 @@ def test_the_kubeadm_patch_names_the_etcd_built_and_allows_cgroup_v1():
     patch = kind.kubeadm_patch("v3.7.3")
     assert 'imageTag: "3.7.3-0"' in patch
     assert "failCgroupV1: false" in patch
+
+
+FAKE_KUBECTL = """#!/bin/sh
+case "$*" in
+  *"get node worker "*) printf '10.244.1.0/24' ;;
+  *"get nodes"*) printf 'cp 10.244.0.0/24 172.18.0.4\\nworker 10.244.1.0/24 172.18.0.2\\njoining  \\n' ;;
+esac
+"""
+
+
+def _sync(tmp_path, node, runs):
+    """Run the kindnetd stand-in's pass ``runs`` times on node ``node``, kubectl and ip faked."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "kubectl").write_text(FAKE_KUBECTL)
+    (bin_dir / "ip").write_text(f'#!/bin/sh\necho "$*" >> {tmp_path / "ip.log"}\n')
+    for tool in ("kubectl", "ip"):
+        (bin_dir / tool).chmod(0o755)
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "NODE_NAME": node,
+        "KINDNET_CONF": str(tmp_path / "cni.conflist"),
+    }
+    script = kind.CNI_SYNC + "sync_once\n" * runs
+    return subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True, check=True)
+
+
+def test_the_kindnetd_stand_in_writes_a_ptp_config_over_the_nodes_pod_cidr_once(tmp_path):
+    result = _sync(tmp_path, "worker", runs=2)
+    assert result.stdout.count("wrote") == 1  # the second pass finds it written
+    config = json.loads((tmp_path / "cni.conflist").read_text())
+    ptp, portmap = config["plugins"]
+    assert ptp["type"] == "ptp"
+    assert ptp["ipam"] == {
+        "type": "host-local",
+        "ranges": [[{"subnet": "10.244.1.0/24"}]],
+        "routes": [{"dst": "0.0.0.0/0"}],
+    }
+    assert portmap == {"type": "portmap", "capabilities": {"portMappings": True}}
+
+
+def test_the_kindnetd_stand_in_routes_to_every_other_nodes_pod_cidr_and_skips_itself(tmp_path):
+    _sync(tmp_path, "worker", runs=1)
+    # Not its own CIDR, and not a node without one yet.
+    assert (tmp_path / "ip.log").read_text() == "route replace 10.244.0.0/24 via 172.18.0.4\n"
+
+
+def test_the_kindnetd_stand_in_writes_nothing_before_its_node_has_a_pod_cidr(tmp_path):
+    _sync(tmp_path, "joining", runs=1)
+    assert not (tmp_path / "cni.conflist").exists()
+
+
+def test_the_default_cni_manifest_runs_the_stand_in_with_the_rights_it_uses():
+    documents = list(yaml.safe_load_all(kind.cni_manifest("plugvisor.local/kindnet-standin:v1.37.2")))
+    role, _, account, daemonset = documents
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}]
+    pod = daemonset["spec"]["template"]["spec"]
+    assert pod["hostNetwork"] is True
+    assert pod["serviceAccountName"] == account["metadata"]["name"]
+    container = pod["containers"][0]
+    assert container["image"] == "plugvisor.local/kindnet-standin:v1.37.2"
+    assert container["command"] == ["sh", "-c", kind.CNI_SCRIPT]
+    assert {"name": "cni-cfg", "mountPath": "/etc/cni/net.d"} in container["volumeMounts"]
