@@ -47,7 +47,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,13 +76,9 @@ def versions(path: Path | None = None) -> dict[str, str]:
     """
     path = path or VERSIONS
     try:
-        document = tomllib.loads(path.read_text())
-    except OSError as exc:
-        raise UsageError(f"{path}: cannot read it: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise UsageError(f"{path}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise UsageError(f"{path}: not valid TOML: {exc}") from None
+        document = kbuild.read_toml(path)
+    except kbuild.VersionsError as exc:
+        raise UsageError(str(exc)) from None
     pinned = {}
     for table in PINNED:
         section = document.get(table)

@@ -69,6 +69,18 @@ class VersionsError(Exception):
     """versions.toml is missing, not TOML, or holds something that is not what is expected; one line."""
 
 
+def read_toml(path: Path) -> dict[str, object]:
+    """A TOML file's tables, or one line naming the file and why it cannot be read (tools/kind too)."""
+    try:
+        return tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise VersionsError(f"{path}: cannot read it: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise VersionsError(f"{path}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise VersionsError(f"{path}: not valid TOML: {exc}") from None
+
+
 def versions() -> dict[str, dict[str, object]]:
     """The pinned versions, checked (read at each call: the file is small and the script short-lived).
 
@@ -77,14 +89,7 @@ def versions() -> dict[str, dict[str, object]]:
     (``../../../tmp/evil``) is refused before it is used, and ``packages`` must be
     a list of Debian package names (a string would be read letter by letter).
     """
-    try:
-        document = tomllib.loads(VERSIONS.read_text())
-    except OSError as exc:
-        raise VersionsError(f"{VERSIONS}: cannot read it: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise VersionsError(f"{VERSIONS}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise VersionsError(f"{VERSIONS}: not valid TOML: {exc}") from None
+    document = read_toml(VERSIONS)
     for table in ("kubernetes", "etcd", "containerd"):
         section = document.get(table)
         if not isinstance(section, dict):
