@@ -13,9 +13,13 @@ ARG PYTHON_IMAGE=python:3.11-slim
 # Stage `build`: the wheel, and everything the release image installs, laid out under /staging as it
 # will be under / (pip's --root), every dependency pinned by constraints.txt (regenerate it as its header
 # says). Shared libraries lose their debug sections here (uvloop's 13.6 MB are 1.9 MB without; PyYAML's
-# 2.7 MB 0.4 MB): nothing loads them at run time, and the tools to strip them stay in this stage.
+# 2.7 MB 0.4 MB): nothing loads them at run time, and the tools to strip them stay in this stage. So does
+# the C compiler that builds the hardware lab's NVML stand-in (a lab's libnvidia-ml.so.1, docs/lab.md)
+# into <data>/share/plugvisor/nvml, where `plugvisor lab create` finds it without a compiler: a lab the lab
+# overlays' pod creates has NVML, as one created on a machine with cc has.
 FROM ${PYTHON_IMAGE} AS build
-RUN apt-get update && apt-get install -y --no-install-recommends binutils && rm -rf /var/lib/apt/lists/*
+RUN apt-get update && apt-get install -y --no-install-recommends binutils gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY pyproject.toml README.md LICENSE ./
 COPY src ./src
@@ -23,7 +27,10 @@ RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 COPY constraints.txt ./
 RUN pip install --no-cache-dir --no-compile --root /staging --constraint constraints.txt \
         "$(echo /wheels/plugvisor-*.whl)[dra]" \
-    && find /staging -name '*.so' -exec strip --strip-debug {} +
+    && find /staging -name '*.so' -exec strip --strip-debug {} + \
+    && PYTHONDONTWRITEBYTECODE=1 PYTHONPATH="/staging$(python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" \
+       XDG_CACHE_HOME="/staging$(python -c 'import sysconfig; print(sysconfig.get_path("data"))')/share" \
+       python -c 'from plugvisor.emulators.lab import nvml; raise SystemExit(nvml.build() is None)'
 
 FROM ${PYTHON_IMAGE} AS release
 ARG VERSION=0.1.0

@@ -24,9 +24,12 @@ import yaml
 
 from plugvisor.api.pluginregistration.v1 import api_pb2 as reg_pb2
 from plugvisor.api.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+from plugvisor.common.hostpaths import HostPaths
+from plugvisor.deviceplugin.hooks import PluginLifecycle
 from plugvisor.dra.devices import device_json
+from plugvisor.dra.hooks import DraDescriber, kind_resource
+from plugvisor.dra.pool import build_pool
 from plugvisor.plugins import kinds
-from plugvisor.testing import dra_devices
 
 from .backends.common import SHELL_POD_SCRIPT, wait_until
 from .backends.local import LAB_DIR, LocalBackend
@@ -57,11 +60,26 @@ def expected_devices(agent: Agent, driver: str) -> dict[str, dict[str, Any]]:
     """What ``driver`` should publish from the node's lab, as ResourceSlice devices (by name).
 
     Computed on the node from the lab the agent reads (its /host/sys, /host/dev... are the lab's), with the
-    kind and options of the agent's node.yaml: the same scan, the same rules, through plugvisor.testing.
+    kind and options of the agent's node.yaml, started as the driver starts it: the same scan, the same
+    rules (plugvisor.testing.dra_devices, plus the kind's start and close).
     """
     (entry,) = [e for e in agent.config["resources"] if e["name"] == driver]
     options = {k: v for k, v in entry.items() if k not in ("name", "kind", "mode")}
-    published = dra_devices(kinds.get_kind(entry["kind"]), options, LAB_DIR, driver=driver)
+    kind = kinds.get_kind(entry["kind"])
+    source = kind.build(
+        options, HostPaths(root=LAB_DIR), resource=kind_resource(driver, kind.name), log_as=driver
+    )
+    # Started first, as the driver starts it: the gpu kind opens NVML there (the lab's stand-in answers the
+    # same here as in the agent's container, which has the lab's NVML state mounted), and adds what it reads.
+    lifecycle = source if isinstance(source, PluginLifecycle) else None
+    if lifecycle is not None:
+        lifecycle.start()
+    try:
+        describer = source if isinstance(source, DraDescriber) else None
+        published = build_pool(source.scan(), describer, driver=driver).devices
+    finally:
+        if lifecycle is not None:
+            lifecycle.close()
     return {device.name: device_json(device) for device in published.values()}
 
 

@@ -1,22 +1,29 @@
-"""A real H200 node's NVIDIA side on the real kubelet: the lab's grounded `nvidia-h200-vm` profile (one H200,
-driver 580.159.04 under /usr/local/nvidia, the NVML stand-in that pynvml loads as it loads NVIDIA's
-libnvidia-ml.so.1), served by the gpu kind both as a device plugin and as a DRA driver.
+"""NVIDIA nodes on the real kubelet, served by the gpu kind both as a device plugin and as a DRA driver
+through the shipped lab overlays, whose gpu agents read NVML from the lab's stand-in (the lab's
+libnvidia-ml.so.1, which pynvml loads as it loads NVIDIA's):
 
-- The device plugin: `plugvisor.io/gpu` is allocatable; a pod gets the GPU's device nodes, its UUID in
-  NVIDIA_VISIBLE_DEVICES and the driver's user-space files (the kubelet's checkpoint holds the Allocate
-  answer's mounts; inside the container the libraries and tools are the lab's, byte for byte).
-- DRA: the ResourceSlice carries what NVIDIA's driver publishes from NVML (productName, architecture,
-  cudaComputeCapability, the memory capacity); a claim whose CEL selects on them is allocated and
-  prepared, one asking for more than an H200 is not.
-- An NVML XID (the lab's `xid-79`, raised by the stand-in as NVML's XID critical error event) makes the
-  GPU unhealthy on both paths (allocatable drops, the slice's device gets the xid taint); `heal` brings
-  it back once quiet for the lab overlay's `nvml.recoverAfterSeconds` (3 s).
+- ``nvidia-h200-vm``, the lab's grounded profile (one H200, driver 580.159.04 under /usr/local/nvidia):
+  - the device plugin: `plugvisor.io/gpu` is allocatable; a pod gets the GPU's device nodes, its UUID in
+    NVIDIA_VISIBLE_DEVICES and the driver's user-space files (the kubelet's checkpoint holds the Allocate
+    answer's mounts; inside the container the libraries and tools are the lab's, byte for byte);
+  - DRA: the ResourceSlice carries what NVIDIA's driver publishes from NVML (productName, architecture,
+    cudaComputeCapability, the memory capacity); a claim whose CEL selects on them is allocated and
+    prepared, one asking for more than an H200 is not;
+  - an NVML XID (the lab's `xid-79`, raised by the stand-in as NVML's XID critical error event) makes the
+    GPU unhealthy on both paths (allocatable drops, the slice's device gets the xid taint); `heal` brings
+    it back once quiet for the lab overlay's `nvml.recoverAfterSeconds` (3 s).
+- ``dgx-like``, an 8-GPU server (H100s, two per PCIe switch, four under each of two PCIe roots):
+  - DRA: a claim written as NVIDIA's documentation writes them (product name, compute capability, driver
+    version, memory, `matchAttribute: resource.kubernetes.io/pcieRoot`) gets two GPUs of one root; the
+    same claim for five GPUs stays pending, its pod unschedulable, though eight GPUs match its selectors;
+  - the device plugin: a pod asking for four GPUs gets the four of one root (GetPreferredAllocation).
 
-The node plays this profile as one more role (it is no kind worker): its lab is written on the node, as a
-real driver is installed on the host (the project's image has no C compiler to build the stand-in), and
-the lab overlays' gpu agents are pointed at it with the overlay this module applies on top of them
-(`driverRoot: /usr/local/nvidia`, the lab's NVML state mounted where the stand-in looks for it). Local
-backend only (`tox -e e2e-local`); it runs last, after test_dra.py (conftest.py's order).
+The node plays each profile as one more role (no kind worker has it); its lab is written by the lab
+overlay's pod from the image's NVML stand-in, as for the kind workers. The only thing this module changes
+in the shipped overlays is where their gpu agents run (the role's profile label instead of gpu-node) and,
+for the H200, the driver root its profile puts the driver under (/usr/local/nvidia, as on the real node):
+the NVML state's mount is the overlays' own. Local backend only (`tox -e e2e-local`); it runs last, after
+test_dra.py (conftest.py's order).
 """
 
 from __future__ import annotations
@@ -25,7 +32,8 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +42,6 @@ import yaml
 
 from plugvisor.common.hostpaths import multiarch_triplet
 from plugvisor.emulators.lab import DeviceRecord, Lab, load_profile
-from plugvisor.emulators.lab import nvml as lab_nvml
 
 from .backends import Backend, LocalBackend, wait_until
 from .backends.local import LAB_DIR
@@ -47,13 +54,14 @@ from .test_scenarios import GPU, _running, _status
 
 pytestmark = pytest.mark.e2e
 
+PROFILES = REPO / "src/plugvisor/emulators/lab/profiles"
 ROLE = "nvidia-h200-vm"
-PROFILE = REPO / "src/plugvisor/emulators/lab/profiles/nvidia-h200-vm.yaml"
-DRIVER_ROOT = "/usr/local/nvidia"
+DGX = "dgx-like"
+DRIVER_ROOTS = {ROLE: "/usr/local/nvidia", DGX: "/"}
+"""Where each role's profile puts NVIDIA's driver (its `driverRoot`), as the gpu resource must be told."""
+DRIVER_ROOT = DRIVER_ROOTS[ROLE]
 H200_MEMORY = 150754820096
 """NVML's memory total of the real H200 (nvmlDeviceGetMemoryInfo), the profile's and the stand-in's."""
-NVML_STATE = lab_nvml.STATE_DIR
-"""The lab's NVML state, relative to the lab's root (.plugvisor-lab/nvml)."""
 DRIVER_FILES = ("lib64/libnvidia-ml.so.1", "lib64/libcuda.so.1", "bin/nvidia-smi")
 """Driver files checked in the containers: under the driver root on the node, and where they are mounted."""
 FITS_AN_H200 = (
@@ -64,98 +72,103 @@ FITS_AN_H200 = (
 )
 """NVIDIA's way of asking for a Hopper with 140 GiB (docs/migrating-from-nvidia.md), in plugvisor's domain."""
 NEEDS_BLACKWELL = f'device.attributes["{DRA_GPU}"].cudaComputeCapability.compareTo(semver("10.0.0")) >= 0'
+AN_H100 = [
+    f"device.attributes['{DRA_GPU}'].productName == 'NVIDIA H100 80GB HBM3'",
+    f"device.attributes['{DRA_GPU}'].cudaComputeCapability.compareTo(semver('9.0.0')) >= 0",
+    f"device.attributes['{DRA_GPU}'].driverVersion.compareTo(semver('550.0.0')) >= 0",
+    # An "80GB" H100 reports 79.6 GiB (85520809984 bytes) to NVML, as the lab's does: 80Gi would match none.
+    f"device.capacity['{DRA_GPU}'].memory.compareTo(quantity('79Gi')) >= 0",
+]
+"""docs/dra.md's claim: selectors as NVIDIA's documentation writes them, one CEL expression each."""
+PCIE_ROOT = "resource.kubernetes.io/pcieRoot"
 
 
-def _agent_patch(daemonset: str) -> dict[str, Any]:
-    """The gpu agent on the H200 role's node, with the lab's NVML state where the stand-in finds it.
-
-    The stand-in walks up from its own path to the directory that holds ``.plugvisor-lab/nvml``: in the
-    agent's container the driver is under /host/usr (the lab's usr/), so the state goes at /host.
-    """
+def _selector_patch(daemonset: str, role: str) -> dict[str, Any]:
+    """The shipped lab overlay's gpu agent, run on the role's node instead of the gpu-node worker's."""
     return {
         "apiVersion": "apps/v1",
         "kind": "DaemonSet",
         "metadata": {"name": daemonset, "namespace": "kube-system"},
-        "spec": {
-            "template": {
-                "spec": {
-                    "nodeSelector": {PROFILE_LABEL: ROLE},
-                    "containers": [
-                        {
-                            "name": "agent",
-                            "volumeMounts": [
-                                {"name": "lab-nvml", "mountPath": f"/host/{NVML_STATE}", "readOnly": True}
-                            ],
-                        }
-                    ],
-                    "volumes": [
-                        {
-                            "name": "lab-nvml",
-                            "hostPath": {"path": f"{LAB_DIR}/{NVML_STATE}", "type": "Directory"},
-                        }
-                    ],
-                }
-            }
-        },
+        "spec": {"template": {"spec": {"nodeSelector": {PROFILE_LABEL: role}}}},
     }
 
 
-def _overlay(where: Path, base: Path, config: str, daemonset: str) -> Path:
-    """A kustomization on top of ``base``: its gpu agent's node.yaml with the H200's driver root, and
-    :func:`_agent_patch`."""
+def _overlay(where: Path, base: Path, config: str, daemonset: str, role: str) -> Path:
+    """A kustomization on top of the shipped ``base``: its gpu agent on ``role``'s node and, where the role's
+    profile puts the driver elsewhere than /, its node.yaml with that driver root."""
     where.mkdir()
-    node = yaml.safe_load((base / "node-gpu.yaml").read_text())
-    (entry,) = node["resources"]
-    entry["driverRoot"] = DRIVER_ROOT
-    (where / "node-gpu.yaml").write_text(yaml.safe_dump(node))
-    (where / "patch-gpu.yaml").write_text(yaml.safe_dump(_agent_patch(daemonset)))
-    (where / "kustomization.yaml").write_text(
-        yaml.safe_dump(
+    (where / "patch-gpu.yaml").write_text(yaml.safe_dump(_selector_patch(daemonset, role)))
+    kustomization: dict[str, Any] = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [os.path.relpath(base, where)],
+        "patches": [{"path": "patch-gpu.yaml"}],
+    }
+    if DRIVER_ROOTS[role] != "/":
+        node = yaml.safe_load((base / "node-gpu.yaml").read_text())
+        (entry,) = node["resources"]
+        entry["driverRoot"] = DRIVER_ROOTS[role]
+        (where / "node-gpu.yaml").write_text(yaml.safe_dump(node))
+        kustomization["configMapGenerator"] = [
             {
-                "apiVersion": "kustomize.config.k8s.io/v1beta1",
-                "kind": "Kustomization",
-                "resources": [os.path.relpath(base, where)],
-                "configMapGenerator": [
-                    {
-                        "name": config,
-                        "namespace": "kube-system",
-                        "behavior": "replace",
-                        "files": ["node.yaml=node-gpu.yaml"],
-                    }
-                ],
-                "patches": [{"path": "patch-gpu.yaml"}],
+                "name": config,
+                "namespace": "kube-system",
+                "behavior": "replace",
+                "files": ["node.yaml=node-gpu.yaml"],
             }
-        )
-    )
+        ]
+    (where / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
     return where
 
 
 @pytest.fixture(scope="module")
-def h200(backend: Backend) -> Iterator[DraLab]:
-    """The node plays the H200 VM, with the gpu kind's device plugin and DRA driver both serving it."""
+def nvidia_node(backend: Backend) -> Iterator[Callable[[str], DraLab]]:
+    """Make the node play an NVIDIA role, with the gpu kind's device plugin and DRA driver both serving it;
+    the shipped overlays are put back once the module is done."""
     if not isinstance(backend, LocalBackend):
         pytest.skip("needs a real kubelet on this machine: the local backend (tox -e e2e-local)")
-    if lab_nvml.compiler() is None:
-        pytest.skip("the lab's NVML stand-in is compiled on the node: it needs a C compiler (cc)")
     local = backend
-    role = Worker({"plugvisor.io/lab": "true", PROFILE_LABEL: ROLE}, PROFILE, load_profile(PROFILE))
-    local.add_role(role, lab_on_host=True)
     dra = DraLab(local)
-    with tempfile.TemporaryDirectory(prefix="pv-h200-") as scratch:
-        for base, config, daemonset in (
-            (LAB_OVERLAY, "plugvisor-config-gpu", "plugvisor-gpu"),
-            (LAB_DRA_OVERLAY, "plugvisor-config-gpu-dra", "plugvisor-gpu-dra"),
-        ):
-            local.progress(f"kubectl apply -k: {base.name} with the gpu agent on {ROLE} (driverRoot, NVML)")
-            local.kubectl("apply", "-k", str(_overlay(Path(scratch) / base.name, base, config, daemonset)))
-    try:
-        local.play(ROLE)
+    for role in DRIVER_ROOTS:
+        labels = {"plugvisor.io/lab": "true", PROFILE_LABEL: role}
+        path = PROFILES / f"{role}.yaml"
+        local.add_role(Worker(labels, path, load_profile(path)))
+    applied: list[str] = []
+
+    def switch(role: str) -> DraLab:
+        if applied[-1:] != [role]:
+            with tempfile.TemporaryDirectory(prefix="pv-nvidia-") as scratch:
+                for base, config, daemonset in (
+                    (LAB_OVERLAY, "plugvisor-config-gpu", "plugvisor-gpu"),
+                    (LAB_DRA_OVERLAY, "plugvisor-config-gpu-dra", "plugvisor-gpu-dra"),
+                ):
+                    local.progress(f"kubectl apply -k: {base.name} with the gpu agent on {role}")
+                    where = _overlay(Path(scratch) / base.name, base, config, daemonset, role)
+                    local.kubectl("apply", "-k", str(where))
+            applied.append(role)
+        local.play(role)
         local.wait_daemonsets(LAB_DRA_OVERLAY)
-        yield dra
+        return dra
+
+    try:
+        yield switch
     finally:
-        dra.remove_drivers()
-        local.apply_lab_overlay()
-        local.wait_daemonsets()
+        if applied:
+            dra.remove_drivers()
+            local.apply_lab_overlay()
+            local.wait_daemonsets()
+
+
+@pytest.fixture
+def h200(nvidia_node: Callable[[str], DraLab]) -> DraLab:
+    """The node plays the H200 VM."""
+    return nvidia_node(ROLE)
+
+
+@pytest.fixture
+def dgx(nvidia_node: Callable[[str], DraLab]) -> DraLab:
+    """The node plays the 8-GPU server."""
+    return nvidia_node(DGX)
 
 
 def _lab_gpu() -> DeviceRecord:
@@ -393,3 +406,162 @@ def test_an_nvml_xid_makes_the_h200_unhealthy_on_both_paths_and_heal_brings_it_b
         what=f"{ROLE}: allocatable {GPU} = 1 after heal",
     )
     wait_until(lambda: not _taints(h200), timeout=local.timeout, what=f"the {DRA_GPU} device's taint gone")
+
+
+# -- the 8-GPU server: one PCIe root for a pair, on both paths ----------------------------------------
+
+
+def _root_of(gpu: DeviceRecord) -> str:
+    """The PCIe root complex a lab GPU sits under (``pci0000:80``), from its sysfs path."""
+    return gpu.sysfs_path.split("/")[2]
+
+
+def _nvidia_template(dra: DraLab, name: str, count: int) -> str:
+    """``count`` H100s of one PCIe root, selected as NVIDIA's documentation selects them."""
+    dra.objects.create_namespaced_custom_object(
+        "resource.k8s.io",
+        "v1",
+        NAMESPACE,
+        "resourceclaimtemplates",
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaimTemplate",
+            "metadata": {"name": name},
+            "spec": {
+                "spec": {
+                    "devices": {
+                        "requests": [
+                            {
+                                "name": "gpus",
+                                "exactly": {
+                                    "deviceClassName": DRA_GPU,
+                                    "allocationMode": "ExactCount",
+                                    "count": count,
+                                    "selectors": [{"cel": {"expression": e}} for e in AN_H100],
+                                },
+                            }
+                        ],
+                        "constraints": [{"requests": ["gpus"], "matchAttribute": PCIE_ROOT}],
+                    }
+                }
+            },
+        },
+    )
+    return name
+
+
+def _eight_gpus_with_nvml(dra: DraLab) -> dict[str, dict[str, Any]]:
+    def published() -> dict[str, dict[str, Any]] | None:
+        devices = dra.devices(DRA_GPU)
+        with_nvml = [d for d in devices.values() if "productName" in d.get("attributes", {})]
+        return devices if len(devices) == 8 and len(with_nvml) == 8 else None
+
+    found: dict[str, dict[str, Any]] = wait_until(
+        published, timeout=dra.local.timeout, what=f"{DGX}: eight GPUs in the {DRA_GPU} slice, with NVML's"
+    )
+    return found
+
+
+def _attribute(device: dict[str, Any], name: str) -> Any:
+    return next(iter(device["attributes"][name].values()))
+
+
+def test_a_claim_written_as_nvidias_docs_write_them_gets_two_gpus_of_one_pcie_root(dgx: DraLab) -> None:
+    """The slice has eight H100s with NVML's attributes, four under each of two PCIe roots. A claim for two
+    of them by product name, compute capability, driver version and memory, constrained to one pcieRoot,
+    is allocated two GPUs that share a root (the slice says so, and the lab's tree) and prepared: the
+    container has exactly their device nodes. The same claim for five stays unallocated, its pod
+    unschedulable, though all eight GPUs match its selectors: no root has five."""
+    local = dgx.local
+    devices = _eight_gpus_with_nvml(dgx)
+    roots = {name: _attribute(device, PCIE_ROOT) for name, device in devices.items()}
+    local.progress(f"{DGX}: {DRA_GPU} devices by pcieRoot: {sorted(Counter(roots.values()).items())}")
+    assert sorted(Counter(roots.values()).values()) == [4, 4], roots
+    for device in devices.values():
+        assert _attribute(device, "productName") == "NVIDIA H100 80GB HBM3"
+        assert _attribute(device, "cudaComputeCapability") == "9.0.0"
+    lab = {gpu.uuid: gpu for gpu in Lab.open(LAB_DIR).devices(kind="gpu")}
+    pair = _nvidia_template(dgx, "h100-pair-one-root", 2)
+    five = _nvidia_template(dgx, "h100-five-one-root", 5)
+    claim: dict[str, Any] = {}
+    try:
+        dgx.create_pod("h100-five", five, "gpus")
+        dgx.create_pod("h100-pair", pair, "gpus")
+        view = _running(local, "h100-pair")
+        claim = dgx.claim_of("h100-pair")
+        results = claim["status"]["allocation"]["devices"]["results"]
+        assert [(r["request"], r["driver"], r["pool"]) for r in results] == [("gpus", DRA_GPU, NODE)] * 2
+        chosen = sorted(r["device"] for r in results)
+        uuids = [_attribute(devices[name], "uuid") for name in chosen]
+        local.progress(
+            f"h100-pair: claim {claim['metadata']['name']} got {chosen} on {[roots[c] for c in chosen]}; "
+            f"NVIDIA_VISIBLE_DEVICES={view.env.get('NVIDIA_VISIBLE_DEVICES')}"
+        )
+        assert roots[chosen[0]] == roots[chosen[1]], f"{chosen} are on {[roots[c] for c in chosen]}"
+        assert _root_of(lab[uuids[0]]) == _root_of(lab[uuids[1]]) == roots[chosen[0]]
+        assert sorted(view.env["NVIDIA_VISIBLE_DEVICES"].split(",")) == sorted(uuids)
+        for uuid, gpu in lab.items():
+            own = {n.path for n in gpu.device_nodes if n.path.removeprefix("/dev/nvidia").isdigit()}
+            held = own & set(view.devices)
+            assert held == (own if uuid in uuids else set()), f"{gpu.name}: the container has {held}"
+        assert claim["metadata"]["uid"] in checkpoint(DRA_GPU)
+
+        def unschedulable() -> str | None:
+            pod = local.core.read_namespaced_pod("h100-five", NAMESPACE)
+            assert pod.status.phase == "Pending", pod.status
+            return next(
+                (
+                    c.message or "(no message)"
+                    for c in pod.status.conditions or []
+                    if c.type == "PodScheduled" and c.status == "False" and c.reason == "Unschedulable"
+                ),
+                None,
+            )
+
+        why = wait_until(unschedulable, timeout=local.timeout, what="h100-five unschedulable")
+        local.progress(f"h100-five (five H100s of one pcieRoot; four per root): unschedulable: {why}")
+        (waiting,) = [
+            c
+            for c in dgx.objects.list_namespaced_custom_object(
+                "resource.k8s.io", "v1", NAMESPACE, "resourceclaims"
+            )["items"]
+            if any(o["name"] == "h100-five" for o in c["metadata"].get("ownerReferences", []))
+        ]
+        assert not waiting.get("status", {}).get("allocation"), waiting["status"]
+    finally:
+        local.delete_pod("h100-five")
+        local.delete_pod("h100-pair")
+        if claim:
+            uid = claim["metadata"]["uid"]
+            wait_until(
+                lambda: not spec_file(DRA_GPU, uid).exists() and uid not in checkpoint(DRA_GPU),
+                timeout=local.timeout,
+                what=f"claim {claim['metadata']['name']} unprepared",
+            )
+        for template in (pair, five):
+            _delete_template(dgx, template)
+
+
+def test_a_pod_asking_the_device_plugin_for_four_gpus_gets_the_four_of_one_pcie_root(dgx: DraLab) -> None:
+    """GetPreferredAllocation on the real kubelet: of eight GPUs under two roots, four go to a pod together
+    only from one root (a NUMA node's two switches), never split over the two."""
+    local = dgx.local
+    wait_until(
+        lambda: local.node_resources(DGX)[1].get(GPU) == 8,
+        timeout=local.timeout,
+        what=f"{DGX}: allocatable {GPU} = 8",
+    )
+    local.create_pod(DGX, "h100-four", {GPU: 4})
+    try:
+        view = _running(local, "h100-four")
+        lab = {gpu.uuid: gpu for gpu in Lab.open(LAB_DIR).devices(kind="gpu")}
+        given = [lab[uuid] for uuid in view.env["NVIDIA_VISIBLE_DEVICES"].split(",")]
+        local.progress(
+            f"h100-four: {[g.name for g in given]} under {sorted({_root_of(g) for g in given})}, "
+            f"switches {sorted({str(g.pcie_switch) for g in given})}"
+        )
+        assert len(given) == 4
+        assert len({_root_of(g) for g in given}) == 1, [g.sysfs_path for g in given]
+        assert len({g.pcie_switch for g in given}) == 2, "a root's four GPUs are two switches' pairs"
+    finally:
+        local.delete_pod("h100-four")

@@ -125,8 +125,8 @@ def test_an_nvml_xid_makes_a_gpu_unhealthy_and_heal_brings_it_back(backend: Back
     unhealthy with the XID as the cause; once healed and quiet for the configured period it is back."""
     worker = _worker(backend, has="gpus")
     # The driver's library markers are written with the stand-in or not at all; NVML's state files are
-    # written either way, so they cannot tell. (On the local backend the lab is made in the lab's pod,
-    # whose image has no C compiler: e2e/test_nvidia.py plays this scenario there on a node-made lab.)
+    # written either way, so they cannot tell. (A lab made by the lab overlays' pod has it too: the image
+    # carries the stand-in its build stage compiled.)
     marker = f"usr/lib/{multiarch_triplet()}/libcuda.so.1"
     try:
         backend.lab_read(worker.name, marker)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import posixpath
 import re
 import shutil
@@ -22,6 +23,7 @@ from plugvisor.common.hostpaths import HostPaths
 from plugvisor.deviceplugin.release import default_pod_resources_socket
 from plugvisor.dra.devices import PublishedDevice
 from plugvisor.emulators.lab import Lab
+from plugvisor.emulators.lab import nvml as lab_nvml
 from plugvisor.plugins import kinds
 from plugvisor.supervisor.config import NodeConfig, parse_config
 from plugvisor.testing import dra_devices
@@ -46,6 +48,8 @@ DRA_CDI_DIR = "/var/run/cdi"
 PCI_IDS_DIR = "/usr/share"
 """Where the PCI ID database is (usr/share/hwdata, misc, or share itself, by distribution)."""
 KUBELET_POD_RESOURCES = "/var/lib/kubelet/pod-resources"
+LAB_NVML_STATE = f"/{lab_nvml.STATE_DIR}"
+"""The lab's NVML state, under the lab's root."""
 _GLOB = re.compile(r"[*?\[]")
 
 
@@ -113,7 +117,12 @@ def _node_config(overlay: str, ds: dict[str, Any]) -> tuple[NodeConfig, dict[str
     return parse_config(yaml.safe_load(text), source=f"{overlay}:{name}"), yaml.safe_load(text)
 
 
-def _needed_host_paths(config: NodeConfig) -> dict[str, bool]:
+def _in_a_lab(config: NodeConfig) -> bool:
+    """Whether the agent reads a lab: the paths it hands the kubelet are under a lab's root, not at /."""
+    return str(config.spec_root or "/") != "/"
+
+
+def _needed_host_paths(config: NodeConfig) -> dict[str, bool]:  # noqa: PLR0912 - one rule per kind
     """Host paths each configured kind reads (False) or writes (True), from the kinds' documentation."""
     needs: dict[str, bool] = {}
     for resource in config.resources:
@@ -127,6 +136,10 @@ def _needed_host_paths(config: NodeConfig) -> dict[str, bool]:
             # NVIDIA's user-space driver (driverRoot; / keeps it under /usr) and the toolkit's CDI spec
             driver_root = options.get("driverRoot", "/")
             needs |= {"/usr" if driver_root == "/" else driver_root: False, "/etc/cdi": False}
+            if _in_a_lab(config) and options.get("nvml", {}).get("enabled", "auto") is not False:
+                # The lab's libnvidia-ml finds the lab's NVML state by walking up from its own path under
+                # hostRoot: without it there NVML says the driver is not loaded (docs/lab.md).
+                needs[LAB_NVML_STATE] = False
             if options.get("cdi"):
                 needs[options.get("cdiDir", "/var/run/cdi")] = True
         elif resource.kind == "nic":
@@ -620,6 +633,77 @@ def test_each_kind_runs_exactly_on_the_workers_whose_lab_has_its_hardware(
             else:
                 assert not any(found.values()), f"{name} skips the {profile} worker, whose lab has {found}"
         assert placed, f"{name} runs on no worker of kind-config.yaml"
+
+
+def _mount_source(ds: dict[str, Any], path: str) -> str | None:
+    """The node path behind ``path`` in the agent's container (the deepest hostPath mount holding it)."""
+    volumes = _volumes(ds)
+    holding = [
+        m
+        for m in _container(ds)["volumeMounts"]
+        if (path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/"))
+        and "hostPath" in volumes[m["name"]]
+    ]
+    if not holding:
+        return None
+    mount = max(holding, key=lambda m: len(m["mountPath"]))
+    source: str = volumes[mount["name"]]["hostPath"]["path"]
+    rest = path[len(mount["mountPath"]) :].lstrip("/")
+    return posixpath.join(source, rest) if rest else source
+
+
+def _where_the_standin_finds_its_state(
+    ds: dict[str, Any], library: str, lab_root: str, lab_on_disk: str
+) -> tuple[str, str] | None:
+    """The stand-in's own search, in the agent's container: up from its directory to the first one holding
+    .plugvisor-lab/nvml/system; that directory and the file's node path, with ``lab_on_disk`` standing for
+    the node's ``lab_root``."""
+    directory = library
+    while directory != "/":
+        directory = posixpath.dirname(directory)
+        node = _mount_source(ds, posixpath.join(directory, LAB_NVML_STATE.lstrip("/"), "system"))
+        on_disk = lab_on_disk + node[len(lab_root) :] if node and node.startswith(f"{lab_root}/") else None
+        if node and on_disk and os.path.isfile(on_disk):
+            return directory, node
+    return None
+
+
+@pytest.mark.parametrize("overlay", LAB_OVERLAYS)
+def test_the_lab_gpu_agents_nvml_finds_the_labs_state_on_the_kind_workers(
+    worker_labs: dict[str, str], overlay: str
+) -> None:
+    """On each worker it runs on, the gpu agent reads the lab's libnvidia-ml at the driver root the worker's
+    lab wrote it to, and the stand-in, walking up from its own path in the container, meets the lab's NVML
+    state (mounted read-only from the node's lab) at the lab root's place: the shipped overlay gives NVML's
+    attributes, health and telemetry in the lab. Without the state's mount NVML says the driver is not
+    loaded (docs/lab.md)."""
+    checked = []
+    for ds in _agents(overlay):
+        if ds["metadata"]["labels"]["plugvisor.io/kind"] != "gpu":
+            continue
+        config, _ = _node_config(overlay, ds)
+        host_root, lab_root = str(config.host_root), str(config.spec_root)
+        for worker in _workers():
+            if not _schedules(ds, worker["labels"]):
+                continue
+            state = Lab.open(worker_labs[worker["labels"]["plugvisor.io/lab-profile"]]).state()
+            assert lab_nvml.nvidia_gpus(state), f"{worker['labels']}: no NVIDIA GPU for NVML to answer for"
+            for resource in config.resources:
+                assert resource.options.get("driverRoot", "/") == state.profile.driver_root, (
+                    f"{ds['metadata']['name']}: driverRoot is not where the worker's lab puts its driver"
+                )
+                library = posixpath.join(host_root, lab_nvml.lib_dir(state), "libnvidia-ml.so.1")
+                assert _mount_source(ds, library) == posixpath.join(
+                    lab_root, lab_nvml.lib_dir(state), "libnvidia-ml.so.1"
+                ), f"{ds['metadata']['name']}: {library} is not the lab's library"
+                lab_on_disk = worker_labs[worker["labels"]["plugvisor.io/lab-profile"]]
+                found = _where_the_standin_finds_its_state(ds, library, lab_root, lab_on_disk)
+                assert found == (host_root, f"{lab_root}{LAB_NVML_STATE}/system"), (
+                    f"{ds['metadata']['name']}: the lab's NVML state is not at {host_root}{LAB_NVML_STATE} "
+                    f"(the stand-in would find {found}): NVML in the agent would say the driver is not loaded"
+                )
+                checked.append(ds["metadata"]["name"])
+    assert checked, f"overlays/{overlay} runs no gpu agent on a kind worker"
 
 
 @pytest.mark.parametrize("overlay", LAB_OVERLAYS)

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 from pyfakefs.fake_filesystem import FakeFilesystem
 
-from plugvisor.emulators.lab import Lab, ProfileError, UsageError, fidelity, parse_profile
+from plugvisor.common.hostpaths import multiarch_triplet
+from plugvisor.emulators.lab import Lab, ProfileError, UsageError, fidelity, nvml, parse_profile
 from plugvisor.emulators.lab.nvml import cuda_driver_version
 
 ROOT = "/lab/root"
@@ -61,6 +62,25 @@ class TestEveryNvidiaLab:
         assert any("no C compiler (cc)" in note for note in small.notes)
         assert not os.path.exists(f"{ROOT}/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1")
         assert os.path.exists(f"{ROOT}/usr/bin/nvidia-smi")
+
+    def test_a_stand_in_the_installation_carries_is_used_without_a_compiler(self, fs: FakeFilesystem) -> None:
+        """The release image has no cc, but its build stage compiled the stand-in into the installation's
+        share/plugvisor/nvml: a lab created there (the lab overlays' pod) gets NVML and the libraries."""
+        shipped = Path(nvml.installed_dir()) / nvml.library_name()
+        fs.create_file(shipped, contents=b"\x7fELF the stand-in")
+        node = Lab.create(ROOT, parse_profile(one_gpu(), source="p.yaml"))
+        assert node.notes == ()
+        libraries = f"{ROOT}/usr/lib/{multiarch_triplet()}"
+        assert Path(f"{libraries}/libnvidia-ml.so.1").read_bytes() == b"\x7fELF the stand-in"
+        assert os.path.exists(f"{libraries}/libcuda.so.1")
+
+    def test_a_stand_in_of_another_source_is_not_taken_for_this_one(self, fs: FakeFilesystem) -> None:
+        """Only the file named after this source's hash counts: an image built from older sources carries
+        a library that answers differently, and the lab says it has none rather than use it."""
+        fs.create_file(Path(nvml.installed_dir()) / "libnvidia-ml-0000000000000000.so", contents=b"old")
+        node = Lab.create(ROOT, parse_profile(one_gpu(), source="p.yaml"))
+        assert any("no C compiler (cc)" in note for note in node.notes)
+        assert not os.path.exists(f"{ROOT}/usr/lib/{multiarch_triplet()}/libnvidia-ml.so.1")
 
 
 class TestNvmlState:

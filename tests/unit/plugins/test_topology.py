@@ -45,6 +45,19 @@ class TestPreferred:
         p = dgx()
         assert sorted(pick(p, list(p), ["g5"], 2)) == ["g4", "g5"]
 
+    def test_a_pair_stays_under_one_pcie_root_where_a_numa_node_has_several(self):
+        """Two root complexes on one NUMA node (as on EPYC servers), no switch with two GPUs free: the pair
+        comes from one host bridge (DRA's pcieRoot), not merely one NUMA node."""
+        p = {
+            f"g{g}": t.Placement(
+                0, (f"pci0000:{g // 2}0", f"rp{g}", f"up{g}", f"dn{g}", f"gpu{g}"), f"gpu{g}"
+            )
+            for g in range(4)
+        }
+        for available in (["g0", "g2", "g3"], ["g1", "g2", "g3"], ["g0", "g1", "g3"]):
+            chosen = pick(p, available, [], 2)
+            assert len({p[i].chain[0] for i in chosen}) == 1, (available, chosen)
+
     def test_best_fit_keeps_whole_switches_free(self):
         p = dgx()
         # g0's partner is taken: a single GPU should come from that broken switch.

@@ -74,6 +74,10 @@ containerPort and probes, is node.metrics.listen's.
 {{- if not $loadsNvml }}
 {{- $deviceAccess = "none" }}
 {{- end }}
+{{- /* In a lab, NVML is the lab's libnvidia-ml (under the driver root's mount), which finds the lab's state by walking up from its own path under /host to the directory holding .plugvisor-lab/nvml: that state is mounted there, or NVML says the driver is not loaded (overlays/lab's patch-gpu.yaml does the same). */}}
+{{- if and $.Values.lab.enabled $loadsNvml }}
+{{- $hostMounts = append $hostMounts (dict "name" "lab-nvml" "path" "/.plugvisor-lab/nvml" "mountPath" "/host/.plugvisor-lab/nvml" "readOnly" true) }}
+{{- end }}
 {{- /* Each mount is one volume and one mount of the pod: a name or a mountPath given twice is an invalid DaemonSet. */}}
 {{- $kindName := .kind }}
 {{- /* The driver root's own mounts (driverRoot above) are the chart's: a clash with one is driverRoot's, which the user set, not a hostMounts entry given twice. */}}

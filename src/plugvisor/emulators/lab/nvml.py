@@ -30,6 +30,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sysconfig
 import tempfile
 import time
 from typing import Final
@@ -146,6 +147,28 @@ def cache_dir() -> str:
     return os.path.join(base, "plugvisor", "nvml")
 
 
+def installed_dir() -> str:
+    """Where an installation keeps a stand-in built ahead of time: ``<data>/share/plugvisor/nvml``.
+
+    ``<data>`` is the installation scheme's data directory (``/usr/local`` in the project's image, a
+    virtual environment's root). The release image has no C compiler, so its build stage compiles the
+    stand-in into that directory (the Dockerfile); a lab created in a pod then has NVML as one created
+    on a machine with ``cc`` does.
+    """
+    return os.path.join(sysconfig.get_path("data"), "share", "plugvisor", "nvml")
+
+
+def library_name() -> str:
+    """The stand-in's file name: keyed by a hash of its source and flags, so a stale one is never used."""
+    return _LIBRARY_NAME
+
+
+_LIBRARY_NAME: Final = (
+    f"libnvidia-ml-{hashlib.sha256(_source() + ' '.join(CFLAGS).encode()).hexdigest()[:16]}.so"
+)
+"""Computed once, at import, from the source shipped beside this module."""
+
+
 def compiler() -> str | None:
     """The C compiler the lab uses (``cc`` on the PATH), or None."""
     return shutil.which("cc")
@@ -154,19 +177,23 @@ def compiler() -> str | None:
 def build() -> str | None:
     """Return the path of the compiled stand-in, compiling it once per source version; None without ``cc``.
 
-    Keyed by a hash of the source and flags, written under a temporary name and renamed, so
-    concurrent lab creations neither recompile nor see a half-written library. A cache
+    The installation's own (:func:`installed_dir`, built with the image) comes first and needs no
+    compiler. Otherwise keyed by a hash of the source and flags, written under a temporary name and
+    renamed, so concurrent lab creations neither recompile nor see a half-written library. A cache
     directory that cannot be used (``XDG_CACHE_HOME`` naming a file, a read-only home) is said
     once and the library built in a temporary directory of this process instead: a lab is
     never left half-written for want of a cache.
     """
+    installed = os.path.join(installed_dir(), library_name())
+    if os.path.isfile(installed):
+        return installed
     cc = compiler()
     if cc is None:
         return None
     source = _source()
-    key = hashlib.sha256(source + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    name = library_name()
     try:
-        return _build(cc, source, key, cache_dir())
+        return _build(cc, source, name, cache_dir())
     except OSError as exc:
         log.warning(
             "the lab's NVML stand-in cannot be cached in %s (%s); built in a temporary directory",
@@ -174,7 +201,7 @@ def build() -> str | None:
             exc.strerror or exc,
         )
     try:
-        return _build(cc, source, key, _temporary_cache())
+        return _build(cc, source, name, _temporary_cache())
     except OSError as exc:
         log.warning("the lab's NVML stand-in cannot be built: %s", exc)
         return None
@@ -191,9 +218,9 @@ def _temporary_cache() -> str:
     return _TEMPORARY[0]
 
 
-def _build(cc: str, source: bytes, key: str, directory: str) -> str | None:
-    """Compile into ``directory`` (OSError when it cannot be used); None when ``cc`` fails."""
-    target = os.path.join(directory, f"libnvidia-ml-{key}.so")
+def _build(cc: str, source: bytes, name: str, directory: str) -> str | None:
+    """Compile into ``directory`` as ``name`` (OSError when it cannot be used); None when ``cc`` fails."""
+    target = os.path.join(directory, name)
     if os.path.isfile(target):
         return target
     os.makedirs(directory, exist_ok=True)
