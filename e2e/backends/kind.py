@@ -161,11 +161,11 @@ class KindBackend(ApiBackend):
         images = offline.project_images()
         self.progress(f"images from tools/kubernetes/images.py ({time.monotonic() - started:.1f} s)")
         for image in images.values():
+            # A link of its own: another checkout's images.py may replace the cache's archive meanwhile.
+            archive = offline.pin(Path(image["archive"]), self.work)
             self._timed(
-                f"kind load image-archive {Path(image['archive']).name}",
-                lambda a=image["archive"]: self._kind(
-                    "load", "image-archive", a, "--name", CLUSTER, timeout=900
-                ),
+                f"kind load image-archive {archive.name}",
+                lambda a=archive: self._kind("load", "image-archive", str(a), "--name", CLUSTER, timeout=900),
             )
         self.pod_image = next(i["name"] for ref, i in images.items() if ref != offline.PROJECT_IMAGE)
         self.pod_command = ("sh", "-c", SHELL_POD_SCRIPT)

@@ -20,6 +20,8 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -108,6 +110,20 @@ def project_images() -> dict[str, dict[str, Any]]:
         )
     images: dict[str, dict[str, Any]] = json.loads(result.stdout)["images"]
     return images
+
+
+def pin(archive: Path, directory: Path) -> Path:
+    """A hard link to ``archive`` in ``directory`` (a copy across file systems): the image as built now.
+
+    tools/kubernetes/images.py's cache is per machine, and a run from another checkout replaces an
+    archive whose inputs differ (atomically, by rename): the link keeps this run's.
+    """
+    pinned = directory / archive.name
+    try:
+        os.link(archive, pinned)
+    except OSError:
+        shutil.copyfile(archive, pinned)
+    return pinned
 
 
 def missing() -> list[str]:
