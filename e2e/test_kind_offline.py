@@ -39,7 +39,7 @@ def test_the_suites_dockerd_runs_capfit_by_default_and_keeps_everything_outside_
     assert config["default-runtime"] == "capfit"
     assert config["runtimes"] == {"capfit": {"path": str(REPO / "tools/kind/capfit.py")}}
     assert (REPO / "tools/kind/capfit.py").stat().st_mode & 0o111
-    roots = [config["data-root"], config["exec-root"], config["pidfile"], *config["hosts"]]  # type: ignore[list-item]
+    roots = [config["data-root"], config["exec-root"], config["pidfile"], *config["hosts"]]
     assert all(
         str(r).removeprefix("unix://").startswith(("/run/plugvisor-kind/", "/var/lib/plugvisor-kind/"))
         for r in roots

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from .. import machine_lock
 from ..deployment import REPO
@@ -57,7 +58,7 @@ def docker_answers(env: dict[str, str]) -> bool:
     return result.returncode == 0
 
 
-def daemon_config() -> dict[str, object]:
+def daemon_config() -> dict[str, Any]:
     """The daemon's configuration file: capfit the default runtime, every root of its own."""
     return {
         "runtimes": {"capfit": {"path": str(CAPFIT)}},
@@ -191,7 +192,7 @@ class Engine:
             self.lock = None
 
 
-def _tuples(value: object) -> object:
+def _tuples(value: Any) -> Any:
     """JSON's lists back to the record's tuples (of tuples)."""
     if isinstance(value, list):
         return tuple(_tuples(v) for v in value)
