@@ -46,6 +46,7 @@ def cluster(backend: Backend) -> ApiBackend:
         e810 = [n for n in worker.profile.nics if n.model == "intel-e810"]
         if e810 and backend.node_resources(worker.name)[1].get(VF) != expected_allocatable(worker).get(VF):
             backend.progress(f"{worker.name}: nic0 back to the profile's {e810[0].num_vfs} VFs")
+            backend.lab(worker.name, "vfs", "nic0", "0")  # as the kernel wants: to 0 first, then the count
             backend.lab(worker.name, "vfs", "nic0", str(e810[0].num_vfs))
     return backend
 
