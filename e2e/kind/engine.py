@@ -186,6 +186,7 @@ class Engine:
                     "host check: after dockerd the host differs from its record\n  " + "\n  ".join(left)
                 )
             RECORD.unlink(missing_ok=True)
+            LOG.unlink(missing_ok=True)  # kept only when something failed, for the person looking into it
             self.progress(f"host check: as before dockerd ({self.record.summary()})")
         finally:
             machine_lock.release(self.lock)
