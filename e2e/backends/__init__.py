@@ -12,6 +12,8 @@ a kubelet). The scenarios in test_scenarios.py are written once against this int
   the kubelet's runtime config for each container.
 - KindBackend (kind.py): the cluster of kind-config.yaml, the image built from this checkout, the lab
   overlay applied; every check goes through the API server with the official Kubernetes client (api.py).
+  On a machine without a registry, kind, its node image and the images come from the local caches and the
+  run starts and stops dockerd itself (e2e/kind).
 - LocalBackend (local.py): the same checks and operations (api.py) on upstream Kubernetes run from
   binaries on this machine (e2e/local), one node playing each kind worker in turn; images built without
   Docker by tools/kubernetes/images.py.

@@ -1,91 +1,63 @@
-"""A kind cluster (kind-config.yaml): the image built with docker and loaded into the nodes."""
+"""A kind cluster (kind-config.yaml): the image built with docker and loaded into the nodes.
+
+Two routes to the same cluster. The user's, on any machine with a registry: kind and kubectl from PATH, the
+engine that answers, ``kind create cluster --config kind-config.yaml``, ``docker build`` and ``kind load
+docker-image``. The offline one (e2e/kind), where tools/kind/build.py made the node image on this machine
+because no registry answers: kind and kubectl from its cache, the node image ``docker load``-ed and passed
+with ``--image``, the config given the patches that image needs, the images from
+tools/kubernetes/images.py's archives, and dockerd started and stopped by the run (under the machine's
+lock, the host checked afterwards) when none answers.
+"""
 
 from __future__ import annotations
 
-import functools
 import importlib.util
+import os
 import shutil
 import subprocess
-import sys
+import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from ..deployment import REPO
+from ..kind import offline
+from ..kind.engine import Engine, EngineError, docker_answers
+from ..local import hostbin
 from .api import ApiBackend
-from .common import IMAGE, Progress, run
+from .common import IMAGE, SHELL_POD_SCRIPT, Progress, run
 
 CLUSTER = "plugvisor-e2e"
 
 
-@functools.cache
-def _kind_tool() -> Any:
-    """tools/kind/build.py, which knows where the kind it builds and the offline node image are."""
-    name = "plugvisor_kind_build"
-    spec = importlib.util.spec_from_file_location(name, REPO / "tools/kind/build.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-def built_kind() -> Path | None:
-    """The kind command tools/kind/build.py built from the module proxy, if it was built here."""
-    tool = _kind_tool()
-    try:
-        path = tool.cache_root(tool.versions()["kind"]) / "bin" / "kind"
-    except tool.UsageError:
-        return None
-    return path if path.exists() else None
-
-
-def offline_node_image() -> Path | None:
-    """The node image tools/kind/build.py made for machines without a registry, if it was made here."""
-    tool = _kind_tool()
-    try:
-        pinned = tool.versions()
-        kubernetes = str(tool.kbuild.versions()["kubernetes"]["version"])
-    except (tool.UsageError, tool.kbuild.VersionsError):
-        return None
-    archive = (
-        tool.cache_root(pinned["kind"])
-        / "archives"
-        / tool.kimages.archive_filename(tool.kimages.normalize_ref(tool.node_ref(kubernetes)))
-    )
-    return archive if archive.exists() else None
+def offline_route() -> bool:
+    """Whether this machine takes the offline route: tools/kind/build.py made the node image here."""
+    return offline.node_image() is not None
 
 
 def kind_unavailable() -> str | None:
-    """Why the kind backend cannot run here (every reason at once), or None.
-
-    Where tools/kind/build.py made the offline node image (a machine without a registry:
-    docs/kind.md), the reason names what this backend still lacks for that route, as measured there:
-    the image makes the repository's cluster Ready by hand, but setup() runs neither it nor the
-    project's image from tools/kubernetes/images.py, and ``docker build`` pulls its base.
-    """
-    missing = [f"{tool} is not installed" for tool in ("docker", "kubectl") if shutil.which(tool) is None]
-    if shutil.which("kind") is None:
-        built = built_kind()
-        missing.append(
-            f"kind is not on PATH (tools/kind/build.py built one: put {built.parent} on PATH)"
-            if built is not None
-            else "kind is not installed (or build it: python3 tools/kind/build.py --only kind)"
-        )
-    if shutil.which("docker") is not None:
-        info = subprocess.run(["docker", "info"], capture_output=True, text=True, check=False)
-        if info.returncode != 0:
-            missing.append("docker is installed but no Docker engine answers (docker info failed)")
+    """Why the kind backend cannot run here (every reason at once), or None."""
+    missing = []
     if importlib.util.find_spec("kubernetes") is None:
         missing.append("the kubernetes Python client is not installed (the e2e extra; use tox -e e2e)")
-    archive = offline_node_image()
-    if archive is not None:
-        missing.append(
-            f"the offline node image is built ({archive}) and brings kind-config.yaml's cluster up by"
-            " hand (docs/kind.md), but this backend does not use it yet: it creates the cluster without"
-            " --image and tools/kind/build.py --kubeadm-patch's patches, and builds the project's image"
-            " with docker build, which pulls python:3.11-slim, instead of loading tools/kubernetes/"
-            "images.py's archive with kind load image-archive"
-        )
+    if offline_route():
+        missing += offline.missing()
+        if shutil.which("docker") is None:
+            missing.append("no docker command (python3 tools/kind/dockerio.py install RECORD, as root)")
+        elif not docker_answers(dict(os.environ)):
+            if shutil.which("dockerd", path=os.pathsep.join(hostbin.SYSTEM_DIRS)) is None:
+                missing.append(
+                    "no Docker engine answers and dockerd is not installed (Debian's docker.io:"
+                    " python3 tools/kind/dockerio.py install RECORD, as root; .ci/run does)"
+                )
+            elif os.geteuid() != 0:
+                missing.append("no Docker engine answers, and starting dockerd needs root")
+        return "; ".join(missing) or None
+    missing += [f"{tool} is not installed" for tool in ("docker", "kubectl") if shutil.which(tool) is None]
+    if shutil.which("kind") is None:
+        missing.append("kind is not installed (or build it: python3 tools/kind/build.py --only kind)")
+    if shutil.which("docker") is not None and not docker_answers(dict(os.environ)):
+        missing.append("docker is installed but no Docker engine answers (docker info failed)")
     return "; ".join(missing) or None
 
 
@@ -99,11 +71,50 @@ class KindBackend(ApiBackend):
         self.keep = keep
         self.reuse = reuse
         self.created = False
+        self.offline = offline_route()
+        self.engine = Engine(progress)
+        self.work = Path(tempfile.mkdtemp(prefix="pvkind-"))
+        self.kubeconfig = self.work / "kubeconfig"
+        self.kind = str(offline.cache_bin("kind")) if self.offline else "kind"
+        self.kubectl_command = str(offline.cache_bin("kubectl")) if self.offline else "kubectl"
 
     def kubectl(self, *args: str, timeout: float = 300) -> str:
-        return run(["kubectl", "--context", f"kind-{CLUSTER}", *args], timeout=timeout)
+        where = ["--kubeconfig", str(self.kubeconfig)] if self.offline else ["--context", f"kind-{CLUSTER}"]
+        return run([self.kubectl_command, *where, *args], timeout=timeout)
+
+    def _docker(self, *args: str, timeout: float = 300) -> str:
+        return run(["docker", *args], timeout=timeout, env=self.engine.env)
+
+    def _kind(self, *args: str, timeout: float = 300) -> str:
+        return run([self.kind, *args], timeout=timeout, env=self.engine.env, cwd=REPO)
+
+    def _timed(self, what: str, step: Callable[[], object]) -> None:
+        started = time.monotonic()
+        step()
+        self.progress(f"{what} ({time.monotonic() - started:.1f} s)")
 
     def setup(self) -> None:
+        if self.offline:
+            self._setup_offline()
+        else:
+            self._setup_online()
+        if self.offline:
+            self._config.load_kube_config(config_file=str(self.kubeconfig))
+        else:
+            self._config.load_kube_config(context=f"kind-{CLUSTER}")
+        self.core = self._client.CoreV1Api()
+        for worker in self.workers:
+            nodes = self.core.list_node(label_selector=f"plugvisor.io/lab-profile={worker.name}").items
+            assert len(nodes) == 1, f"expected one node labelled plugvisor.io/lab-profile={worker.name}"
+            self.node_names[worker.name] = nodes[0].metadata.name
+        self.apply_lab_overlay()
+        self.progress("waiting for every DaemonSet")
+        started = time.monotonic()
+        self.wait_daemonsets()
+        self.progress(f"every DaemonSet rolled out ({time.monotonic() - started:.1f} s)")
+
+    def _setup_online(self) -> None:
+        """The user's path: kind from PATH, kindest/node pulled, the image built with docker build."""
         existing = run(["kind", "get", "clusters"]).split()
         if CLUSTER in existing and self.reuse:
             self.progress(f"reusing kind cluster {CLUSTER}")
@@ -120,23 +131,98 @@ class KindBackend(ApiBackend):
         self.progress(f"docker build -t {IMAGE} (the release Dockerfile) and kind load")
         run(["docker", "build", "-t", IMAGE, str(REPO)], timeout=1200)
         run(["kind", "load", "docker-image", IMAGE, "--name", CLUSTER], timeout=600)
-        self._config.load_kube_config(context=f"kind-{CLUSTER}")
-        self.core = self._client.CoreV1Api()
-        for worker in self.workers:
-            nodes = self.core.list_node(label_selector=f"plugvisor.io/lab-profile={worker.name}").items
-            assert len(nodes) == 1, f"expected one node labelled plugvisor.io/lab-profile={worker.name}"
-            self.node_names[worker.name] = nodes[0].metadata.name
-        self.apply_lab_overlay()
-        self.progress("waiting for every DaemonSet")
-        self.wait_daemonsets()
+
+    def _setup_offline(self) -> None:
+        """This machine's route (e2e/kind/offline.py): every piece from the local caches."""
+        found = offline.node_image()
+        assert found is not None
+        ref, archive = found
+        if self.keep or self.reuse:
+            self.progress(
+                "--keep-cluster/--reuse-cluster are not honoured on the offline route: its dockerd goes"
+            )
+        self.engine.ensure()
+        self._timed(
+            f"docker load {archive.name}", lambda: self._docker("load", "-i", str(archive), timeout=900)
+        )
+        config = offline.write_config(self.work / "kind-config.yaml")
+        if CLUSTER in self._kind("get", "clusters").split():
+            self._kind("delete", "cluster", "--name", CLUSTER)
+        self.progress(f"kind create cluster --image {ref} (kind-config.yaml + build.py --kubeadm-patch)")
+        self.created = True
+        self._timed(
+            "kind create cluster",
+            lambda: self._kind(
+                "create", "cluster", "--config", str(config), "--image", ref, "--name", CLUSTER,
+                "--kubeconfig", str(self.kubeconfig), "--wait", "180s", timeout=900,
+            ),
+        )  # fmt: skip
+        started = time.monotonic()
+        images = offline.project_images()
+        self.progress(f"images from tools/kubernetes/images.py ({time.monotonic() - started:.1f} s)")
+        # The workers only: every pod of the suite runs there, and the control plane's import is a third
+        # of the time on a machine with two cores.
+        nodes = ",".join(
+            n
+            for n in self._kind("get", "nodes", "--name", CLUSTER).split()
+            if not n.endswith("-control-plane")
+        )
+        for image in images.values():
+            # A link of its own: another checkout's images.py may replace the cache's archive meanwhile.
+            archive = offline.pin(Path(image["archive"]), self.work)
+            self._timed(
+                f"kind load image-archive {archive.name} --nodes {nodes}",
+                lambda a=archive: self._kind(
+                    "load", "image-archive", str(a), "--name", CLUSTER, "--nodes", nodes, timeout=900
+                ),
+            )
+        self.pod_image = next(i["name"] for ref, i in images.items() if ref != offline.PROJECT_IMAGE)
+        self.pod_command = ("sh", "-c", SHELL_POD_SCRIPT)
 
     def teardown(self) -> None:
-        if self.keep or not self.created:
-            self.progress(
-                f"kept kind cluster {CLUSTER} (delete it with: kind delete cluster --name {CLUSTER})"
-            )
+        try:
+            if self.offline:
+                self._teardown_offline()
+            elif self.keep or not self.created:
+                self.progress(
+                    f"kept kind cluster {CLUSTER} (delete it with: kind delete cluster --name {CLUSTER})"
+                )
+            else:
+                subprocess.run(
+                    ["kind", "delete", "cluster", "--name", CLUSTER], capture_output=True, check=False
+                )
+        finally:
+            shutil.rmtree(self.work, ignore_errors=True)
+
+    def _teardown_offline(self) -> None:
+        """The cluster deleted, then (if the run started it) dockerd stopped and the host checked."""
+        started = time.monotonic()
+        if self.created:
+            subprocess.run(
+                [self.kind, "delete", "cluster", "--name", CLUSTER, "--kubeconfig", str(self.kubeconfig)],
+                capture_output=True, env=self.engine.env, check=False, timeout=300,
+            )  # fmt: skip
+            self.progress(f"kind delete cluster ({time.monotonic() - started:.1f} s)")
+        if not self.engine.started:
             return
-        subprocess.run(["kind", "delete", "cluster", "--name", CLUSTER], capture_output=True, check=False)
+        subprocess.run(
+            ["docker", "network", "prune", "-f"],
+            capture_output=True,
+            env=self.engine.env,
+            check=False,
+            timeout=120,
+        )
+        try:
+            self.engine.stop()
+        except EngineError as exc:
+            raise AssertionError(str(exc)) from None
+        self.progress(f"teardown done ({time.monotonic() - started:.1f} s)")
 
     def restart_kubelet(self, worker: str) -> None:
-        run(["docker", "exec", self.node_names[worker], "systemctl", "restart", "kubelet"])
+        self._docker("exec", self.node_names[worker], "systemctl", "restart", "kubelet")
+
+    def diagnose(self) -> str:
+        parts = [super().diagnose()]
+        if self.engine.started:
+            parts.append(f"--- dockerd's log, last lines\n{self.engine.log_tail(20)}")
+        return "\n".join(parts)

@@ -14,7 +14,8 @@ import sys
 import time
 from types import FrameType
 
-from .cluster import LOCK, STATE, LocalCluster, unavailable
+from ..machine_lock import LOCK
+from .cluster import STATE, LocalCluster, unavailable
 
 
 def _stamp(message: str) -> None:

@@ -15,8 +15,9 @@ to this machine: the bridge ``plugvisor0`` carries the gateway address 10.217.0.
 and the kubelet bind to and advertise; pods get 10.217.0.0/24, Services 10.218.0.0/24, so a pod reaches
 the API server through the ``kubernetes`` Service as any in-cluster client does.
 
-One cluster per machine: an exclusive flock on LOCK, held by the process that owns the cluster (a test
-session or ``python -m e2e.local up``) for its whole life. State (what was started, what existed before)
+One cluster per machine: an exclusive flock on LOCK (e2e/machine_lock.py, shared with a kind run that
+starts dockerd), held by the process that owns the cluster (a test session or ``python -m e2e.local up``)
+for its whole life. State (what was started, what existed before)
 is written to STATE before anything is created, so a cluster whose owner was killed is swept at the next
 start: its processes killed, its mounts, network namespaces, bridge, nftables/iptables rules, cgroups and
 files removed, and the sysctls the kubelet and the CNI bridge plugin change restored. ``leftovers()`` is
@@ -26,7 +27,6 @@ the cleanup check: everything of a cluster that could outlive it, compared with 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import json
 import os
@@ -43,12 +43,12 @@ from typing import Any
 
 import yaml
 
+from .. import machine_lock
 from . import hostbin, pki
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = Path("/var/lib/plugvisor-e2e")
 STATE = BASE / "state.json"
-LOCK = Path("/run/lock/plugvisor-e2e.lock")
 KUBELET_ROOT = Path("/var/lib/kubelet")
 NODE = "plugvisor-local"
 BRIDGE = "plugvisor0"
@@ -375,38 +375,16 @@ class LocalCluster:
     # -- lock and state ---------------------------------------------------------------------------
 
     def acquire(self, timeout: float) -> None:
-        """Take the machine-wide lock, waiting up to ``timeout`` seconds for another cluster's owner."""
-        LOCK.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        deadline = time.monotonic() + timeout
-        said = False
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    os.close(fd)
-                    raise ClusterError(
-                        f"another local cluster holds {LOCK} ({self._owner()}) for more than {timeout:.0f} s"
-                    ) from None
-                if not said:
-                    self.progress(f"waiting for the other local cluster to finish ({self._owner()})")
-                    said = True
-                time.sleep(2)
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()} {' '.join(sys.argv)[:200]}\n".encode())
-        self.lock = fd
-
-    @staticmethod
-    def _owner() -> str:
-        with contextlib.suppress(OSError):
-            return "owner: pid " + LOCK.read_text().strip()
-        return "owner unknown"
+        """Take the machine-wide lock (e2e/machine_lock.py), waiting up to ``timeout`` seconds for another
+        cluster's owner, local or kind."""
+        try:
+            self.lock = machine_lock.acquire(timeout, progress=self.progress, what="the local cluster")
+        except machine_lock.LockBusyError as exc:
+            raise ClusterError(str(exc)) from None
 
     def _release(self) -> None:
         if self.lock is not None:
-            os.close(self.lock)
+            machine_lock.release(self.lock)
             self.lock = None
 
     def _write_state(self) -> None:
