@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import grpc
 import structlog
@@ -106,10 +106,11 @@ class KubeletDirState:
     """The kubelet directory as registration needs it: counters of kubelet starts and of our socket's removal.
 
     Fed by the shared :class:`~plugvisor.common.kubeletdir.KubeletDirWatch`; a
-    cell, so that any number of waiters see every change.
+    cell, so that any number of waiters see every change. ``log``: the plugin's logger,
+    bound to its resource (the watch's lines name it).
     """
 
-    def __init__(self, kubelet_dir: Path) -> None:
+    def __init__(self, kubelet_dir: Path, *, log: Any) -> None:
         self.kubelet_dir = kubelet_dir
         self.kubelet_socket = kubelet_dir / constants.KUBELET_SOCKET_NAME
         self.state: SnapshotCell[DirState] = SnapshotCell(DirState())
@@ -120,7 +121,7 @@ class KubeletDirState:
         """Every socket name this process has registered (so our own old ones are no siblings)."""
         self.last_sibling: str | None = None
         """The latest sibling socket created (see :data:`SIBLING_STARTED`)."""
-        self._watch = KubeletDirWatch(kubelet_dir, self._apply)
+        self._watch = KubeletDirWatch(kubelet_dir, self._apply, log=log)
 
     def open(self) -> None:
         """Start watching (before anything is registered, so no event can be missed)."""
