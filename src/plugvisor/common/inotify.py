@@ -280,6 +280,8 @@ class _Instance:
     while events keep coming, each pause is twice the last, up to :data:`BURST_GAP_MAX`
     (the delay a polling process has anyway); a look that finds nothing puts the reader
     back, and the next event that comes alone starts the pauses from the first again.
+    A watcher to which an event mattered says so (:meth:`WatchGroup.hurry`), which ends
+    the pause: the events a process acts on are not held back, only the others' are.
     A lone event (a kubelet restart on a quiet node starts with one) is seen within
     milliseconds as before, with one wake-up; in a storm a process wakes a few times a
     second, whatever the number of events, and an event waits at most :data:`BURST_GAP_MAX`.
@@ -324,6 +326,19 @@ class _Instance:
             return
         self._loop.remove_reader(self.inotify.fd)
         self._pause()
+
+    def hurry(self) -> None:
+        """An event mattered to a watcher: end any pause, and take the next event as a lone one.
+
+        A kubelet that crash-loops restarts again the moment a plugin has registered:
+        each restart is a burst, but the plugin must see the next one at once.
+        """
+        self._gap = BURST_GAP_FIRST / 2
+        self._woken_at = -BURST_WINDOW
+        if self._paused is not None and self.inotify is not None:
+            self._paused.cancel()
+            self._paused = None
+            self._loop.add_reader(self.inotify.fd, self._readable)
 
     def _pause(self) -> None:
         self._gap = min(self._gap * 2, BURST_GAP_MAX)
@@ -575,6 +590,15 @@ class WatchGroup:
             return
         if self._instance is not None:
             self._instance.rm_watch(self, watch)
+
+    def hurry(self) -> None:
+        """An event of this group mattered: read and look at once from now on (ends a burst's pauses)."""
+        if self._poll_interval is not None:
+            self._poll_wait = self._poll_interval
+            self._changed = False
+            self._next_look = min(self._next_look, asyncio.get_running_loop().time() + self._poll_interval)
+        if self._instance is not None:
+            self._instance.hurry()
 
     def _poll(self) -> None:
         """Look at the polled paths if a look is due; the wait before the next grows while they change."""

@@ -146,7 +146,8 @@ class KubeletDirState:
         Every plugin sees every file of the directory come and go: at a kubelet
         restart of N resources, N sockets go and N come in each of N processes. Only
         the few that change the counters may wake the waiters (each wake-up costs
-        them a look at the files), or a restart costs O(N²) wake-ups.
+        them a look at the files), or a restart costs O(N²) wake-ups; and only those
+        end the watch's pause in a burst of events (:mod:`plugvisor.common.inotify`).
         """
         before = state = self.state.value
         if event.change is DirChange.KUBELET_SOCKET_CREATED:
@@ -166,6 +167,7 @@ class KubeletDirState:
             )
         if state is not before:
             self.state.publish(state)
+            self._watch.hurry()  # the next restart must not wait out a pause meant for others' sockets
 
     async def run(self) -> None:
         """Turn directory events into DirState changes, forever."""

@@ -58,10 +58,12 @@ class KubeletWatch:
     def _on_event(self, event: DirEvent) -> None:
         if event.change is DirChange.FILE_REMOVED:
             if is_plugvisor_socket(event.name):
+                self._watch.hurry()  # every child's socket counts: no pause in a burst of them
                 self._on_socket_deleted(event.name)
             return
         if event.change not in (DirChange.KUBELET_SOCKET_CREATED, DirChange.EVENTS_LOST):
             return
+        self._watch.hurry()
         socket = self._watch.kubelet_socket
         try:
             st = socket.stat()

@@ -86,6 +86,7 @@ async def test_a_burst_of_events_pauses_the_reader_and_what_came_meanwhile_is_re
     restart: every plugin's socket goes and comes); a lone event is read at once, as ever."""
     monkeypatch.setattr(inotify, "BURST_WINDOW", 3600.0)  # every wake-up after the first is in the burst
     monkeypatch.setattr(inotify, "BURST_GAP_FIRST", 4.0)
+    monkeypatch.setattr(inotify, "BURST_GAP_MAX", 4.0)
     group = inotify.open_watches()
     try:
         group.add_watch(tmp_path, Mask.CREATE)
@@ -118,5 +119,26 @@ async def test_in_a_storm_every_event_is_delivered_once_and_in_order(tmp_path, m
         seen = [(bool((event := await next_event(group)).mask & Mask.CREATE), event.name) for _ in range(80)]
         assert seen == [(True, str(i)) for i in range(40)] + [(False, str(i)) for i in range(40)]
         assert group.sync_get() is None
+    finally:
+        group.close()
+
+
+async def test_a_watcher_to_which_an_event_mattered_ends_the_pause(tmp_path, monkeypatch):
+    """A crash-looping kubelet restarts again the moment a plugin has registered: the plugin must see
+    the next restart at once, not after a pause meant for the other plugins' sockets."""
+    monkeypatch.setattr(inotify, "BURST_WINDOW", 3600.0)
+    monkeypatch.setattr(inotify, "BURST_GAP_FIRST", 3600.0)
+    monkeypatch.setattr(inotify, "BURST_GAP_MAX", 3600.0)
+    group = inotify.open_watches()
+    try:
+        group.add_watch(tmp_path, Mask.CREATE)
+        for name in ("first", "second"):  # the second wake-up is in the burst: the reader pauses
+            (tmp_path / name).touch()
+            assert str((await next_event(group)).name) == name
+        waiting = asyncio.ensure_future(group.get())
+        await asyncio.sleep(0)  # the waiter looks (nothing yet) and waits
+        group.hurry()
+        (tmp_path / "after").touch()
+        assert str((await asyncio.wait_for(waiting, 10)).name) == "after"
     finally:
         group.close()
