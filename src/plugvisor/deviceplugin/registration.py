@@ -390,7 +390,9 @@ class Registrar:
                 return SIBLING_STARTED
             if reason is not None:
                 if seen >= 0:
-                    self._log.warning("kubelet_restart_missed_by_watch", reason=reason)
+                    # Before the watch said so: its event was lost, or is held back in a burst of
+                    # the other plugins' events (inotify's pause, a busy directory's slower looks).
+                    self._log.info("kubelet_restart_seen_in_files", reason=reason)
                 return reason
             seen = self._watch.state.version
             with contextlib.suppress(TimeoutError):
