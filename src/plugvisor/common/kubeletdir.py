@@ -24,9 +24,8 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
-import structlog
 from asyncinotify import Mask
 
 from plugvisor.common import inotify as inotify_
@@ -89,14 +88,19 @@ class KubeletDirWatch:
     :meth:`open` starts watching at once (before anything is registered, so no
     event can be missed); :meth:`run` delivers the events and runs until
     cancelled, on the running event loop.
+
+    ``log`` is a structlog logger bound to the name the operator knows the watching
+    process by (a plugin's ``resource=``, the agent's ``process="agent"``): the agent
+    and every plugin watch this one directory and, under ``plugvisor run``, write to one
+    standard error, so a ``kubelet_dir_*`` line that named nobody could be any of them.
     """
 
-    def __init__(self, kubelet_dir: Path, on_event: Callable[[DirEvent], None]) -> None:
+    def __init__(self, kubelet_dir: Path, on_event: Callable[[DirEvent], None], *, log: Any) -> None:
         self.kubelet_dir = kubelet_dir
         self.kubelet_socket = kubelet_dir / KUBELET_SOCKET_NAME
         self._on_event = on_event
         self._inotify: inotify_.WatchGroup | None = None
-        self._log = structlog.get_logger("plugvisor.kubelet_dir")
+        self._log = log
 
     def open(self) -> None:
         """Start watching, creating the directory as the kubelet would (mode 0750).
@@ -125,6 +129,11 @@ class KubeletDirWatch:
         if self._inotify is not None:
             self._inotify.close()
             self._inotify = None
+
+    def hurry(self) -> None:
+        """The event just delivered mattered: read the next ones at once (see ``inotify``'s bursts)."""
+        if self._inotify is not None:
+            self._inotify.hurry()
 
     def _deliver(self, mask: Mask, name: str) -> bool:
         """Deliver one event; returns whether the directory itself went away."""

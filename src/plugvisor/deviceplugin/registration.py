@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import grpc
 import structlog
@@ -106,10 +106,11 @@ class KubeletDirState:
     """The kubelet directory as registration needs it: counters of kubelet starts and of our socket's removal.
 
     Fed by the shared :class:`~plugvisor.common.kubeletdir.KubeletDirWatch`; a
-    cell, so that any number of waiters see every change.
+    cell, so that any number of waiters see every change. ``log``: the plugin's logger,
+    bound to its resource (the watch's lines name it).
     """
 
-    def __init__(self, kubelet_dir: Path) -> None:
+    def __init__(self, kubelet_dir: Path, *, log: Any) -> None:
         self.kubelet_dir = kubelet_dir
         self.kubelet_socket = kubelet_dir / constants.KUBELET_SOCKET_NAME
         self.state: SnapshotCell[DirState] = SnapshotCell(DirState())
@@ -120,7 +121,7 @@ class KubeletDirState:
         """Every socket name this process has registered (so our own old ones are no siblings)."""
         self.last_sibling: str | None = None
         """The latest sibling socket created (see :data:`SIBLING_STARTED`)."""
-        self._watch = KubeletDirWatch(kubelet_dir, self._apply)
+        self._watch = KubeletDirWatch(kubelet_dir, self._apply, log=log)
 
     def open(self) -> None:
         """Start watching (before anything is registered, so no event can be missed)."""
@@ -145,7 +146,8 @@ class KubeletDirState:
         Every plugin sees every file of the directory come and go: at a kubelet
         restart of N resources, N sockets go and N come in each of N processes. Only
         the few that change the counters may wake the waiters (each wake-up costs
-        them a look at the files), or a restart costs O(N²) wake-ups.
+        them a look at the files), or a restart costs O(N²) wake-ups; and only those
+        end the watch's pause in a burst of events (:mod:`plugvisor.common.inotify`).
         """
         before = state = self.state.value
         if event.change is DirChange.KUBELET_SOCKET_CREATED:
@@ -165,6 +167,7 @@ class KubeletDirState:
             )
         if state is not before:
             self.state.publish(state)
+            self._watch.hurry()  # the next restart must not wait out a pause meant for others' sockets
 
     async def run(self) -> None:
         """Turn directory events into DirState changes, forever."""
@@ -387,7 +390,9 @@ class Registrar:
                 return SIBLING_STARTED
             if reason is not None:
                 if seen >= 0:
-                    self._log.warning("kubelet_restart_missed_by_watch", reason=reason)
+                    # Before the watch said so: its event was lost, or is held back in a burst of
+                    # the other plugins' events (inotify's pause, a busy directory's slower looks).
+                    self._log.info("kubelet_restart_seen_in_files", reason=reason)
                 return reason
             seen = self._watch.state.version
             with contextlib.suppress(TimeoutError):

@@ -278,7 +278,7 @@ class DevicePluginRuntime:
     async def _run(self, stop: asyncio.Event) -> None:
         # Before any watch is opened, so that the agent hears of a fallback from the first one.
         stop_hearing = inotify_.on_polling(self._watching_by_polling, log=self._log)
-        dir_watch = KubeletDirState(self.config.paths.kubelet_dir)
+        dir_watch = KubeletDirState(self.config.paths.kubelet_dir, log=self._log)
         try:
             dir_watch.open()
         except OSError as exc:  # the check before start cannot foresee all (mkdir in /proc as root)

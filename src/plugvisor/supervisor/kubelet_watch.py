@@ -34,10 +34,11 @@ class KubeletWatch:
         self.kubelet_dir = kubelet_dir
         self._on_kubelet_started = on_kubelet_started
         self._on_socket_deleted = on_socket_deleted
-        self._watch = KubeletDirWatch(kubelet_dir, self._on_event)
+        self._log = structlog.get_logger("plugvisor.supervisor.kubelet_watch")
+        # The directory's own lines (created, deleted, events lost) are said by every plugin too.
+        self._watch = KubeletDirWatch(kubelet_dir, self._on_event, log=self._log.bind(process="agent"))
         self._kubelet_inode: int | None = None
         self._task: asyncio.Task[None] | None = None
-        self._log = structlog.get_logger("plugvisor.supervisor.kubelet_watch")
 
     def open(self) -> None:
         """Start watching (creating the directory as the kubelet would) on the running loop."""
@@ -57,10 +58,12 @@ class KubeletWatch:
     def _on_event(self, event: DirEvent) -> None:
         if event.change is DirChange.FILE_REMOVED:
             if is_plugvisor_socket(event.name):
+                self._watch.hurry()  # every child's socket counts: no pause in a burst of them
                 self._on_socket_deleted(event.name)
             return
         if event.change not in (DirChange.KUBELET_SOCKET_CREATED, DirChange.EVENTS_LOST):
             return
+        self._watch.hurry()
         socket = self._watch.kubelet_socket
         try:
             st = socket.stat()

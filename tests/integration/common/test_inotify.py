@@ -77,3 +77,68 @@ async def test_a_group_that_stops_reading_is_bounded_and_told_it_lost_events(tmp
     finally:
         reader.close()
         idle.close()
+
+
+async def test_a_burst_of_events_pauses_the_reader_and_what_came_meanwhile_is_read_at_the_pause_end(
+    tmp_path, monkeypatch
+):
+    """A process is woken once per pause in a storm, not once per event (the kubelet directory at a
+    restart: every plugin's socket goes and comes); a lone event is read at once, as ever."""
+    monkeypatch.setattr(inotify, "BURST_WINDOW", 3600.0)  # every wake-up after the first is in the burst
+    monkeypatch.setattr(inotify, "BURST_GAP_FIRST", 4.0)
+    monkeypatch.setattr(inotify, "BURST_GAP_MAX", 4.0)
+    group = inotify.open_watches()
+    try:
+        group.add_watch(tmp_path, Mask.CREATE)
+        (tmp_path / "lone").touch()
+        assert str((await next_event(group)).name) == "lone"
+        (tmp_path / "second").touch()  # within the window: read at once, then the reader pauses
+        assert str((await next_event(group)).name) == "second"
+        waiting = asyncio.ensure_future(group.get())
+        await asyncio.sleep(0)  # the waiter looks (nothing yet) and waits
+        (tmp_path / "during-the-pause").touch()
+        done, _ = await asyncio.wait({waiting}, timeout=0.3)
+        assert not done, "read while the reader pauses"
+        assert str((await asyncio.wait_for(waiting, 10)).name) == "during-the-pause"
+    finally:
+        group.close()
+
+
+async def test_in_a_storm_every_event_is_delivered_once_and_in_order(tmp_path, monkeypatch):
+    monkeypatch.setattr(inotify, "BURST_WINDOW", 3600.0)
+    monkeypatch.setattr(inotify, "BURST_GAP_FIRST", 0.01)
+    group = inotify.open_watches()
+    try:
+        group.add_watch(tmp_path, Mask.CREATE | Mask.DELETE)
+        for index in range(40):
+            (tmp_path / str(index)).touch()
+            if index % 5 == 0:
+                await asyncio.sleep(0.005)
+        for index in range(40):
+            (tmp_path / str(index)).unlink()
+        seen = [(bool((event := await next_event(group)).mask & Mask.CREATE), event.name) for _ in range(80)]
+        assert seen == [(True, str(i)) for i in range(40)] + [(False, str(i)) for i in range(40)]
+        assert group.sync_get() is None
+    finally:
+        group.close()
+
+
+async def test_a_watcher_to_which_an_event_mattered_ends_the_pause(tmp_path, monkeypatch):
+    """A crash-looping kubelet restarts again the moment a plugin has registered: the plugin must see
+    the next restart at once, not after a pause meant for the other plugins' sockets."""
+    monkeypatch.setattr(inotify, "BURST_WINDOW", 3600.0)
+    monkeypatch.setattr(inotify, "BURST_GAP_FIRST", 3600.0)
+    monkeypatch.setattr(inotify, "BURST_GAP_MAX", 3600.0)
+    group = inotify.open_watches()
+    try:
+        group.add_watch(tmp_path, Mask.CREATE)
+        for name in ("first", "second"):  # the second wake-up is in the burst: the reader pauses
+            (tmp_path / name).touch()
+            assert str((await next_event(group)).name) == name
+        waiting = asyncio.ensure_future(group.get())
+        await asyncio.sleep(0)  # the waiter looks (nothing yet) and waits
+        group.hurry()
+        (tmp_path / "after").touch()
+        assert str((await asyncio.wait_for(waiting, 10)).name) == "after"
+    finally:
+        group.close()

@@ -5,6 +5,7 @@ import socket
 
 import grpc
 import pytest
+import structlog
 
 from plugvisor.api.deviceplugin.v1beta1 import api_pb2
 from plugvisor.deviceplugin.registration import register
@@ -41,7 +42,8 @@ async def test_a_restart_whose_events_are_lost_is_still_seen_by_the_safety_net(s
 
     kubelet_dir = short_dir / "dp"
     kubelet_dir.mkdir()
-    watch = KubeletDirState(kubelet_dir)  # opened, but no task reads its events: they are "lost"
+    # Opened, but no task reads its events: they are "lost".
+    watch = KubeletDirState(kubelet_dir, log=structlog.get_logger().bind(resource="x.example/y"))
     watch.open()
     try:
         async with EmulatedKubelet(kubelet_dir, write_view=False) as kubelet:

@@ -200,3 +200,28 @@ async def test_a_process_that_fell_back_stays_polling(monkeypatch, tmp_path):
         group.add_watch(tmp_path, DIR_MASK)
         assert group.polled == frozenset({tmp_path})
     assert inotify.watch_mode()[0] == "polling"
+
+
+async def test_a_polled_directory_that_keeps_changing_is_looked_at_less_often_until_it_is_quiet(
+    instances_spent, tmp_path, monkeypatch
+):
+    """At a kubelet restart of hundreds of resources the directory changes for seconds, and each look
+    lists every socket: from the second look in a row that finds a change, the next waits longer."""
+    monkeypatch.setattr(inotify, "POLL_BUSY_MAX", 0.4)
+    group = inotify.open_watches(poll_interval=0.1)
+    try:
+        group.add_watch(tmp_path, Mask.CREATE)
+        waits = []
+        for index in range(5):
+            (tmp_path / f"busy{index}").touch()
+            event = await asyncio.wait_for(group.get(), 10)
+            assert event.name == f"busy{index}"
+            waits.append(group._poll_wait)
+        assert waits == [0.1, 0.2, 0.4, 0.4, 0.4]
+        quiet = asyncio.ensure_future(group.get())
+        await asyncio.sleep(1.0)  # a look finds nothing: back to the interval
+        assert not quiet.done()
+        assert group._poll_wait == 0.1
+        quiet.cancel()
+    finally:
+        group.close()

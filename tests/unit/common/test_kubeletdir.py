@@ -1,8 +1,13 @@
 """Classifying kubelet-directory events: one reading of inotify serves the plugins and the agent."""
 
+import asyncio
+
+import structlog
+import structlog.testing
 from asyncinotify import Mask
 
-from plugvisor.common.kubeletdir import DirChange, DirEvent, classify
+from plugvisor.common.kubeletdir import DirChange, DirEvent, KubeletDirWatch, classify
+from plugvisor.supervisor.kubelet_watch import KubeletWatch
 
 
 def test_a_kubelet_socket_created_or_moved_in_means_a_kubelet_listens():
@@ -26,3 +31,38 @@ def test_a_file_deleted_or_moved_away_is_a_removal_naming_it():
 
 def test_the_directory_going_away_is_reported():
     assert classify(Mask.DELETE_SELF, "") == DirEvent(DirChange.DIR_REMOVED, "")
+
+
+async def test_the_directory_lines_name_the_process_that_says_them(tmp_path):
+    """The agent and every plugin watch the same directory and write to one standard error: a line
+    naming nobody could be any of 257 processes'."""
+    missing = tmp_path / "no-such" / "device-plugins"
+    plugin = KubeletDirWatch(
+        missing, lambda _event: None, log=structlog.get_logger().bind(resource="x.io/gpu")
+    )
+    with structlog.testing.capture_logs() as lines:
+        plugin.open()
+    try:
+        created = [line for line in lines if line["event"] == "kubelet_dir_created"]
+        assert [line.get("resource") for line in created] == ["x.io/gpu"]
+    finally:
+        plugin.close()
+
+
+async def test_the_agents_directory_lines_say_it_is_the_agent(tmp_path):
+    directory = tmp_path / "device-plugins"
+    directory.mkdir()
+    agent = KubeletWatch(
+        directory, on_kubelet_started=lambda _when: None, on_socket_deleted=lambda _name: None
+    )
+    with structlog.testing.capture_logs() as lines:
+        agent.open()
+        directory.rmdir()  # the kubelet's directory deleted under us: said, and watched again once re-created
+        for _ in range(200):
+            if any(line["event"] == "kubelet_dir_watched_again" for line in lines):
+                break
+            await asyncio.sleep(0.05)
+        await agent.close()
+    said = [line for line in lines if line["event"].startswith("kubelet_dir_")]
+    assert {line["event"] for line in said} >= {"kubelet_dir_deleted", "kubelet_dir_watched_again"}
+    assert all(line.get("process") == "agent" for line in said), said

@@ -1,5 +1,7 @@
 """What registration counts from the kubelet directory: restarts, our socket, our resource's others."""
 
+import structlog
+
 from plugvisor.common.kubeletdir import DirChange, DirEvent
 from plugvisor.common.sockets import socket_name
 from plugvisor.deviceplugin.registration import KubeletDirState, Registrar
@@ -12,7 +14,7 @@ def removed(name):
 
 
 def watched(tmp_path):
-    state = KubeletDirState(tmp_path)
+    state = KubeletDirState(tmp_path, log=structlog.get_logger().bind(resource="x.example/y"))
     Registrar(state, resource=RESOURCE)  # names the resource whose sockets are siblings
     state.own_socket = socket_name(RESOURCE, "00000002")
     state.served |= {socket_name(RESOURCE, "00000001"), state.own_socket}
