@@ -709,6 +709,13 @@ class DevicePluginRuntime:
         return done.pop().result()
 
     async def _report_devices(self) -> None:
+        """Tell the agent every new device count, from the first scan on.
+
+        The cell's value before that scan is an empty placeholder: reported, it
+        read as "this resource matches no device" and the agent warned of it for
+        resources whose devices the scan found milliseconds later.
+        """
+        await self.watcher.first_scan_done.wait()
         seen = -1
         while True:
             seen, snapshot = await self.snapshot.wait_newer(seen)

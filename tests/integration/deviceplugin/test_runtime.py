@@ -254,6 +254,9 @@ class TestSupervision:
         registered = [m for m in messages if "REGISTERED" in m]
         assert registered[0]["ENDPOINT"].startswith("plugvisor-widget-")
         assert registered[0]["DEVICES"] == "4/4"
+        # The count before the first scan is no count: "0/0" made the agent warn that a resource of
+        # four widgets matched no device.
+        assert next(m["DEVICES"] for m in messages if "DEVICES" in m) == "4/4"
 
     async def test_exits_on_a_kubelet_restart_when_told_to(self, kubelet, state_dir):
         from plugvisor.deviceplugin.runtime import KubeletRestartedError
