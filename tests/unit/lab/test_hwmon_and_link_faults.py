@@ -1,9 +1,9 @@
 """The lab's hwmon trees (amdgpu, i915 formats) and the overheat and link-degraded faults."""
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from pyfakefs.fake_filesystem import FakeFilesystem
 
 from plugvisor.emulators.lab import Lab, errors
 
@@ -20,8 +20,8 @@ def hwmon_of(node: Lab, name: str) -> Path:
     return directory
 
 
-def test_amd_like_gpus_have_amdgpu_sensors_in_kernel_units(fs: FakeFilesystem) -> None:
-    node = Lab.create(ROOT, "amd-like")
+def test_amd_like_gpus_have_amdgpu_sensors_in_kernel_units(lab_of: Callable[[str], Lab]) -> None:
+    node = lab_of("amd-like")
     hw = hwmon_of(node, "gpu0")
     assert read(hw / "name") == "amdgpu"
     assert [read(hw / f"temp{i}_label") for i in (1, 2, 3)] == ["edge", "junction", "mem"]
@@ -31,8 +31,8 @@ def test_amd_like_gpus_have_amdgpu_sensors_in_kernel_units(fs: FakeFilesystem) -
     assert not list(hw.glob("fan*"))  # passively cooled Instinct parts have no fan attributes
 
 
-def test_intel_like_gpus_have_i915_power_and_energy_but_no_temperature(fs: FakeFilesystem) -> None:
-    node = Lab.create(ROOT, "intel-gpu-like")
+def test_intel_like_gpus_have_i915_power_and_energy_but_no_temperature(lab_of: Callable[[str], Lab]) -> None:
+    node = lab_of("intel-gpu-like")
     hw = hwmon_of(node, "gpu0")
     assert read(hw / "name") == "i915"
     assert int(read(hw / "energy1_input")) > 0
@@ -41,8 +41,8 @@ def test_intel_like_gpus_have_i915_power_and_energy_but_no_temperature(fs: FakeF
         node.fault("gpu0", "overheat")
 
 
-def test_overheat_passes_the_critical_limit_and_heal_cools_down(fs: FakeFilesystem) -> None:
-    node = Lab.create(ROOT, "amd-like")
+def test_overheat_passes_the_critical_limit_and_heal_cools_down(lab_of: Callable[[str], Lab]) -> None:
+    node = lab_of("amd-like")
     hw = hwmon_of(node, "gpu1")
     node.fault("gpu1", "overheat")
     assert int(read(hw / "temp2_input")) > int(read(hw / "temp2_crit"))
@@ -53,8 +53,10 @@ def test_overheat_passes_the_critical_limit_and_heal_cools_down(fs: FakeFilesyst
 @pytest.mark.parametrize(
     ("profile", "device"), [("amd-like", "gpu2"), ("dgx-like", "nic0"), ("dgx-like", "fpga0")]
 )
-def test_link_degraded_trains_below_the_maximum(fs: FakeFilesystem, profile: str, device: str) -> None:
-    node = Lab.create(ROOT, profile)
+def test_link_degraded_trains_below_the_maximum(
+    lab_of: Callable[[str], Lab], profile: str, device: str
+) -> None:
+    node = lab_of(profile)
     fn = Path(ROOT) / "sys/bus/pci/devices" / node.device(device).bdf
     assert read(fn / "current_link_width") == read(fn / "max_link_width")
     node.fault(device, "link-degraded")
