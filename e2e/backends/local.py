@@ -5,7 +5,7 @@ lab profile at /etc/plugvisor/lab-profile.yaml, where kind mounts it. Switching 
 would do to repurpose a node: take the lab labels off (the DaemonSet controller deletes the lab and the
 agents), remove the old lab, put the new profile in place, label the node as the other worker, and wait
 for the lab and that worker's agents to be rolled out. A scenario may add a role no kind worker has
-(``add_role``), whose lab can be written on the node itself rather than by the lab's pod.
+(``add_role``); its lab is made by the lab's pod like every other's.
 """
 
 from __future__ import annotations
@@ -50,7 +50,6 @@ class LocalBackend(ApiBackend):
         self.node_names = {w.name: NODE for w in self.workers}
         self.roles: dict[str, Worker] = {w.name: w for w in self.workers}
         """What the node can play: the kind workers, and the roles scenarios add (:meth:`add_role`)."""
-        self.host_labs: set[str] = set()
         self.playing: str | None = None
         self.left_behind: list[str] = []
 
@@ -84,18 +83,10 @@ class LocalBackend(ApiBackend):
         self.play(worker)
         return NODE
 
-    def add_role(self, role: Worker, *, lab_on_host: bool = False) -> None:
-        """Let the node play ``role`` too (a profile no kind worker has), under its name.
-
-        ``lab_on_host``: its lab is written on the node by this process before the role's labels go on,
-        where the lab's pod finds it and keeps it (its init container creates a lab only where there is
-        none), as a real node's NVIDIA driver is installed on the host, not by a pod. The project's image
-        has no C compiler, so a lab made in the pod has no NVML stand-in; the node has one.
-        """
+    def add_role(self, role: Worker) -> None:
+        """Let the node play ``role`` too (a profile no kind worker has), under its name."""
         self.roles[role.name] = role
         self.node_names[role.name] = NODE
-        if lab_on_host:
-            self.host_labs.add(role.name)
 
     def play(self, worker: str) -> None:
         """Make the node play ``worker`` (a kind worker, or a role of :meth:`add_role`): its labels, its lab
@@ -118,12 +109,6 @@ class LocalBackend(ApiBackend):
         shutil.rmtree(LAB_DIR, ignore_errors=True)
         LAB_PROFILE.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(role.profile_path, LAB_PROFILE)
-        if worker in self.host_labs:
-            run(
-                [sys.executable, "-m", "plugvisor", "lab", "create", str(LAB_DIR),
-                 "--profile", str(LAB_PROFILE), "--mknod"],
-                timeout=300,
-            )  # fmt: skip
         self.kubectl("label", "node", NODE, "--overwrite", *(f"{k}={v}" for k, v in role.labels.items()))
         self.wait_daemonsets()
         self.playing = worker

@@ -15,8 +15,6 @@ from plugvisor.emulators.lab import Lab
 ROOT = "/lab/root"
 
 
-
-
 class _Pristine:
     """Real trees of the profiles tests asked for, each made once per session (see ``lab_of``)."""
 
