@@ -25,9 +25,12 @@ from ..kind import offline
 from ..kind.engine import Engine, EngineError, docker_answers
 from ..local import hostbin
 from .api import ApiBackend
-from .common import IMAGE, SHELL_POD_SCRIPT, Progress, run
+from .common import IMAGE, SHELL_POD_SCRIPT, Progress, run, wait_until
 
 CLUSTER = "plugvisor-e2e"
+KUBELET_ENV = "/etc/default/kubelet"
+"""Where kubeadm's systemd drop-in for the kubelet (10-kubeadm.conf, in kind's node) reads KUBELET_EXTRA_ARGS
+from: the file the drop-in leaves to the operator."""
 
 
 def offline_route() -> bool:
@@ -77,6 +80,7 @@ class KindBackend(ApiBackend):
         self.kubeconfig = self.work / "kubeconfig"
         self.kind = str(offline.cache_bin("kind")) if self.offline else "kind"
         self.kubectl_command = str(offline.cache_bin("kubectl")) if self.offline else "kubectl"
+        self._node_roots: dict[str, Path] = {}
 
     def kubectl(self, *args: str, timeout: float = 300) -> str:
         where = ["--kubeconfig", str(self.kubeconfig)] if self.offline else ["--context", f"kind-{CLUSTER}"]
@@ -220,6 +224,79 @@ class KindBackend(ApiBackend):
 
     def restart_kubelet(self, worker: str) -> None:
         self._docker("exec", self.node_names[worker], "systemctl", "restart", "kubelet")
+
+    # -- what only the node shows: a kind node is a container (its name is the node's) --------------------
+
+    def node_unreachable(self) -> str | None:
+        """A node's files and unix sockets are reached through its container's root, /proc/PID/root of
+        the container's init: that takes root, and the Docker engine running on this machine's kernel
+        (not in a VM, as Docker Desktop's is)."""
+        if os.geteuid() != 0:
+            return "reaching a kind node's files and sockets (/proc/PID/root of its container) takes root"
+        worker = self.workers[0].name
+        try:
+            root = self._node_root(worker)
+        except (subprocess.SubprocessError, ValueError) as exc:
+            return f"docker inspect of node {self.node_names.get(worker)} failed: {exc}"
+        if not (root / "var/lib/kubelet").is_dir():
+            return (
+                f"{root}/var/lib/kubelet is not there: the Docker engine does not run on this machine's"
+                " kernel, so its containers' file systems cannot be reached from here"
+            )
+        return None
+
+    def _node_root(self, worker: str) -> Path:
+        """/proc/PID/root of the node container's init (kept: the container lives as long as the cluster)."""
+        if worker not in self._node_roots:
+            pid = int(self._docker("inspect", "-f", "{{.State.Pid}}", self.node_names[worker]).strip())
+            if pid <= 0:
+                raise ValueError(f"node container {self.node_names[worker]} is not running (PID {pid})")
+            self._node_roots[worker] = Path(f"/proc/{pid}/root")
+        return self._node_roots[worker]
+
+    def node_path(self, worker: str, path: Path) -> Path:
+        return self._node_root(worker) / path.relative_to("/")
+
+    def kubelet_verbosity(self, worker: str, level: int) -> None:
+        """Run the node's kubelet at log verbosity ``level`` (its ``--v``) from now on, restarting it once if
+        it ran otherwise, and wait until it answers its health check again.
+
+        kind's kubelet logs at 0; the DRA scenarios read lines it logs at 1 and 2 (a plugin's registration,
+        a container being stopped), as the local node's kubelet (``--v=2``) writes them. Set as an operator
+        would, in the file kubeadm's drop-in reads extra arguments from; any other content there is refused,
+        naming it, rather than overwritten.
+        """
+        node = self.node_names[worker]
+        wanted = f"KUBELET_EXTRA_ARGS=--v={level}"
+        current = self._docker("exec", node, "sh", "-c", f"cat {KUBELET_ENV} 2>/dev/null || true").strip()
+        if current == wanted:
+            return
+        if current:
+            raise AssertionError(f"{node}: {KUBELET_ENV} already says {current!r}; it would be overwritten")
+        self.progress(f"{node}: the kubelet's log at verbosity {level} ({KUBELET_ENV}, kubelet restarted)")
+        self._docker("exec", node, "sh", "-c", f"echo '{wanted}' > {KUBELET_ENV}")
+        self._docker("exec", node, "systemctl", "restart", "kubelet")
+        wait_until(
+            lambda: self._docker("exec", node, "curl", "-sf", "http://127.0.0.1:10248/healthz") == "ok",
+            timeout=self.timeout,
+            what=f"{node}: the kubelet healthy again after its restart",
+            interval=1,
+        )
+
+    def kubelet_log(self, worker: str, since: float) -> str:
+        """The kubelet unit's journal in the node (kind nodes run systemd), messages only: klog's lines."""
+        return self._docker(
+            "exec", self.node_names[worker], "journalctl", "-u", "kubelet", "-o", "cat", "--no-pager",
+            "--since", f"@{int(since) - 1}", timeout=120,
+        )  # fmt: skip
+
+    def pod_http(self, namespace: str, pod: str, port: int, path: str) -> str:
+        """Through the API server's pod proxy: the pod network lives inside the node containers, and this
+        machine has no route to it."""
+        answer = self.core.connect_get_namespaced_pod_proxy_with_path(
+            f"{pod}:{port}", namespace, path.lstrip("/")
+        )
+        return str(answer)
 
     def diagnose(self) -> str:
         parts = [super().diagnose()]
