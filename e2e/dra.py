@@ -171,8 +171,10 @@ class DraLab:
 
     cluster: ApiBackend
     worker: Worker | None = None
-    _copies: Path | None = None
-    _copied: dict[str, Path] = field(default_factory=dict)
+    _copies: Path | None = field(default=None, init=False, repr=False)
+    """Where :meth:`lab` copies kind nodes' labs to (made on the first copy)."""
+    _copied: dict[str, Path] = field(default_factory=dict, init=False, repr=False)
+    """The newest copy of each worker's lab."""
 
     @property
     def objects(self) -> Any:

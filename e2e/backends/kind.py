@@ -263,18 +263,24 @@ class KindBackend(ApiBackend):
 
         kind's kubelet logs at 0; the DRA scenarios read lines it logs at 1 and 2 (a plugin's registration,
         a container being stopped), as the local node's kubelet (``--v=2``) writes them. Set as an operator
-        would, in the file kubeadm's drop-in reads extra arguments from; any other content there is refused,
-        naming it, rather than overwritten.
+        would, in the file kubeadm's drop-in reads KUBELET_EXTRA_ARGS from, beside what kind put there
+        (``--runtime-cgroups``). Needs :meth:`node_path` (see :meth:`node_unreachable`).
         """
         node = self.node_names[worker]
-        wanted = f"KUBELET_EXTRA_ARGS=--v={level}"
-        current = self._docker("exec", node, "sh", "-c", f"cat {KUBELET_ENV} 2>/dev/null || true").strip()
-        if current == wanted:
+        env_file = self.node_path(worker, Path(KUBELET_ENV))
+        lines = env_file.read_text().splitlines() if env_file.exists() else []
+        found = [i for i, line in enumerate(lines) if line.startswith("KUBELET_EXTRA_ARGS=")]
+        old = lines[found[-1]].split("=", 1)[1].strip().strip("\"'").split() if found else []
+        args = [*(a for a in old if not a.startswith("--v=")), f"--v={level}"]
+        if args == old:
             return
-        if current:
-            raise AssertionError(f"{node}: {KUBELET_ENV} already says {current!r}; it would be overwritten")
-        self.progress(f"{node}: the kubelet's log at verbosity {level} ({KUBELET_ENV}, kubelet restarted)")
-        self._docker("exec", node, "sh", "-c", f"echo '{wanted}' > {KUBELET_ENV}")
+        line = "KUBELET_EXTRA_ARGS=" + " ".join(args)
+        if found:
+            lines[found[-1]] = line
+        else:
+            lines.append(line)
+        self.progress(f"{node}: the kubelet's log at verbosity {level} ({KUBELET_ENV}: {line}; restarted)")
+        env_file.write_text("\n".join(lines) + "\n")
         self._docker("exec", node, "systemctl", "restart", "kubelet")
         wait_until(
             lambda: self._docker("exec", node, "curl", "-sf", "http://127.0.0.1:10248/healthz") == "ok",
