@@ -18,7 +18,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from ..deployment import REPO
 from ..kind import offline
@@ -255,7 +255,30 @@ class KindBackend(ApiBackend):
         return self._node_roots[worker]
 
     def node_path(self, worker: str, path: Path) -> Path:
-        return self._node_root(worker) / path.relative_to("/")
+        """``path`` under the node container's root, each symlink on the way followed as the node follows
+        it: an absolute link (kind's ``/var/run -> /run``) points into the node, not into this machine."""
+        root = self._node_root(worker)
+        parts = list(path.relative_to("/").parts)
+        current = PurePosixPath("/")
+        followed = 0
+        while parts:
+            part = parts.pop(0)
+            if part in ("", "."):
+                continue
+            if part == "..":
+                current = current.parent
+                continue
+            here = root / (current / part).relative_to("/")
+            if not here.is_symlink():
+                current = current / part
+                continue
+            followed += 1
+            if followed > 40:
+                raise OSError(f"too many symbolic links under {root} resolving {path}")
+            target = PurePosixPath(here.readlink())
+            parts = [*(target if target.is_absolute() else current / target).relative_to("/").parts, *parts]
+            current = PurePosixPath("/")
+        return root / current.relative_to("/")
 
     def kubelet_verbosity(self, worker: str, level: int) -> None:
         """Run the node's kubelet at log verbosity ``level`` (its ``--v``) from now on, restarting it once if
