@@ -1,12 +1,14 @@
 """Every kind as a DRA driver on a real node: the lab-dra overlay's drivers beside the lab overlay's device
-plugins, on upstream Kubernetes with containerd 2 and its CDI support (the local backend, `tox -e
-e2e-local`); elsewhere these skip, saying so.
+plugins, on upstream Kubernetes with containerd 2 and its CDI support: the local backend (`tox -e
+e2e-local`) and kind's nodes (`tox -e e2e`); the emulated backend has no API server, and these skip there.
 
 Checked as a user checks: ResourceSlices, ResourceClaims and pods through the API server with the official
 client, what a container got from its own report; and on the node what only the node shows: the claims' CDI
-specs, the drivers' checkpoints, the kubelet's log, the drivers' processes. The module runs after the
-device-plugin scenarios (conftest.py orders it last), so it starts on the worker they end on and switches
-role once.
+specs, the drivers' checkpoints, the kubelet's log, the drivers' processes, the kubelet's sockets. The
+backend says where this process reaches those (the local node is this machine; a kind node is a container
+on it: its files and sockets under /proc/PID/root of the container, its kubelet's log from the journal in
+it); the scenarios are the same. On the local backend the module runs after the device-plugin scenarios
+(conftest.py orders it last), so it starts on the worker they end on and switches role once.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,8 @@ from plugvisor.emulators.kubelet import EmulatedKubelet, StubDevicePlugin
 from plugvisor.emulators.kubelet.model import EventKind
 from plugvisor.emulators.lab import Lab
 
-from .backends import Backend, LocalBackend, wait_until
+from .backends import Backend, KindBackend, LocalBackend, wait_until
+from .backends.api import ApiBackend
 from .backends.local import LAB_DIR
 from .deployment import LAB_DRA_OVERLAY, Worker, agent_selector, agents
 from .dra import (
@@ -47,17 +49,15 @@ from .dra import (
     PLUGINS_REGISTRY,
     DraLab,
     by_name,
-    checkpoint,
     expected_devices,
     kill_process,
     kubelet_log_lines,
-    kubelet_logged,
     registration_serving,
     socket_identity,
     spec_file,
     stop_process,
 )
-from .local.cluster import KUBELET_ROOT, NODE
+from .local.cluster import KUBELET_ROOT
 from .test_scenarios import _running
 
 pytestmark = pytest.mark.e2e
@@ -67,32 +67,40 @@ POD_RESOURCES = KUBELET_ROOT / "pod-resources" / "kubelet.sock"
 
 @pytest.fixture(scope="module")
 def dra(backend: Backend) -> Iterator[DraLab]:
-    if not isinstance(backend, LocalBackend):
+    if not isinstance(backend, ApiBackend):
         pytest.skip(
-            "needs an API server, a scheduler and a real kubelet: the local backend (tox -e e2e-local)"
+            "needs an API server, a scheduler and a real kubelet: the local backend (tox -e e2e-local) or"
+            " kind (tox -e e2e)"
         )
+    unreachable = backend.node_unreachable()
+    if unreachable is not None:
+        pytest.skip(f"the scenarios read the node's files and use its sockets: {unreachable}")
+    if isinstance(backend, KindBackend):
+        for worker in backend.workers:  # the lines the scenarios read are logged at 1 and 2
+            backend.kubelet_verbosity(worker.name, 2)
     lab = DraLab(backend)
     lab.apply()
     try:
         yield lab
     finally:
         lab.remove_drivers()
+        lab.close()
 
 
 def _gpu_worker(dra: DraLab) -> Worker:
-    worker = next(w for w in dra.local.workers if w.profile.gpus)
+    worker = next(w for w in dra.cluster.workers if w.profile.gpus)
     dra.play(worker)
     return worker
 
 
 def _gone(dra: DraLab, pod: str, claim: dict[str, Any]) -> None:
     """Delete ``pod``: its claim goes, and the driver unprepares it (no CDI spec, no checkpoint entry)."""
-    dra.local.delete_pod(pod)
+    dra.cluster.delete_pod(pod)
     name, uid = claim["metadata"]["name"], claim["metadata"]["uid"]
-    wait_until(lambda: dra.claim_gone(name), timeout=dra.local.timeout, what=f"claim {name} deleted")
+    wait_until(lambda: dra.claim_gone(name), timeout=dra.cluster.timeout, what=f"claim {name} deleted")
     wait_until(
-        lambda: not spec_file(GPU, uid).exists() and uid not in checkpoint(GPU),
-        timeout=dra.local.timeout,
+        lambda: not dra.reach(spec_file(GPU, uid)).exists() and uid not in dra.checkpoint(GPU),
+        timeout=dra.cluster.timeout,
         what=f"claim {name} unprepared: {spec_file(GPU, uid).name} removed, out of the checkpoint",
     )
 
@@ -102,9 +110,10 @@ def test_resourceslices_list_every_kinds_devices_with_the_attributes_users_selec
     with every device the lab has for it and the attributes the kind computes from that lab: GPUs with UUID,
     model, driver version and PCIe root; ConnectX VFs with their PF and RDMA device; the FPGA port with its
     AFU and interface IDs; /dev/fuse with its path."""
-    local = dra.local
+    local = dra.cluster
     # The worker the node plays now first, the GPU worker last: the scenarios after this one need it.
-    workers = sorted(local.workers, key=lambda w: (bool(w.profile.gpus), w.name != local.playing))
+    playing = getattr(local, "playing", None)  # the local node's role; kind's nodes play no other
+    workers = sorted(local.workers, key=lambda w: (bool(w.profile.gpus), w.name != playing))
     published: dict[str, dict[str, dict[str, Any]]] = {}
     for worker in workers:
         drivers = dra.play(worker)
@@ -112,10 +121,10 @@ def test_resourceslices_list_every_kinds_devices_with_the_attributes_users_selec
         for driver in drivers:
             for piece in dra.slices(driver):
                 spec, owners = piece["spec"], piece["metadata"].get("ownerReferences", [])
-                assert (spec["nodeName"], spec["pool"]["name"]) == (NODE, NODE), spec
-                assert [(o["kind"], o["name"]) for o in owners] == [("Node", NODE)], owners
+                assert (spec["nodeName"], spec["pool"]["name"]) == (dra.node, dra.node), spec
+                assert [(o["kind"], o["name"]) for o in owners] == [("Node", dra.node)], owners
             published[driver] = dra.devices(driver)
-            expected = expected_devices(drivers[driver], driver)
+            expected = expected_devices(drivers[driver], driver, dra.lab())
             difference = _difference(published[driver], expected)
             assert published[driver] == expected, f"{driver} differs from what the kind finds:\n{difference}"
             name, device = next(iter(sorted(published[driver].items())))
@@ -159,7 +168,7 @@ def test_a_claim_for_two_gpus_on_one_pcie_root_gets_exactly_those_two_through_cd
     prepares the claim as a CDI spec, containerd applies it: the container has exactly those two GPUs' nodes;
     PodResources names the claim's devices, and the agent's /metrics labels them with the pod. Deleting
     the pod unprepares the claim."""
-    local = dra.local
+    local = dra.cluster
     worker = _gpu_worker(dra)
     template = dra.create_template("gpu-pair-same-pcie-root.yaml")
     dra.create_pod("dra-gpu-pair", template, "gpus")
@@ -168,13 +177,13 @@ def test_a_claim_for_two_gpus_on_one_pcie_root_gets_exactly_those_two_through_cd
         view = _running(local, "dra-gpu-pair")
         claim = dra.claim_of("dra-gpu-pair")
         results = claim["status"]["allocation"]["devices"]["results"]
-        assert [(r["request"], r["driver"], r["pool"]) for r in results] == [("gpus", GPU, NODE)] * 2
+        assert [(r["request"], r["driver"], r["pool"]) for r in results] == [("gpus", GPU, dra.node)] * 2
         chosen = sorted(r["device"] for r in results)
         devices = dra.devices(GPU)
         roots = by_name(devices, "resource.kubernetes.io/pcieRoot")
         assert roots[chosen[0]] == roots[chosen[1]], f"{chosen} are on {[roots[c] for c in chosen]}"
         uuids = by_name(devices, "uuid")
-        lab = {d.uuid: d for d in Lab.open(LAB_DIR).devices(kind="gpu")}
+        lab = {d.uuid: d for d in Lab.open(dra.lab()).devices(kind="gpu")}
         nodes = {uuid: {n.path for n in lab[uuid].device_nodes} for uuid in uuids.values()}
         given = {uuids[name] for name in chosen}
         local.progress(
@@ -188,11 +197,11 @@ def test_a_claim_for_two_gpus_on_one_pcie_root_gets_exactly_those_two_through_cd
             else:
                 assert not paths & set(view.devices), f"the container has {uuid}'s {paths}, not its claim's"
         assert sorted(view.env["NVIDIA_VISIBLE_DEVICES"].split(",")) == sorted(given)
-        spec = json.loads(spec_file(GPU, claim["metadata"]["uid"]).read_text())
+        spec = json.loads(dra.reach(spec_file(GPU, claim["metadata"]["uid"])).read_text())
         assert {n["hostPath"] for d in spec["devices"] for n in d["containerEdits"]["deviceNodes"]} >= {
             f"{LAB_DIR}{path}" for uuid in given for path in nodes[uuid]
         }
-        assert claim["metadata"]["uid"] in checkpoint(GPU)
+        assert claim["metadata"]["uid"] in dra.checkpoint(GPU)
         _owners_are_the_pods(dra, worker, "dra-gpu-pair", claim, chosen)
     finally:
         if claim:
@@ -205,21 +214,19 @@ def _owners_are_the_pods(
     dra: DraLab, worker: Worker, pod: str, claim: dict[str, Any], chosen: list[str]
 ) -> None:
     """PodResources List's dynamic_resources name the claim's devices; the agent's /metrics join them."""
-    with grpc.insecure_channel(f"unix://{POD_RESOURCES}") as channel:
+    with grpc.insecure_channel(f"unix://{dra.reach(POD_RESOURCES)}") as channel:
         answer = pr_grpc.PodResourcesListerStub(channel).List(pr.ListPodResourcesRequest(), timeout=30)
     (held,) = [p for p in answer.pod_resources if p.name == pod]
     (container,) = held.containers
     (dynamic,) = container.dynamic_resources
     assert dynamic.claim_name == claim["metadata"]["name"]
     assert sorted((r.driver_name, r.pool_name, r.device_name) for r in dynamic.claim_resources) == [
-        (GPU, NODE, name) for name in chosen
+        (GPU, dra.node, name) for name in chosen
     ]
-    (agent,) = dra.local._running_pods(worker.name, agent_selector("gpu", dra=True))
-    address = dra.local.core.read_namespaced_pod(agent, "kube-system").status.pod_ip
+    (agent,) = dra.cluster._running_pods(worker.name, agent_selector("gpu", dra=True))
 
     def owned() -> list[str]:
-        with urllib.request.urlopen(f"http://{address}:9400/metrics", timeout=10) as metrics:
-            text = metrics.read().decode()
+        text = dra.cluster.pod_http("kube-system", agent, 9400, "/metrics")
         return [
             line
             for line in text.splitlines()
@@ -230,11 +237,11 @@ def _owners_are_the_pods(
 
     lines = wait_until(
         lambda: (found := owned()) and len(found) == len(chosen) and found,
-        timeout=dra.local.timeout,
+        timeout=dra.cluster.timeout,
         what=f"the gpu DRA agent's /metrics naming {pod} as the owner of {chosen}",
     )
     assert sorted(line.split('device="')[1].split('"')[0] for line in lines) == chosen
-    dra.local.progress("owner labels from PodResources' dynamic_resources:\n  " + "\n  ".join(lines))
+    dra.cluster.progress("owner labels from PodResources' dynamic_resources:\n  " + "\n  ".join(lines))
 
 
 class SliceWatch:
@@ -251,16 +258,16 @@ class SliceWatch:
             "resource.k8s.io",
             "v1",
             "resourceslices",
-            field_selector=f"spec.driver={driver},spec.nodeName={NODE}",
+            field_selector=f"spec.driver={driver},spec.nodeName={dra.node}",
         )
         self._stream = self._watch.stream(
             dra.objects.list_cluster_custom_object,
             "resource.k8s.io",
             "v1",
             "resourceslices",
-            field_selector=f"spec.driver={driver},spec.nodeName={NODE}",
+            field_selector=f"spec.driver={driver},spec.nodeName={dra.node}",
             resource_version=listing["metadata"]["resourceVersion"],
-            timeout_seconds=int(dra.local.timeout),
+            timeout_seconds=int(dra.cluster.timeout),
         )
         self._thread = threading.Thread(target=self._run, name=f"watch {driver} slices", daemon=True)
         self._thread.start()
@@ -296,28 +303,29 @@ class SliceWatch:
 def test_a_gpu_fault_withdraws_it_from_the_slice_and_heal_brings_it_back(dra: DraLab) -> None:
     """An AER fatal error on a GPU (the lab's fault) takes it out of the driver's ResourceSlice; healing puts
     it back. The time from the fault to the API server's update is measured (printed, not asserted)."""
-    local = dra.local
+    local = dra.cluster
     _gpu_worker(dra)
-    lab = Lab.open(LAB_DIR)
-    uuid = lab.device("gpu1").uuid
+    uuid = Lab.open(dra.lab()).device("gpu1").uuid
     (name,) = [n for n, u in by_name(dra.devices(GPU), "uuid").items() if u == uuid]
     watch = SliceWatch(dra, GPU)
     healed = False
     try:
         faulted = time.monotonic()
-        lab.fault("gpu1", "aer-fatal")
+        dra.fault("gpu1", "aer-fatal")
         withdrawn = watch.first(faulted, lambda names: names and name not in names, local.timeout)
         healing = time.monotonic()
-        lab.heal("gpu1")
+        dra.heal("gpu1")
         healed = True
         back = watch.first(healing, lambda names: name in names, local.timeout)
     finally:
         watch.close()
         if not healed:
-            lab.heal("gpu1")
+            dra.heal("gpu1")
     local.progress(
         f"gpu1 ({name}): aer-fatal -> withdrawn from the slice in {1000 * (withdrawn - faulted):.0f} ms; "
-        f"heal -> back in {1000 * (back - healing):.0f} ms (at the API server's watchers)"
+        f"heal -> back in {1000 * (back - healing):.0f} ms (at the API server's watchers"
+        + ("" if isinstance(local, LocalBackend) else "; each through kubectl exec into the lab's pod")
+        + ")"
     )
     assert name in dra.devices(GPU)
 
@@ -327,7 +335,7 @@ def test_a_kubelet_restart_registers_the_driver_again_and_running_pods_keep_thei
 ) -> None:
     """The new kubelet registers the driver again (the agent counts it); a pod running through the restart
     keeps its container, its GPU and the claim's CDI spec; a pod started after it gets a GPU."""
-    local = dra.local
+    local = dra.cluster
     worker = _gpu_worker(dra)
     template = dra.create_template("gpu-one.yaml")
     registrations = wait_until(
@@ -345,14 +353,14 @@ def test_a_kubelet_restart_registers_the_driver_again_and_running_pods_keep_thei
             timeout=local.timeout,
             what="the new kubelet registered the gpu driver",
         )
-        local.cluster.wait_node_ready()
+        dra.wait_node_ready()
         assert _container_id(dra, "dra-through-restart") == container, "the pod's container was replaced"
         inside = local.kubectl("exec", "dra-through-restart", "--", "find", "/dev", "-type", "c").split()
         gpu_nodes = [
             d for d in before.devices if d.startswith("/dev/nvidia") and d[len("/dev/nvidia") :].isdigit()
         ]
         assert gpu_nodes and set(gpu_nodes) <= set(inside), f"after the restart the container has {inside}"
-        assert spec_file(GPU, claim["metadata"]["uid"]).exists()
+        assert dra.reach(spec_file(GPU, claim["metadata"]["uid"])).exists()
         dra.create_pod("dra-after-restart", template, "gpu")
         after = _running(local, "dra-after-restart")
         claims["dra-after-restart"] = dra.claim_of("dra-after-restart")
@@ -369,7 +377,7 @@ def test_a_kubelet_restart_registers_the_driver_again_and_running_pods_keep_thei
 
 
 def _container_id(dra: DraLab, pod: str) -> str:
-    (status,) = dra.local.core.read_namespaced_pod(pod, NAMESPACE).status.container_statuses
+    (status,) = dra.cluster.core.read_namespaced_pod(pod, NAMESPACE).status.container_statuses
     assert status.restart_count == 0
     return str(status.container_id)
 
@@ -378,21 +386,22 @@ def test_a_killed_driver_is_back_at_once_and_a_pod_deleted_meanwhile_is_unprepar
     """SIGKILL to the gpu driver under its agent: a new process serves the kubelet again at once (measured:
     kill -> new registration socket answering, and -> the kubelet registering it), the running pod keeps its
     claim. A pod deleted while the driver cannot answer is unprepared by the next one (its CDI spec goes)."""
-    local = dra.local
+    local = dra.cluster
     worker = _gpu_worker(dra)
     template = dra.create_template("gpu-one.yaml")
     registration = PLUGINS_REGISTRY / f"{GPU}-reg.sock"
+    reached = dra.reach(registration)  # the same socket, where this process connects to it
     claims: dict[str, dict[str, Any]] = {}
     try:
         dra.create_pod("dra-through-kill", template, "gpu")
         _running(local, "dra-through-kill")
         claims["dra-through-kill"] = kept = dra.claim_of("dra-through-kill")
         child = wait_until(lambda: dra.driver_child(worker, "gpu"), timeout=local.timeout, what="the driver")
-        old = socket_identity(registration)
+        old = socket_identity(reached)
         wall = time.time()
         killed = kill_process(dra.host_pid(worker, "gpu", child["pid"]))
         wait_until(
-            lambda: registration_serving(registration, old),
+            lambda: registration_serving(reached, old),
             timeout=local.timeout,
             what="a new driver",
             interval=0.005,
@@ -403,7 +412,7 @@ def test_a_killed_driver_is_back_at_once_and_a_pod_deleted_meanwhile_is_unprepar
             timeout=local.timeout,
             what="the agent's new gpu driver registered",
         )
-        registered = kubelet_logged(
+        registered = dra.kubelet_logged(
             f'"OperationExecutor.RegisterPlugin started" plugin={{"SocketPath":"{registration}"', wall
         )
         local.progress(
@@ -412,8 +421,8 @@ def test_a_killed_driver_is_back_at_once_and_a_pod_deleted_meanwhile_is_unprepar
             f"registered it {1000 * (registered - wall):.0f} ms after the kill (its log)"
         )
         assert local.pod("dra-through-kill").phase == "Running"  # type: ignore[union-attr]
-        assert spec_file(GPU, kept["metadata"]["uid"]).exists()
-        assert kept["metadata"]["uid"] in checkpoint(GPU)
+        assert dra.reach(spec_file(GPU, kept["metadata"]["uid"])).exists()
+        assert kept["metadata"]["uid"] in dra.checkpoint(GPU)
 
         dra.create_pod("dra-deleted-meanwhile", template, "gpu")
         _running(local, "dra-deleted-meanwhile")
@@ -424,11 +433,12 @@ def test_a_killed_driver_is_back_at_once_and_a_pod_deleted_meanwhile_is_unprepar
             deleted = time.time()
             local.core.delete_namespaced_pod("dra-deleted-meanwhile", NAMESPACE, grace_period_seconds=0)
             wait_until(
-                lambda: _kubelet_killing("dra-deleted-meanwhile", deleted),
+                lambda: _kubelet_killing(dra, "dra-deleted-meanwhile", deleted),
                 timeout=local.timeout,
                 what="the kubelet stopping dra-deleted-meanwhile's container",
             )
-            assert spec_file(GPU, meanwhile["metadata"]["uid"]).exists()  # nobody could unprepare it yet
+            # nobody could unprepare it yet
+            assert dra.reach(spec_file(GPU, meanwhile["metadata"]["uid"])).exists()
         finally:
             kill_process(stopped)
         local.progress(
@@ -436,17 +446,17 @@ def test_a_killed_driver_is_back_at_once_and_a_pod_deleted_meanwhile_is_unprepar
         )
         _gone(dra, "dra-deleted-meanwhile", meanwhile)
         del claims["dra-deleted-meanwhile"]
-        assert kept["metadata"]["uid"] in checkpoint(GPU)
+        assert kept["metadata"]["uid"] in dra.checkpoint(GPU)
     finally:
         for pod, claim in claims.items():
             _gone(dra, pod, claim)
 
 
-def _kubelet_killing(pod: str, since: float) -> bool:
+def _kubelet_killing(dra: DraLab, pod: str, since: float) -> bool:
     """Whether the kubelet's log says it is stopping ``pod``'s container (the claim's unprepare is next)."""
     return any(
         "Killing container" in line and f'pod="{NAMESPACE}/{pod}"' in line
-        for line in kubelet_log_lines(since)
+        for line in dra.kubelet_log_lines(since)
     )
 
 
@@ -488,11 +498,13 @@ def test_a_newer_registration_nobody_serves_does_not_take_the_drivers_claims(dra
     instance that never came up): the kubelet registers it, yet keeps calling the connected driver, and a
     claim is prepared. The emulated kubelet does the same (tests/integration/dra/test_registration_rules.py).
     """
-    local = dra.local
+    local = dra.cluster
     _gpu_worker(dra)
     template = dra.create_template("gpu-one.yaml")
     dead = BackgroundRegistrar(
-        PLUGINS_REGISTRY / f"{GPU}-dead-reg.sock", GPU, str(KUBELET_ROOT / "plugins" / GPU / "nobody.sock")
+        dra.reach(PLUGINS_REGISTRY / f"{GPU}-dead-reg.sock"),
+        GPU,
+        str(KUBELET_ROOT / "plugins" / GPU / "nobody.sock"),
     )
     claim: dict[str, Any] = {}
     try:
@@ -501,7 +513,7 @@ def test_a_newer_registration_nobody_serves_does_not_take_the_drivers_claims(dra
         dra.create_pod("dra-beside-dead", template, "gpu")
         _running(local, "dra-beside-dead")
         claim = dra.claim_of("dra-beside-dead")
-        assert spec_file(GPU, claim["metadata"]["uid"]).exists()
+        assert dra.reach(spec_file(GPU, claim["metadata"]["uid"])).exists()
         local.progress("a newer registration of gpu.plugvisor.io nobody serves: the claim went to the driver")
     finally:
         dead.close()
@@ -517,12 +529,17 @@ NPU = "npu.acme.com"
 
 
 @pytest.fixture
-def npu_lab() -> Iterator[Path]:
+def npu_lab(dra: DraLab) -> Iterator[Path]:
     """An acme-npu-node lab on the node (examples/plugvisor-npu's lab kind), whose var/run/cdi is the node's.
 
     A host process's paths are resolved inside its host root, as a container's under /host: what the
     DaemonSet's hostPath mount of /var/run/cdi is to a container, a bind mount is to the lab.
     """
+    if not isinstance(dra.cluster, LocalBackend):
+        pytest.skip(
+            "the npu agent runs as a host process on the node, started by this test from this checkout; a"
+            f" {dra.cluster.name} node is a container whose image has neither Python nor plugvisor to run it"
+        )
     for module, what in (("plugvisor_npu", "examples/plugvisor-npu"), ("lightkube", "the dra extra")):
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"{what} is not installed (tox -e e2e-local installs it): {module}")
@@ -562,7 +579,7 @@ def test_a_third_party_kind_is_a_dra_driver_from_the_docs_alone(dra: DraLab, npu
             {
                 "kubeletDir": str(KUBELET_ROOT / "device-plugins"),
                 "hostRoot": str(npu_lab),
-                "nodeName": NODE,
+                "nodeName": dra.node,
                 "supervisor": {"runtimeDir": str(npu_lab.parent / "run")},
                 "resources": [{"name": NPU, "kind": "npu", "mode": "dra"}],
             }
@@ -681,9 +698,12 @@ def _registrars(registry: Path, root: Path) -> list[tuple[str, Any]]:
     return stubs
 
 
-async def _register_all(registry: Path, root: Path, logged: Logged, timeout: float) -> dict[str, list[Any]]:
+async def _register_all(
+    registry: Path, root: Path, logged: Logged, timeout: float, seen_as: Callable[[Path], Path] = Path
+) -> dict[str, list[Any]]:
     """Serve every registrar on ``registry``; per case, what each plugin was told first and what the kubelet
-    logged about it (its first failed registration), paths written relative to ``root``."""
+    logged about it (its first failed registration), paths written relative to ``root``. ``seen_as`` is a
+    socket's path as the kubelet sees it (where this process reaches the node's files another way)."""
     stubs = _registrars(registry, root)
     for _, stub in stubs:
         await stub.start()
@@ -702,7 +722,9 @@ async def _register_all(registry: Path, root: Path, logged: Logged, timeout: flo
         return (
             None
             if text is None
-            else text.replace(str(stub.socket_path), "<socket>").replace(str(root), "<root>")
+            else text.replace(str(seen_as(stub.socket_path)), "<socket>")
+            .replace(str(stub.socket_path), "<socket>")
+            .replace(str(root), "<root>")
         )
 
     outcomes: dict[str, list[Any]] = {case: [] for case in REGISTRATIONS}
@@ -712,17 +734,20 @@ async def _register_all(registry: Path, root: Path, logged: Logged, timeout: flo
     return {case: sorted(found, key=repr) for case, found in outcomes.items()}
 
 
-def _real_kubelet_failures(since: float) -> Logged:
-    """The real kubelet's failed registration of a socket, from its log (goroutinemap's retry line)."""
+def _real_kubelet_failures(dra: DraLab, since: float) -> Logged:
+    """The real kubelet's failed registration of a socket (in its registry: the path it logs), from its log
+    (goroutinemap's retry line). The log is read at most every half second: every socket asks in turn."""
+    read: list[tuple[float, list[str]]] = []
+
+    def lines() -> list[str]:
+        if not read or time.monotonic() - read[0][0] > 0.5:
+            read[:] = [(time.monotonic(), list(kubelet_log_lines(since, dra.kubelet_log(since))))]
+        return read[0][1]
 
     def logged(socket: Path) -> str | None:
-        marker = f'Operation for "{socket}" failed.'
+        marker = f'Operation for "{PLUGINS_REGISTRY / socket.name}" failed.'
         return next(
-            (
-                line.split(" Error: ", 1)[1]
-                for line in kubelet_log_lines(since)
-                if marker in line and " Error: " in line
-            ),
+            (line.split(" Error: ", 1)[1] for line in lines() if marker in line and " Error: " in line),
             None,
         )
 
@@ -733,9 +758,19 @@ def test_the_emulated_kubelet_registers_dra_plugins_as_the_real_one_does(dra: Dr
     """The same DRA registrations (good ones, bad versions, names, types, duplicate endpoints) made to the
     real kubelet's plugin watcher and to `plugvisor kubelet`'s: each plugin is told the same
     (NotifyRegistrationStatus), and each kubelet logs the same failure for each refused one."""
-    local = dra.local
+    local = dra.cluster
+    if dra.worker is None and not isinstance(dra.cluster, LocalBackend):
+        _gpu_worker(dra)  # run alone on kind: a worker's kubelet; the GPU worker's, as the others use
     since = time.time()
-    real = asyncio.run(_register_all(PLUGINS_REGISTRY, KUBELET_ROOT, _real_kubelet_failures(since), 60))
+    real = asyncio.run(
+        _register_all(
+            dra.reach(PLUGINS_REGISTRY),
+            KUBELET_ROOT,
+            _real_kubelet_failures(dra, since),
+            60,
+            lambda socket: PLUGINS_REGISTRY / socket.name,
+        )
+    )
     base = Path(tempfile.mkdtemp(prefix="/tmp/pvpar-"))
     try:
 

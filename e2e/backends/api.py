@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,12 @@ class ApiBackend:
         self._config = config
         self.core: Any = None
         self.node_names: dict[str, str] = {}
+
+    def setup(self) -> None:
+        raise NotImplementedError
+
+    def teardown(self) -> None:
+        raise NotImplementedError
 
     def kubectl(self, *args: str, timeout: float = 300) -> str:
         raise NotImplementedError
@@ -161,6 +168,30 @@ class ApiBackend:
 
     def restart_kubelet(self, worker: str) -> None:
         raise NotImplementedError
+
+    # -- what only the node shows (the DRA scenarios: e2e/dra.py) --------------------------------------
+
+    def node_unreachable(self) -> str | None:
+        """Why this process cannot reach the nodes' files and sockets (:meth:`node_path`), or None."""
+        return None
+
+    def node_path(self, worker: str, path: Path) -> Path:
+        """Where this process reaches ``path`` of the node that plays ``worker`` (an absolute path there):
+        the node's files (CDI specs, checkpoints, the lab) and its unix sockets (the kubelet's registry and
+        PodResources), to read, stat, connect to or bind, as a process on the node would."""
+        raise NotImplementedError
+
+    def kubelet_log(self, worker: str, since: float) -> str:
+        """The kubelet's log on the node that plays ``worker``: klog's lines, at least those written at or
+        after the wall-clock time ``since`` (older ones may come too: callers filter by each line's time)."""
+        raise NotImplementedError
+
+    def pod_http(self, namespace: str, pod: str, port: int, path: str) -> str:
+        """The body of an HTTP GET of ``path`` on a pod's ``port``: here straight to the pod's IP (this
+        process's host routes the pod network); a backend whose pods it cannot route to goes another way."""
+        address = self.core.read_namespaced_pod(pod, namespace).status.pod_ip
+        with urllib.request.urlopen(f"http://{address}:{port}{path}", timeout=10) as answer:
+            return str(answer.read().decode())
 
     def diagnose(self) -> str:
         parts = []

@@ -18,16 +18,19 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from ..deployment import REPO
 from ..kind import offline
 from ..kind.engine import Engine, EngineError, docker_answers
 from ..local import hostbin
 from .api import ApiBackend
-from .common import IMAGE, SHELL_POD_SCRIPT, Progress, run
+from .common import IMAGE, SHELL_POD_SCRIPT, Progress, run, wait_until
 
 CLUSTER = "plugvisor-e2e"
+KUBELET_ENV = "/etc/default/kubelet"
+"""Where kubeadm's systemd drop-in for the kubelet (10-kubeadm.conf, in kind's node) reads KUBELET_EXTRA_ARGS
+from: the file the drop-in leaves to the operator."""
 
 
 def offline_route() -> bool:
@@ -77,6 +80,7 @@ class KindBackend(ApiBackend):
         self.kubeconfig = self.work / "kubeconfig"
         self.kind = str(offline.cache_bin("kind")) if self.offline else "kind"
         self.kubectl_command = str(offline.cache_bin("kubectl")) if self.offline else "kubectl"
+        self._node_roots: dict[str, Path] = {}
 
     def kubectl(self, *args: str, timeout: float = 300) -> str:
         where = ["--kubeconfig", str(self.kubeconfig)] if self.offline else ["--context", f"kind-{CLUSTER}"]
@@ -220,6 +224,108 @@ class KindBackend(ApiBackend):
 
     def restart_kubelet(self, worker: str) -> None:
         self._docker("exec", self.node_names[worker], "systemctl", "restart", "kubelet")
+
+    # -- what only the node shows: a kind node is a container (its name is the node's) --------------------
+
+    def node_unreachable(self) -> str | None:
+        """A node's files and unix sockets are reached through its container's root, /proc/PID/root of
+        the container's init: that takes root, and the Docker engine running on this machine's kernel
+        (not in a VM, as Docker Desktop's is)."""
+        if os.geteuid() != 0:
+            return "reaching a kind node's files and sockets (/proc/PID/root of its container) takes root"
+        worker = self.workers[0].name
+        try:
+            root = self._node_root(worker)
+        except (subprocess.SubprocessError, ValueError) as exc:
+            return f"docker inspect of node {self.node_names.get(worker)} failed: {exc}"
+        if not (root / "var/lib/kubelet").is_dir():
+            return (
+                f"{root}/var/lib/kubelet is not there: the Docker engine does not run on this machine's"
+                " kernel, so its containers' file systems cannot be reached from here"
+            )
+        return None
+
+    def _node_root(self, worker: str) -> Path:
+        """/proc/PID/root of the node container's init (kept: the container lives as long as the cluster)."""
+        if worker not in self._node_roots:
+            pid = int(self._docker("inspect", "-f", "{{.State.Pid}}", self.node_names[worker]).strip())
+            if pid <= 0:
+                raise ValueError(f"node container {self.node_names[worker]} is not running (PID {pid})")
+            self._node_roots[worker] = Path(f"/proc/{pid}/root")
+        return self._node_roots[worker]
+
+    def node_path(self, worker: str, path: Path) -> Path:
+        """``path`` under the node container's root, each symlink on the way followed as the node follows
+        it: an absolute link (kind's ``/var/run -> /run``) points into the node, not into this machine."""
+        root = self._node_root(worker)
+        parts = list(path.relative_to("/").parts)
+        current = PurePosixPath("/")
+        followed = 0
+        while parts:
+            part = parts.pop(0)
+            if part in ("", "."):
+                continue
+            if part == "..":
+                current = current.parent
+                continue
+            here = root / (current / part).relative_to("/")
+            if not here.is_symlink():
+                current = current / part
+                continue
+            followed += 1
+            if followed > 40:
+                raise OSError(f"too many symbolic links under {root} resolving {path}")
+            target = PurePosixPath(here.readlink())
+            parts = [*(target if target.is_absolute() else current / target).relative_to("/").parts, *parts]
+            current = PurePosixPath("/")
+        return root / current.relative_to("/")
+
+    def kubelet_verbosity(self, worker: str, level: int) -> None:
+        """Run the node's kubelet at log verbosity ``level`` (its ``--v``) from now on, restarting it once if
+        it ran otherwise, and wait until it answers its health check again.
+
+        kind's kubelet logs at 0; the DRA scenarios read lines it logs at 1 and 2 (a plugin's registration,
+        a container being stopped), as the local node's kubelet (``--v=2``) writes them. Set as an operator
+        would, in the file kubeadm's drop-in reads KUBELET_EXTRA_ARGS from, beside what kind put there
+        (``--runtime-cgroups``). Needs :meth:`node_path` (see :meth:`node_unreachable`).
+        """
+        node = self.node_names[worker]
+        env_file = self.node_path(worker, Path(KUBELET_ENV))
+        lines = env_file.read_text().splitlines() if env_file.exists() else []
+        found = [i for i, line in enumerate(lines) if line.startswith("KUBELET_EXTRA_ARGS=")]
+        old = lines[found[-1]].split("=", 1)[1].strip().strip("\"'").split() if found else []
+        args = [*(a for a in old if not a.startswith("--v=")), f"--v={level}"]
+        if args == old:
+            return
+        line = "KUBELET_EXTRA_ARGS=" + " ".join(args)
+        if found:
+            lines[found[-1]] = line
+        else:
+            lines.append(line)
+        self.progress(f"{node}: the kubelet's log at verbosity {level} ({KUBELET_ENV}: {line}; restarted)")
+        env_file.write_text("\n".join(lines) + "\n")
+        self._docker("exec", node, "systemctl", "restart", "kubelet")
+        wait_until(
+            lambda: self._docker("exec", node, "curl", "-sf", "http://127.0.0.1:10248/healthz") == "ok",
+            timeout=self.timeout,
+            what=f"{node}: the kubelet healthy again after its restart",
+            interval=1,
+        )
+
+    def kubelet_log(self, worker: str, since: float) -> str:
+        """The kubelet unit's journal in the node (kind nodes run systemd), messages only: klog's lines."""
+        return self._docker(
+            "exec", self.node_names[worker], "journalctl", "-u", "kubelet", "-o", "cat", "--no-pager",
+            "--since", f"@{int(since) - 1}", timeout=120,
+        )  # fmt: skip
+
+    def pod_http(self, namespace: str, pod: str, port: int, path: str) -> str:
+        """Through the API server's pod proxy: the pod network lives inside the node containers, and this
+        machine has no route to it."""
+        answer = self.core.connect_get_namespaced_pod_proxy_with_path(
+            f"{pod}:{port}", namespace, path.lstrip("/")
+        )
+        return str(answer)
 
     def diagnose(self) -> str:
         parts = [super().diagnose()]

@@ -18,13 +18,15 @@ import time
 from pathlib import Path
 
 from ..deployment import PROFILE_LABEL, REPO, Worker
-from ..local.cluster import NODE, ClusterError, LocalCluster, unavailable
+from ..local.cluster import BASE, NODE, ClusterError, LocalCluster, unavailable
 from .api import ApiBackend
 from .common import SHELL_POD_SCRIPT, Progress, run, wait_until
 
 LAB_PROFILE = Path("/etc/plugvisor/lab-profile.yaml")
 LAB_DIR = Path("/var/lib/plugvisor/lab")
 IMAGES_SCRIPT = REPO / "tools/kubernetes/images.py"
+KUBELET_LOG = BASE / "logs" / "kubelet.log"
+"""The kubelet's log (e2e/local writes each component's stderr under its base directory)."""
 
 
 def local_unavailable() -> str | None:
@@ -129,6 +131,13 @@ class LocalBackend(ApiBackend):
     def restart_kubelet(self, worker: str) -> None:
         self.play(worker)
         self.cluster.restart_kubelet()
+
+    def node_path(self, worker: str, path: Path) -> Path:
+        """The node is this machine: its paths are this process's."""
+        return path
+
+    def kubelet_log(self, worker: str, since: float) -> str:
+        return KUBELET_LOG.read_text(errors="replace")
 
     def teardown(self) -> None:
         if self.cluster.lock is None:  # set up without the lock: another owner's cluster is not ours to check
