@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..hostfs import read_sysctl, remove
 from ..local import hostbin
 
 SYSCTLS = (
@@ -87,21 +87,6 @@ def mounts() -> list[str]:
 
 def _under(point: str, roots: list[Path]) -> bool:
     return any(point == str(r) or point.startswith(f"{r}/") for r in roots)
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-
-
-def read_sysctl(name: str) -> str | None:
-    try:
-        return (Path("/proc/sys") / name).read_text().strip()
-    except OSError:
-        return None
 
 
 @dataclass(frozen=True)
@@ -201,7 +186,7 @@ class HostRecord:
         made = [Path(path) for path, existed in self.paths if not existed]
         for target in [*made, *private]:
             if target.exists() or target.is_symlink():
-                _remove(target)
+                remove(target)
                 steps.append(f"rm -r {target}")
         return steps
 

@@ -18,7 +18,6 @@ offline node image the kind backend takes this route instead:
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import os
 import shutil
@@ -30,6 +29,7 @@ from typing import Any
 import yaml
 
 from ..deployment import KIND_CONFIG, REPO
+from ..hostfs import load_tool
 
 IMAGES_SCRIPT = REPO / "tools/kubernetes/images.py"
 PROJECT_IMAGE = "plugvisor:e2e"
@@ -38,13 +38,7 @@ PROJECT_IMAGE = "plugvisor:e2e"
 @functools.cache
 def kind_tool() -> Any:
     """tools/kind/build.py, which knows where the kind it builds and the offline node image are."""
-    name = "plugvisor_kind_build"
-    spec = importlib.util.spec_from_file_location(name, REPO / "tools/kind/build.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("tools/kind/build.py", "plugvisor_kind_build")
 
 
 def cache_bin(command: str) -> Path | None:

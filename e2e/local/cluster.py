@@ -44,6 +44,7 @@ from typing import Any
 import yaml
 
 from .. import machine_lock
+from ..hostfs import load_tool, read_sysctl, remove
 from . import hostbin, pki
 
 REPO = Path(__file__).resolve().parents[2]
@@ -103,15 +104,7 @@ COMPONENTS = (
 @functools.cache
 def _build_module() -> Any:
     """tools/kubernetes/build.py, which knows where the binaries are and what the node needs."""
-    import importlib.util  # noqa: PLC0415
-
-    name = "plugvisor_kubernetes_build"
-    spec = importlib.util.spec_from_file_location(name, REPO / "tools/kubernetes/build.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("tools/kubernetes/build.py", "plugvisor_kubernetes_build")
 
 
 def kubectl_path() -> str | None:
@@ -181,21 +174,6 @@ def _listing(path: Path) -> list[str] | None:
         return None
     except NotADirectoryError:
         return []
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-
-
-def _read_sysctl(name: str) -> str | None:
-    try:
-        return (Path("/proc/sys") / name).read_text().strip()
-    except OSError:
-        return None
 
 
 def _iptables(family: str) -> Iterator[tuple[str, str]]:
@@ -326,23 +304,23 @@ class Snapshot:
     def restore(self) -> None:
         """Put back the sysctls; remove what appeared in the watched paths (BASE is the caller's)."""
         for name, value in self.sysctls.items():
-            if value is not None and _read_sysctl(name) != value:
+            if value is not None and read_sysctl(name) != value:
                 with contextlib.suppress(OSError):
                     (Path("/proc/sys") / name).write_text(value)
         for path, listing in self.paths.items():
             if Path(path) == BASE:
                 continue
             if listing is None:
-                _remove(Path(path))
+                remove(Path(path))
             else:
                 for entry in set(_listing(Path(path)) or []) - set(listing):
-                    _remove(Path(path) / entry)
+                    remove(Path(path) / entry)
 
     @classmethod
     def take(cls) -> Snapshot:
         return cls(
             {str(p): _listing(p) for p in WATCHED},
-            {name: _read_sysctl(name) for name in SYSCTLS},
+            {name: read_sysctl(name) for name in SYSCTLS},
             _iptables_chains(),
             _nft_tables(),
         )
@@ -885,8 +863,8 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
                 elif listing is not None and now is not None:
                     found += [f"path {path}/{entry}" for entry in sorted(set(now) - set(listing))]
             for name, value in before.sysctls.items():
-                if _read_sysctl(name) != value:
-                    found.append(f"sysctl {name} = {_read_sysctl(name)} (was {value})")
+                if read_sysctl(name) != value:
+                    found.append(f"sysctl {name} = {read_sysctl(name)} (was {value})")
         if self.base.exists():
             found.append(f"path {self.base}")
         return found
