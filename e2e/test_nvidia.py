@@ -328,40 +328,52 @@ def test_a_claim_selecting_on_nvml_attributes_gets_the_h200(h200: DraLab) -> Non
         assert f"/usr/lib/{multiarch_triplet()}/libnvidia-ml.so.1" in mounted, spec
         _driver_files_in(local, "h200-dra")
 
-        def unschedulable() -> str | None:
-            pod = local.core.read_namespaced_pod("h200-needs-blackwell", NAMESPACE)
-            assert pod.status.phase == "Pending", pod.status
-            return next(
-                (
-                    c.message or "(no message)"
-                    for c in pod.status.conditions or []
-                    if c.type == "PodScheduled" and c.status == "False" and c.reason == "Unschedulable"
-                ),
-                None,
-            )
-
-        why = wait_until(unschedulable, timeout=local.timeout, what="h200-needs-blackwell unschedulable")
-        local.progress(f"h200-needs-blackwell (compute capability >= 10): unschedulable: {why}")
-        (waiting,) = [
-            c
-            for c in h200.objects.list_namespaced_custom_object(
-                "resource.k8s.io", "v1", NAMESPACE, "resourceclaims"
-            )["items"]
-            if any(o["name"] == "h200-needs-blackwell" for o in c["metadata"].get("ownerReferences", []))
-        ]
-        assert not waiting.get("status", {}).get("allocation"), waiting["status"]
+        _stays_pending(h200, "h200-needs-blackwell", "compute capability >= 10")
     finally:
         local.delete_pod("h200-needs-blackwell")
         local.delete_pod("h200-dra")
-        if claim:
-            uid = claim["metadata"]["uid"]
-            wait_until(
-                lambda: not spec_file(DRA_GPU, uid).exists() and uid not in checkpoint(DRA_GPU),
-                timeout=local.timeout,
-                what=f"claim {claim['metadata']['name']} unprepared",
-            )
-        for template in (fits, too_new):
-            _delete_template(h200, template)
+        _unprepared_and_gone(h200, claim, fits, too_new)
+
+
+def _stays_pending(dra: DraLab, pod_name: str, why_impossible: str) -> None:
+    """``pod_name``'s pod is unschedulable and its claim unallocated: what an impossible claim gets."""
+    local = dra.local
+
+    def unschedulable() -> str | None:
+        pod = local.core.read_namespaced_pod(pod_name, NAMESPACE)
+        assert pod.status.phase == "Pending", pod.status
+        return next(
+            (
+                c.message or "(no message)"
+                for c in pod.status.conditions or []
+                if c.type == "PodScheduled" and c.status == "False" and c.reason == "Unschedulable"
+            ),
+            None,
+        )
+
+    why = wait_until(unschedulable, timeout=local.timeout, what=f"{pod_name} unschedulable")
+    local.progress(f"{pod_name} ({why_impossible}): unschedulable: {why}")
+    (waiting,) = [
+        c
+        for c in dra.objects.list_namespaced_custom_object(
+            "resource.k8s.io", "v1", NAMESPACE, "resourceclaims"
+        )["items"]
+        if any(o["name"] == pod_name for o in c["metadata"].get("ownerReferences", []))
+    ]
+    assert not waiting.get("status", {}).get("allocation"), waiting["status"]
+
+
+def _unprepared_and_gone(dra: DraLab, claim: dict[str, Any], *templates: str) -> None:
+    """After a test's pods are deleted: their prepared claim (if any) unprepared, their templates deleted."""
+    if claim:
+        uid = claim["metadata"]["uid"]
+        wait_until(
+            lambda: not spec_file(DRA_GPU, uid).exists() and uid not in checkpoint(DRA_GPU),
+            timeout=dra.local.timeout,
+            what=f"claim {claim['metadata']['name']} unprepared",
+        )
+    for template in templates:
+        _delete_template(dra, template)
 
 
 def _taints(dra: DraLab) -> list[dict[str, Any]]:
@@ -506,40 +518,11 @@ def test_a_claim_written_as_nvidias_docs_write_them_gets_two_gpus_of_one_pcie_ro
             assert held == (own if uuid in uuids else set()), f"{gpu.name}: the container has {held}"
         assert claim["metadata"]["uid"] in checkpoint(DRA_GPU)
 
-        def unschedulable() -> str | None:
-            pod = local.core.read_namespaced_pod("h100-five", NAMESPACE)
-            assert pod.status.phase == "Pending", pod.status
-            return next(
-                (
-                    c.message or "(no message)"
-                    for c in pod.status.conditions or []
-                    if c.type == "PodScheduled" and c.status == "False" and c.reason == "Unschedulable"
-                ),
-                None,
-            )
-
-        why = wait_until(unschedulable, timeout=local.timeout, what="h100-five unschedulable")
-        local.progress(f"h100-five (five H100s of one pcieRoot; four per root): unschedulable: {why}")
-        (waiting,) = [
-            c
-            for c in dgx.objects.list_namespaced_custom_object(
-                "resource.k8s.io", "v1", NAMESPACE, "resourceclaims"
-            )["items"]
-            if any(o["name"] == "h100-five" for o in c["metadata"].get("ownerReferences", []))
-        ]
-        assert not waiting.get("status", {}).get("allocation"), waiting["status"]
+        _stays_pending(dgx, "h100-five", "five H100s of one pcieRoot; four per root")
     finally:
         local.delete_pod("h100-five")
         local.delete_pod("h100-pair")
-        if claim:
-            uid = claim["metadata"]["uid"]
-            wait_until(
-                lambda: not spec_file(DRA_GPU, uid).exists() and uid not in checkpoint(DRA_GPU),
-                timeout=local.timeout,
-                what=f"claim {claim['metadata']['name']} unprepared",
-            )
-        for template in (pair, five):
-            _delete_template(dgx, template)
+        _unprepared_and_gone(dgx, claim, pair, five)
 
 
 def test_a_pod_asking_the_device_plugin_for_four_gpus_gets_the_four_of_one_pcie_root(dgx: DraLab) -> None:
