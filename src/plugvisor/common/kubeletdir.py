@@ -101,6 +101,7 @@ class KubeletDirWatch:
         self._on_event = on_event
         self._inotify: inotify_.WatchGroup | None = None
         self._log = log
+        self._names: tuple[str, ...] | None = None
 
     def open(self) -> None:
         """Start watching, creating the directory as the kubelet would (mode 0750).
@@ -122,7 +123,21 @@ class KubeletDirWatch:
         except BaseException:
             watches.close()
             raise
+        if self._names is not None:
+            watches.narrow(self._names)
         self._inotify = watches
+
+    def narrow(self, prefixes: tuple[str, ...]) -> None:
+        """Report only the files whose names start with one of ``prefixes`` (and the directory's own fate).
+
+        A plugin cares about ``kubelet.sock`` and its own resource's sockets; handed
+        every other plugin's socket too, it paid for each at every kubelet restart
+        (:mod:`plugvisor.common.inotify`, "Names that concern a group"). Kept across
+        the directory's re-creation. The agent, which cares about every socket, never narrows.
+        """
+        self._names = prefixes
+        if self._inotify is not None:
+            self._inotify.narrow(prefixes)
 
     def close(self) -> None:
         """Stop watching."""

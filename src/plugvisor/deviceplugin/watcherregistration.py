@@ -143,6 +143,9 @@ class RegistrySocketWatch:
         interval: float = 1.0,
     ) -> None:
         self._watches = watches
+        # Only our resource's sockets (ours among them) matter here: every other plugin's coming and
+        # going in plugins_registry would wake the loop for a stat of our own socket, and no more.
+        watches.narrow((prefix + "-",))
         self._prefix = prefix
         self._served = served
         self._on_taken_over = on_taken_over

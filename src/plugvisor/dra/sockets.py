@@ -184,6 +184,9 @@ async def keep(
     """
     log = structlog.get_logger("plugvisor.dra.socket")
     with inotify_.open_watches(poll_interval=inotify_.POLL_INTERVAL) as inotify:
+        # Only our sockets' names matter: plugins_registry holds every driver's and plugin's, and
+        # each of their events would wake this loop for a look at all of ours.
+        inotify.narrow(tuple(sorted({kept.path.name for kept in sockets})) or ("",))
         watched: set[Path] = set()
         while True:
             for directory in {kept.path.parent for kept in sockets} - watched:

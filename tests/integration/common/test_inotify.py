@@ -49,6 +49,44 @@ async def test_two_groups_on_one_directory_each_get_the_events_they_asked_for(tm
         deletions.close()
 
 
+async def test_a_narrowed_group_is_handed_only_the_names_it_asked_for_while_another_gets_all(tmp_path):
+    """A plugin hears of kubelet.sock and its own resource's sockets; the agent, on the same inode, of all."""
+    plugin, agent = inotify.open_watches(), inotify.open_watches()
+    try:
+        plugin.add_watch(tmp_path, Mask.CREATE | Mask.DELETE)
+        agent.add_watch(tmp_path, Mask.CREATE | Mask.DELETE)
+        plugin.narrow(("kubelet.sock", "pv-ours-"))
+        for name in ("pv-other-1.sock", "kubelet.sock", "pv-ours-1.sock", "pv-other-2.sock"):
+            (tmp_path / name).touch()
+        (tmp_path / "pv-other-1.sock").unlink()
+        seen = [(await next_event(plugin)).name, (await next_event(plugin)).name]
+        assert seen == ["kubelet.sock", "pv-ours-1.sock"]
+        assert plugin.sync_get() is None
+        everything = [(await next_event(agent)).name for _ in range(5)]
+        assert everything == [
+            "pv-other-1.sock",
+            "kubelet.sock",
+            "pv-ours-1.sock",
+            "pv-other-2.sock",
+            "pv-other-1.sock",
+        ]
+    finally:
+        plugin.close()
+        agent.close()
+
+
+async def test_a_narrowed_group_still_hears_of_the_directory_itself(tmp_path):
+    directory = tmp_path / "dp"
+    directory.mkdir()
+    with inotify.open_watches() as group:
+        group.add_watch(directory, Mask.CREATE | Mask.DELETE_SELF)
+        group.narrow(("kubelet.sock",))
+        (directory / "pv-other.sock").touch()
+        (directory / "pv-other.sock").unlink()
+        directory.rmdir()
+        assert (await next_event(group)).mask & Mask.DELETE_SELF
+
+
 async def test_one_group_letting_go_of_a_directory_leaves_the_other_watching_it(tmp_path):
     first, second = inotify.open_watches(), inotify.open_watches()
     try:

@@ -118,6 +118,33 @@ async def test_a_polled_directory_reports_entries_created_and_deleted(instances_
         assert group.sync_get() is None
 
 
+async def test_a_narrowed_polled_directory_reports_only_the_names_asked_for(instances_spent, tmp_path):
+    (tmp_path / "pv-other-old.sock").touch()
+    with inotify.open_watches(poll_interval=0.01) as group:
+        group.add_watch(tmp_path, DIR_MASK)
+        group.narrow(("kubelet.sock", "pv-ours-"))
+        for name in ("pv-other-1.sock", "pv-ours-1.sock", "kubelet.sock"):
+            (tmp_path / name).touch()
+        (tmp_path / "pv-other-old.sock").unlink()  # listed before narrow(): not reported gone either
+        events = [await next_event(group), await next_event(group)]
+        assert {(event.mask, event.name) for event in events} == {
+            (Mask.CREATE, "pv-ours-1.sock"),
+            (Mask.CREATE, "kubelet.sock"),
+        }
+        await asyncio.sleep(0.1)
+        assert group.sync_get() is None
+        for _ in range(3):  # a few looks later, still nothing of the others
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(group.get(), 0.05)
+
+
+def test_narrowing_to_no_name_at_all_is_refused():
+    """An empty tuple would drop every named event: a watch that hears nothing, silently."""
+    group = inotify.WatchGroup.__new__(inotify.WatchGroup)
+    with pytest.raises(ValueError, match="at least one name prefix"):
+        group.narrow(())
+
+
 async def test_an_entry_replaced_between_two_looks_is_reported_gone_and_created(instances_spent, tmp_path):
     """A kubelet that restarts between two looks: ``kubelet.sock`` is another file under the same name."""
     socket = tmp_path / "kubelet.sock"

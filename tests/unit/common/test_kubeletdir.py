@@ -66,3 +66,29 @@ async def test_the_agents_directory_lines_say_it_is_the_agent(tmp_path):
     said = [line for line in lines if line["event"].startswith("kubelet_dir_")]
     assert {line["event"] for line in said} >= {"kubelet_dir_deleted", "kubelet_dir_watched_again"}
     assert all(line.get("process") == "agent" for line in said), said
+
+
+async def test_a_narrowed_watch_stays_narrowed_on_the_directory_made_again(tmp_path):
+    """The kubelet's directory deleted and made again: the plugin's watch opens anew, as narrow as before."""
+    directory = tmp_path / "device-plugins"
+    directory.mkdir()
+    events = []
+    watch = KubeletDirWatch(directory, events.append, log=structlog.get_logger().bind(resource="x.io/gpu"))
+    watch.open()
+    watch.narrow(("kubelet.sock", "pv-ours-"))
+    run = asyncio.create_task(watch.run())
+    try:
+        directory.rmdir()
+        async with asyncio.timeout(10):
+            while DirEvent(DirChange.DIR_REMOVED, "") not in events or not directory.is_dir():
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)  # watched again by now
+        for name in ("pv-other-1.sock", "pv-ours-1.sock"):
+            (directory / name).touch()
+        async with asyncio.timeout(10):
+            while DirEvent(DirChange.FILE_CREATED, "pv-ours-1.sock") not in events:
+                await asyncio.sleep(0.01)
+        assert DirEvent(DirChange.FILE_CREATED, "pv-other-1.sock") not in events
+    finally:
+        run.cancel()
+        watch.close()

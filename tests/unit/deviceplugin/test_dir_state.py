@@ -1,5 +1,7 @@
 """What registration counts from the kubelet directory: restarts, our socket, our resource's others."""
 
+import asyncio
+
 import structlog
 
 from plugvisor.common.kubeletdir import DirChange, DirEvent
@@ -47,3 +49,28 @@ def test_other_resources_and_other_files_are_not_counted(tmp_path):
     ):
         state._apply(removed(name))
     assert state.state.value.sibling_removals == 0
+
+
+async def test_the_watch_hands_over_only_kubelet_sock_and_our_resources_sockets(tmp_path):
+    """At a kubelet restart of N resources each plugin is sent ~5 N events: the others' are dropped unread."""
+    state = KubeletDirState(tmp_path, log=structlog.get_logger().bind(resource="x.example/y"))
+    applied = []
+    state._watch._on_event = applied.append
+    state.open()
+    try:
+        Registrar(state, resource=RESOURCE)
+        ours = socket_name(RESOURCE, "0000000d")
+        for name in (socket_name("example.com/other", "0000000e"), "kubelet_internal_checkpoint", ours):
+            (tmp_path / name).touch()
+        (tmp_path / "kubelet.sock").touch()
+        run = asyncio.create_task(state.run())
+        try:
+            async with asyncio.timeout(10):
+                while len(applied) < 2:
+                    await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)
+        finally:
+            run.cancel()
+        assert [event.name for event in applied] == [ours, "kubelet.sock"]
+    finally:
+        state.close()
