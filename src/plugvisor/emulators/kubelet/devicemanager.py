@@ -373,13 +373,13 @@ class ManagerImpl:
             self.books.plugin_connected(resource, endpoint, client.options)
         elif not self.books.instance_connected(resource, endpoint, client.options):
             raise client_.ConnectError(f"device plugin already connected: {client.socket_path}")
-        self._node_status.sync()
+        self._node_status.sync(resource)
 
     def plugin_list_and_watch_receiver(self, resource: str, response: api_pb2.ListAndWatchResponse) -> None:
         """Apply one full device list (``genericDeviceUpdateCallback``) and report the new counts."""
         self.books.list_and_watch_update(resource, map(manager.DeviceRecord.from_proto, response.devices))
         self.write_checkpoint()
-        self._node_status.sync()
+        self._node_status.sync(resource)
         capacity, allocatable = self._node_status.counts(resource)
         self._journal.event(
             model.EventKind.DEVICES_UPDATED,
@@ -404,7 +404,7 @@ class ManagerImpl:
             last = self.books.instance_disconnected(resource, socket_path, now=now)
         if last is None:
             return
-        self._node_status.sync()
+        self._node_status.sync(resource)
         capacity, allocatable = self._node_status.counts(resource)
         if not last:
             current = self.books.endpoints[resource].endpoint.socket_path

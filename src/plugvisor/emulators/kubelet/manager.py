@@ -285,6 +285,16 @@ class DeviceManager:
                 capacity[resource] = capacity.get(resource, 0) + len(self.unhealthy[resource])
         return Capacity(capacity=capacity, allocatable=allocatable, deleted=frozenset(deleted))
 
+    def counts(self, resource: str) -> tuple[int, int] | None:
+        """``(capacity, allocatable)`` of one resource as :meth:`get_capacity` counts them, expiry aside.
+
+        None when the resource has no device sets (the poll leaves its figures as they were).
+        """
+        healthy, unhealthy = self.healthy.get(resource), self.unhealthy.get(resource)
+        if healthy is None and unhealthy is None:
+            return None
+        return len(healthy or ()) + len(unhealthy or ()), len(healthy or ())
+
     def _expired(self, resource: str, now: float) -> bool:
         info = self.endpoints.get(resource)
         return info is None or info.endpoint.stop_grace_period_expired(
