@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
 import socket
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import pytest
+import structlog.testing
 
 from plugvisor.common import constants
-from plugvisor.emulators.kubelet import errors, names, registration, view
+from plugvisor.emulators.kubelet import errors, journal, names, registration, view
 
 
 def make_socket(path: Path) -> None:
@@ -143,3 +146,29 @@ class TestSharedNameRules:
     def test_a_trailing_newline_makes_a_name_invalid(self) -> None:
         """The kubelet rejects "example.com/gpu\\n"; the emulator must too."""
         assert not names.is_extended_resource_name("example.com/gpu\n")
+
+
+async def test_a_plugin_connection_that_fails_to_close_does_not_stop_the_kubelet_half_way(tmp_path):
+    """A dying kubelet's connections end whatever their state: the stop completes, the failure is said."""
+
+    async def close_fails():
+        raise RuntimeError("channel already closing")
+
+    async def close_fine():
+        return None
+
+    server = registration.RegistrationServer(
+        socket_dir=tmp_path, handler=SimpleNamespace(), journal=journal.Journal(), dial_timeout=1.0
+    )
+    never = asyncio.get_running_loop().create_future()
+    failing = SimpleNamespace(resource="example.com/a", socket_path="/x/a.sock", close=close_fails)
+    fine = SimpleNamespace(resource="example.com/b", socket_path="/x/b.sock", close=close_fine)
+    server._runs = {asyncio.ensure_future(never): failing, asyncio.ensure_future(asyncio.sleep(60)): fine}
+    server.clients = {"example.com/a": [failing], "example.com/b": [fine]}
+    with structlog.testing.capture_logs() as lines:
+        await server.stop()
+    assert server.clients == {} and server._runs == {}
+    said = [line for line in lines if line["event"] == "plugin connection close failed"]
+    assert [(line["resource"], line["err"]) for line in said] == [
+        ("example.com/a", "RuntimeError: channel already closing")
+    ]

@@ -150,8 +150,20 @@ class RegistrationServer(api_pb2_grpc.RegistrationServicer):
             task.cancel()
         await asyncio.gather(*runs, return_exceptions=True)
         # All at once, as a dying process's connections close: one after the other, 256 of them
-        # took seconds, the restart's own time before the new kubelet could listen.
-        await asyncio.gather(*(plugin_client.close() for plugin_client in runs.values()))
+        # took seconds, the restart's own time before the new kubelet could listen. A close that
+        # fails is said and passed over: a dying process's connections end whatever their state,
+        # and one raising here stopped the restart half-way (the books of the old kubelet kept).
+        closed = await asyncio.gather(
+            *(plugin_client.close() for plugin_client in runs.values()), return_exceptions=True
+        )
+        for plugin_client, outcome in zip(runs.values(), closed, strict=True):
+            if isinstance(outcome, BaseException) and not isinstance(outcome, asyncio.CancelledError):
+                _log.warning(
+                    "plugin connection close failed",
+                    resource=plugin_client.resource,
+                    socket=str(plugin_client.socket_path),
+                    err=f"{type(outcome).__name__}: {outcome}",
+                )
         self._runs.clear()
         self.clients.clear()
 
