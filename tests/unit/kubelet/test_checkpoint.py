@@ -8,6 +8,7 @@ written here verifies on a node.
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -136,3 +137,28 @@ class TestReading:
         assert path.read_bytes() == REAL_ENTRY
         assert checkpoint.read(path) == data
         assert sorted(p.name for p in tmp_path.iterdir()) == ["kubelet_internal_checkpoint"]
+
+
+def plain_fnv1a_32(payload: bytes) -> int:
+    value = 0x811C9DC5
+    for byte in payload:
+        value = ((value ^ byte) * 0x01000193) & 0xFFFFFFFF
+    return value
+
+
+def test_a_payload_that_begins_like_the_last_one_hashes_as_if_hashed_alone():
+    """The hash resumes from the last payload's running state where both begin alike: never another value."""
+    rng = random.Random(7)
+    base = bytes(rng.randrange(256) for _ in range(5000))
+    payloads = [
+        base,
+        base[:1500] + b"x" + base[1501:],  # one byte changed inside a stride
+        base[:1024] + b"y" + base[1024:],  # inserted at a stride's edge
+        base[:1024],  # a shorter one that ends on the edge
+        base[:1023],
+        base + base,
+        b"",
+        base,
+    ]
+    for payload in payloads:
+        assert checkpoint.fnv1a_32(payload) == plain_fnv1a_32(payload)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import json
 import os
 import re
@@ -82,6 +83,26 @@ def _spew_strings(values: Sequence[str] | None) -> str:
     return "<nil>" if values is None else "[" + " ".join(values) + "]"
 
 
+def _key(values: Sequence[str] | None) -> tuple[str, ...] | None:
+    return None if values is None else tuple(values)
+
+
+@functools.lru_cache(maxsize=4096)
+def _spew_pair(name: str, values: tuple[str, ...] | None) -> str:
+    """One ``RegisteredDevices`` entry as spew renders it; remembered, like :func:`_json_pair`."""
+    return f"{name}:{_spew_strings(values)}"
+
+
+@functools.lru_cache(maxsize=4096)
+def _json_pair(name: str, values: tuple[str, ...] | None) -> str:
+    """One ``RegisteredDevices`` entry as encoding/json writes it.
+
+    Remembered: the checkpoint is written whole after every device list the
+    kubelet receives, and between two writes one resource's entry changes.
+    """
+    return f"{_go_string(name)}:{_go_strings(values)}"
+
+
 def _spew_entry(entry: PodDevicesEntry) -> str:
     if entry.device_ids is None:
         devices = "(checkpoint.DevicesPerNUMA)<nil>"
@@ -113,19 +134,46 @@ def spew(data: CheckpointData) -> str:
         registered = "(map[string][]string)<nil>"
     else:
         # Go sorts string keys bytewise; UTF-8 bytes order equals code point order.
-        pairs = " ".join(
-            f"{name}:{_spew_strings(data.registered_devices[name])}"
-            for name in sorted(data.registered_devices)
-        )
+        devices = data.registered_devices
+        pairs = " ".join(_spew_pair(name, _key(devices[name])) for name in sorted(devices))
         registered = f"(map[string][]string)map[{pairs}]"
     return f"(checkpoint.checkpointData){{PodDeviceEntries:{entries} RegisteredDevices:{registered}}}"
 
 
+_FNV_STRIDE: Final = 512
+"""Bytes between two running states kept of the last payload hashed (:func:`fnv1a_32`)."""
+
+_LAST_HASHED: Final[list[tuple[bytes, list[int]]]] = [(b"", [FNV32_OFFSET])]
+"""The last payload hashed, and the hash's running state after each whole stride of it (the first: none)."""
+
+
 def fnv1a_32(payload: bytes) -> int:
-    """Return the 32-bit FNV-1a hash of ``payload`` (Go's ``hash/fnv.New32a``)."""
-    value = FNV32_OFFSET
-    for byte in payload:
-        value = ((value ^ byte) * FNV32_PRIME) & 0xFFFFFFFF
+    """Return the 32-bit FNV-1a hash of ``payload`` (Go's ``hash/fnv.New32a``).
+
+    FNV is a running state over the bytes, so the hash of a payload that begins
+    like the last one hashed continues from the state kept at the last whole
+    stride they share, exactly. The kubelet hashes its whole checkpoint at every
+    write, and writes it after every device list it receives: at a restart of N
+    resources, N hashes of N entries, one byte at a time in Python (1.6 ms each
+    at 256, 0.4 s of the emulated kubelet's CPU), of which each write changes one
+    entry and keeps the ones sorted before it.
+    """
+    last, states = _LAST_HASHED[0]
+    low, high = 0, min(len(payload), len(last)) // _FNV_STRIDE
+    while low < high:  # the most whole strides both begin with (equal prefixes: a monotone test)
+        middle = (low + high + 1) // 2
+        if payload[: middle * _FNV_STRIDE] == last[: middle * _FNV_STRIDE]:
+            low = middle
+        else:
+            high = middle - 1
+    kept = states[: low + 1]
+    value = kept[low]
+    for start in range(low * _FNV_STRIDE, len(payload), _FNV_STRIDE):
+        for byte in payload[start : start + _FNV_STRIDE]:
+            value = ((value ^ byte) * FNV32_PRIME) & 0xFFFFFFFF
+        if start + _FNV_STRIDE <= len(payload):
+            kept.append(value)
+    _LAST_HASHED[0] = (payload, kept)
     return value
 
 
@@ -192,14 +240,8 @@ def encode(data: CheckpointData) -> bytes:
     if data.registered_devices is None:
         registered = "null"
     else:
-        registered = (
-            "{"
-            + ",".join(
-                f"{_go_string(name)}:{_go_strings(data.registered_devices[name])}"
-                for name in sorted(data.registered_devices)
-            )
-            + "}"
-        )
+        devices = data.registered_devices
+        registered = "{" + ",".join(_json_pair(name, _key(devices[name])) for name in sorted(devices)) + "}"
     document = (
         f'{{"Data":{{"PodDeviceEntries":{entries},"RegisteredDevices":{registered}}},'
         f'"Checksum":{checksum(data)}}}'
