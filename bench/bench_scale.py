@@ -48,6 +48,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -281,7 +282,13 @@ async def one_round(size: int, spawner: str, figures: Figures, timeout: float, b
         figures.idle_millicores.append((cpu_ticks(pids) - ticks) / os.sysconf("SC_CLK_TCK") / 5.0 * 1000)
         agent_ticks, children_ticks = cpu_ticks([agent.pid]), cpu_ticks(pids) - cpu_ticks([agent.pid])
         kubelet_cpu = time.process_time()
-        await kubelet.restart()
+        try:
+            await kubelet.restart()
+        except Exception as exc:  # kept with the round's directory, not lost in the unwinding below
+            kept = node.base / "kubelet-restart-error.txt"
+            kept.write_text(traceback.format_exc())
+            figures.failures.append(f"kubelet restart raised {type(exc).__name__}: {exc} ({kept})")
+            return
         generation = kubelet.generation
         seconds, back = await wait_count(lambda: node.registered(kubelet, generation), size, timeout)
         figures.restarts.append(seconds)
@@ -303,7 +310,10 @@ async def one_round(size: int, spawner: str, figures: Figures, timeout: float, b
         figures.other_restarts.append({k: v for k, v in node.restarts().items() if k != "kubelet-restart"})
     finally:
         await terminate(agent, 120)
-        await kubelet.stop()
+        try:
+            await kubelet.stop()
+        except Exception as exc:  # after a failed restart: said, and the other rounds still run
+            figures.failures.append(f"kubelet stop raised {type(exc).__name__}: {exc}")
         if not figures.failures:
             node.cleanup()
 
