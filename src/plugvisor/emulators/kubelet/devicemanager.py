@@ -46,8 +46,8 @@ from plugvisor.emulators.kubelet import gates as gates_
 class NodeStatusSink(Protocol):
     """**Protocol:** the node status the device manager reports through (see :mod:`.nodestatus`)."""
 
-    def sync(self) -> None:
-        """Poll capacity now, as a node-status sync would."""
+    def sync(self, resource: str | None = None) -> None:
+        """Poll capacity now, as a node-status sync would (``resource``: only that one changed)."""
 
     def counts(self, resource: str) -> tuple[int, int]:
         """Return ``(capacity, allocatable)`` as the node reports them now."""
