@@ -522,7 +522,7 @@ class DevicePluginRuntime:
                 self._taken_over(sibling)
 
         restart: asyncio.Future[str] | None = None
-        cut = asyncio.ensure_future(self._until_stream_cut(endpoint))
+        cut = asyncio.ensure_future(self._until_stream_cut(endpoint, registrar.registered_kubelet))
         unopened = asyncio.ensure_future(self._until_stream_opened(endpoint))
         try:
             while True:
@@ -583,18 +583,27 @@ class DevicePluginRuntime:
         never: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         return await never  # the other waits decide
 
-    async def _until_stream_cut(self, endpoint: PluginEndpoint) -> str:
+    async def _until_stream_cut(self, endpoint: PluginEndpoint, kubelet: SocketIdentity | None) -> str:
         """Return :data:`STREAM_CUT` once the kubelet closed every stream it held on ``endpoint`` and runs on.
 
         A kubelet going away closes them too: that is a restart, seen in its
         directory (or, with the plugin watcher, the new kubelet dials back). So
-        is a ``kubelet.sock`` that is another file than when we began: a quick
-        restart has the new kubelet answering by the time we look. (The file is
-        noted whenever a stream opens: the kubelet that holds it.)
+        is a ``kubelet.sock`` that is another file than ``kubelet``, the one the
+        registration went through: a quick restart has the new kubelet
+        answering by the time we look. (The file is noted again whenever a
+        stream opens: the kubelet that holds it.)
+
+        Streams are counted over the socket's whole life (a socket is registered
+        once, so every stream on it is this registration's), not from this call
+        on: the kubelet opens the stream on our socket while Register returns,
+        and up to 1.36 another plugin's end can cut it at once, so the cut can
+        be read before Register's answer. Counting from the answer on missed
+        such a cut: the plugin stood registered on a stream that was gone, with
+        the resource at zero (a killed first plugin leaves its socket, so
+        nothing else told).
         """
-        drops, changes = endpoint.drops.version, endpoint.streams.version
+        drops, changes = 0, 0
         kubelet_socket = self.config.paths.kubelet_dir / constants.KUBELET_SOCKET_NAME
-        kubelet = SocketIdentity.of(kubelet_socket)
         while True:
             changes, open_now = await endpoint.streams.wait_newer(changes)
             if endpoint.drops.version == drops:
@@ -697,9 +706,10 @@ class DevicePluginRuntime:
         self, socket_watch: RegistrySocketWatch, endpoint: PluginEndpoint
     ) -> str:
         """Why the plugin-watcher socket no longer brings registrations: its watch says, or a cut stream."""
+        kubelet = SocketIdentity.of(self.config.paths.kubelet_dir / constants.KUBELET_SOCKET_NAME)
         waits = {
             asyncio.ensure_future(socket_watch.lost(endpoint.path)),
-            asyncio.ensure_future(self._until_stream_cut(endpoint)),
+            asyncio.ensure_future(self._until_stream_cut(endpoint, kubelet)),
         }
         try:
             done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
