@@ -366,7 +366,7 @@ class DevicePluginRuntime:
             if self.config.on_kubelet_restart == "exit":
                 raise KubeletRestartedError(reason)
 
-    async def _remove_dead_sockets(self) -> None:
+    async def _remove_dead_sockets(self, *, before_fresh_socket: bool = False) -> None:
         """Remove the sockets killed plugins of this resource left where this one serves.
 
         In ``plugins_registry`` the kubelet tries to register each for ever, and
@@ -374,18 +374,32 @@ class DevicePluginRuntime:
         disconnects the plugin it follows when a registered socket of the
         resource disappears (see :meth:`_serve`). Beside ``kubelet.sock`` the
         kubelet dials nothing by itself: they are only clutter there.
+
+        ``before_fresh_socket``: called again before each later registry socket
+        (:meth:`_serve`), for the same reason. A plugin that stops may end its
+        stream and stop listening a while before it removes its socket (a
+        grpc-go server's Stop, then the file's removal), and a killed one never
+        removes it. Up to 1.36 the end of its stream has cut ours already; were
+        the fresh socket registered before that removal reached the kubelet, the
+        removal would disconnect the fresh one in turn, or fail its registration
+        while the kubelet connects it.
         """
         watcher = self.config.registration == "plugin-watcher"
         directory = self.config.registry_dir if watcher else self.config.paths.kubelet_dir
         removed = await remove_dead_instances(directory, self.config.resource)
-        if removed:
-            self._log.info(
-                "dead_sockets_removed",
-                directory=str(directory),
-                sockets=removed,
-                why="no process answers on them: left by an earlier plugin of this resource that was killed"
-                + ("; the kubelet's plugin watcher would retry them for ever" if watcher else ""),
+        if not removed:
+            return
+        if before_fresh_socket:
+            why = (
+                "no process answers on them: a plugin of this resource that stopped or was killed; removed "
+                "before the fresh socket appears, as a kubelet up to 1.36 disconnects whatever plugin it "
+                "follows for the resource when one of its sockets goes"
             )
+        else:
+            why = "no process answers on them: left by an earlier plugin of this resource that was killed" + (
+                "; the kubelet's plugin watcher would retry them for ever" if watcher else ""
+            )
+        self._log.info("dead_sockets_removed", directory=str(directory), sockets=removed, why=why)
 
     async def _serve(
         self,
@@ -398,15 +412,18 @@ class DevicePluginRuntime:
 
         The previous one goes when the kubelet holds no stream on it, at once or
         later (:meth:`_retire`). ``idle_previous_first``: an idle previous socket
-        is removed before the new one appears (the plugin watcher's way: a
-        kubelet up to 1.36 disconnects whatever plugin it follows for a removed
-        socket of the resource, so the removal must come before the new socket
-        is registered).
+        is removed before the new one appears, and so are the dead sockets of
+        other plugins of the resource (the plugin watcher's way: a kubelet up to
+        1.36 disconnects whatever plugin it follows for a removed socket of the
+        resource, so the removals must come before the new socket is
+        registered; see :meth:`_remove_dead_sockets`).
         """
         previous = self.endpoint
-        if previous is not None and idle_previous_first and not previous.streams.value:
-            await previous.stop(grace=0)
-            previous = self.endpoint = None
+        if previous is not None and idle_previous_first:
+            await self._remove_dead_sockets(before_fresh_socket=True)
+            if not previous.streams.value:
+                await previous.stop(grace=0)
+                previous = self.endpoint = None
         proposed = self.server.proposed_handler()
         endpoint = PluginEndpoint(
             self.server,
