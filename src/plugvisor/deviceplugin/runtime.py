@@ -376,13 +376,13 @@ class DevicePluginRuntime:
         kubelet dials nothing by itself: they are only clutter there.
 
         ``before_fresh_socket``: called again before each later registry socket
-        (:meth:`_serve`), for the same reason. A plugin that stops may end its
-        stream and stop listening a while before it removes its socket (a
-        grpc-go server's Stop, then the file's removal), and a killed one never
-        removes it. Up to 1.36 the end of its stream has cut ours already; were
-        the fresh socket registered before that removal reached the kubelet, the
-        removal would disconnect the fresh one in turn, or fail its registration
-        while the kubelet connects it.
+        (:meth:`_serve`), for the same reason. A killed plugin never removes its
+        socket, and one that stops may stop listening a while before its socket
+        goes; up to 1.36 its stream's end has cut ours already. Were the fresh
+        socket registered before that removal reached the kubelet, the removal
+        would disconnect the fresh one in turn, or, while the kubelet still
+        connects it, fail its registration or leave it a client the kubelet
+        forgot.
         """
         watcher = self.config.registration == "plugin-watcher"
         directory = self.config.registry_dir if watcher else self.config.paths.kubelet_dir

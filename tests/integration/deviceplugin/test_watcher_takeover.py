@@ -1,13 +1,13 @@
 """Plugin-watcher registration on a kubelet up to 1.36 when the plugin it took the resource over from stops.
 
-That plugin stops as a process does: its ListAndWatch stream ends, it stops
-listening, and only then does it remove its socket from ``plugins_registry``.
-The stream's end makes the kubelet cut the stream of the plugin it follows (ours,
+That plugin's stream ends and it stops listening, but its socket stays in
+``plugins_registry`` a while (a server that leaves its socket file to be removed
+later, or a killed plugin's socket that someone removes later). The stream's end
+makes the kubelet cut the stream of the plugin it follows (ours,
 kubernetes#121994), which serves a fresh socket; the removal makes it disconnect
 whatever plugin it follows for the resource once more. Were the fresh socket
 registered before that removal reached the kubelet, the fresh one would be the
-plugin disconnected, and a removal landing while the kubelet connects it makes
-that registration fail.
+plugin disconnected.
 """
 
 import asyncio
