@@ -281,6 +281,16 @@ class Registrar:
         """The kubelet directory this registrar follows."""
         return self._watch
 
+    @property
+    def registered_kubelet(self) -> SocketIdentity | None:
+        """The ``kubelet.sock`` the last successful Register went through, as it was just before the call.
+
+        None before the first success (or when it was gone then). The stream
+        the kubelet opens while Register returns belongs to this kubelet, so
+        a stream's end is judged against it (a restart, or a cut).
+        """
+        return self._registered_kubelet
+
     async def register(self, endpoint: str, options: api_pb2.DevicePluginOptions) -> float:
         """Register ``endpoint`` (a bare socket file name); returns the seconds it took, retries included.
 

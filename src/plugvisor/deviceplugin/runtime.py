@@ -366,7 +366,7 @@ class DevicePluginRuntime:
             if self.config.on_kubelet_restart == "exit":
                 raise KubeletRestartedError(reason)
 
-    async def _remove_dead_sockets(self) -> None:
+    async def _remove_dead_sockets(self, *, before_fresh_socket: bool = False) -> None:
         """Remove the sockets killed plugins of this resource left where this one serves.
 
         In ``plugins_registry`` the kubelet tries to register each for ever, and
@@ -374,18 +374,32 @@ class DevicePluginRuntime:
         disconnects the plugin it follows when a registered socket of the
         resource disappears (see :meth:`_serve`). Beside ``kubelet.sock`` the
         kubelet dials nothing by itself: they are only clutter there.
+
+        ``before_fresh_socket``: called again before each later registry socket
+        (:meth:`_serve`), for the same reason. A killed plugin never removes its
+        socket, and one that stops may stop listening a while before its socket
+        goes; up to 1.36 its stream's end has cut ours already. Were the fresh
+        socket registered before that removal reached the kubelet, the removal
+        would disconnect the fresh one in turn, or, while the kubelet still
+        connects it, fail its registration or leave it a client the kubelet
+        forgot.
         """
         watcher = self.config.registration == "plugin-watcher"
         directory = self.config.registry_dir if watcher else self.config.paths.kubelet_dir
         removed = await remove_dead_instances(directory, self.config.resource)
-        if removed:
-            self._log.info(
-                "dead_sockets_removed",
-                directory=str(directory),
-                sockets=removed,
-                why="no process answers on them: left by an earlier plugin of this resource that was killed"
-                + ("; the kubelet's plugin watcher would retry them for ever" if watcher else ""),
+        if not removed:
+            return
+        if before_fresh_socket:
+            why = (
+                "no process answers on them: a plugin of this resource that stopped or was killed; removed "
+                "before the fresh socket appears, as a kubelet up to 1.36 disconnects whatever plugin it "
+                "follows for the resource when one of its sockets goes"
             )
+        else:
+            why = "no process answers on them: left by an earlier plugin of this resource that was killed" + (
+                "; the kubelet's plugin watcher would retry them for ever" if watcher else ""
+            )
+        self._log.info("dead_sockets_removed", directory=str(directory), sockets=removed, why=why)
 
     async def _serve(
         self,
@@ -398,15 +412,18 @@ class DevicePluginRuntime:
 
         The previous one goes when the kubelet holds no stream on it, at once or
         later (:meth:`_retire`). ``idle_previous_first``: an idle previous socket
-        is removed before the new one appears (the plugin watcher's way: a
-        kubelet up to 1.36 disconnects whatever plugin it follows for a removed
-        socket of the resource, so the removal must come before the new socket
-        is registered).
+        is removed before the new one appears, and so are the dead sockets of
+        other plugins of the resource (the plugin watcher's way: a kubelet up to
+        1.36 disconnects whatever plugin it follows for a removed socket of the
+        resource, so the removals must come before the new socket is
+        registered; see :meth:`_remove_dead_sockets`).
         """
         previous = self.endpoint
-        if previous is not None and idle_previous_first and not previous.streams.value:
-            await previous.stop(grace=0)
-            previous = self.endpoint = None
+        if previous is not None and idle_previous_first:
+            await self._remove_dead_sockets(before_fresh_socket=True)
+            if not previous.streams.value:
+                await previous.stop(grace=0)
+                previous = self.endpoint = None
         proposed = self.server.proposed_handler()
         endpoint = PluginEndpoint(
             self.server,
@@ -522,7 +539,7 @@ class DevicePluginRuntime:
                 self._taken_over(sibling)
 
         restart: asyncio.Future[str] | None = None
-        cut = asyncio.ensure_future(self._until_stream_cut(endpoint))
+        cut = asyncio.ensure_future(self._until_stream_cut(endpoint, registrar.registered_kubelet))
         unopened = asyncio.ensure_future(self._until_stream_opened(endpoint))
         try:
             while True:
@@ -583,18 +600,27 @@ class DevicePluginRuntime:
         never: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         return await never  # the other waits decide
 
-    async def _until_stream_cut(self, endpoint: PluginEndpoint) -> str:
+    async def _until_stream_cut(self, endpoint: PluginEndpoint, kubelet: SocketIdentity | None) -> str:
         """Return :data:`STREAM_CUT` once the kubelet closed every stream it held on ``endpoint`` and runs on.
 
         A kubelet going away closes them too: that is a restart, seen in its
         directory (or, with the plugin watcher, the new kubelet dials back). So
-        is a ``kubelet.sock`` that is another file than when we began: a quick
-        restart has the new kubelet answering by the time we look. (The file is
-        noted whenever a stream opens: the kubelet that holds it.)
+        is a ``kubelet.sock`` that is another file than ``kubelet``, the one the
+        registration went through: a quick restart has the new kubelet
+        answering by the time we look. (The file is noted again whenever a
+        stream opens: the kubelet that holds it.)
+
+        Streams are counted over the socket's whole life (a socket is registered
+        once, so every stream on it is this registration's), not from this call
+        on: the kubelet opens the stream on our socket while Register returns,
+        and up to 1.36 another plugin's end can cut it at once, so the cut can
+        be read before Register's answer. Counting from the answer on missed
+        such a cut: the plugin stood registered on a stream that was gone, with
+        the resource at zero (a killed first plugin leaves its socket, so
+        nothing else told).
         """
-        drops, changes = endpoint.drops.version, endpoint.streams.version
+        drops, changes = 0, 0
         kubelet_socket = self.config.paths.kubelet_dir / constants.KUBELET_SOCKET_NAME
-        kubelet = SocketIdentity.of(kubelet_socket)
         while True:
             changes, open_now = await endpoint.streams.wait_newer(changes)
             if endpoint.drops.version == drops:
@@ -697,9 +723,10 @@ class DevicePluginRuntime:
         self, socket_watch: RegistrySocketWatch, endpoint: PluginEndpoint
     ) -> str:
         """Why the plugin-watcher socket no longer brings registrations: its watch says, or a cut stream."""
+        kubelet = SocketIdentity.of(self.config.paths.kubelet_dir / constants.KUBELET_SOCKET_NAME)
         waits = {
             asyncio.ensure_future(socket_watch.lost(endpoint.path)),
-            asyncio.ensure_future(self._until_stream_cut(endpoint)),
+            asyncio.ensure_future(self._until_stream_cut(endpoint, kubelet)),
         }
         try:
             done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)

@@ -6,6 +6,14 @@ plugin's options; ``run`` opens ListAndWatch once and feeds every message to the
 handler until the stream ends; ``disconnect`` closes the channel and tells the
 handler. Nothing here ever re-dials or re-opens the stream: upstream does not,
 and plugins must survive that (kubernetes#92958).
+
+A disconnect can reach a client that is still connecting: up to 1.36 another
+instance's end disconnects whatever client the resource name has, and a new one
+is in the table from before its dial. Upstream's connection is the client's
+only once dialled, so a disconnect during the dial has nothing to close and the
+connect goes on (the client no longer in the table); one after the dial closes
+the connection, and the calls on it fail as grpc-go's do on a closed connection
+(``Canceled``, ``grpc: the client connection is closing``).
 """
 
 from __future__ import annotations
@@ -20,7 +28,15 @@ from plugvisor.emulators.kubelet import errors, journal, model
 
 #: grpc-go reports a stream that ended with the server returning nil as io.EOF.
 STREAM_EOF: Final = "EOF"
-_CLOSING: Final = errors.go_status_error(grpc.StatusCode.CANCELLED, "grpc: the client connection is closing")
+_CLOSING_DETAILS: Final = "grpc: the client connection is closing"
+_CLOSING: Final = errors.go_status_error(grpc.StatusCode.CANCELLED, _CLOSING_DETAILS)
+
+
+def _closing_error() -> grpc.aio.AioRpcError:
+    """The error of a call on a connection the kubelet closed (grpc-go's ``ErrClientConnClosing``)."""
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(), details=_CLOSING_DETAILS
+    )
 
 
 class ConnectError(Exception):
@@ -83,7 +99,11 @@ class PluginClient:
         return self._channel
 
     async def connect(self) -> None:
-        """Dial blocking with the deadline, then hand the client to the handler."""
+        """Dial blocking with the deadline, then hand the client to the handler.
+
+        The channel becomes the client's once dialled (upstream's ``c.grpc``): a
+        :meth:`close` meanwhile finds none and changes nothing.
+        """
         channel = grpc.aio.insecure_channel(
             "unix:" + self.socket_path,
             options=[
@@ -93,22 +113,34 @@ class PluginClient:
                 ("grpc.use_local_subchannel_pool", 1),
             ],
         )
-        self._channel = channel
         try:
             await asyncio.wait_for(channel.channel_ready(), self._dial_timeout)
         except TimeoutError:
-            await self.close()
+            await channel.close()
             raise ConnectError(f"failed to dial device plugin: {errors.GO_DEADLINE_EXCEEDED}") from None
         except BaseException:
-            await self.close()
+            await channel.close()
             raise
+        self._channel = channel
         self._stub = api_pb2_grpc.DevicePluginStub(channel)
         await self._handler.plugin_connected(self.resource, self)
 
     async def get_device_plugin_options(self) -> api_pb2.DevicePluginOptions:
-        """Call GetDevicePluginOptions with no deadline (as upstream)."""
+        """Call GetDevicePluginOptions with no deadline (as upstream).
+
+        On a connection closed before or during the call, fails as grpc-go's
+        call does (``Canceled``), not with grpc-python's usage error.
+        """
         self._journal.call(self.resource, self.socket_path, model.PluginMethod.GET_DEVICE_PLUGIN_OPTIONS)
-        return await self.stub.GetDevicePluginOptions(api_pb2.Empty())
+        if self._disconnected():
+            raise _closing_error()
+        try:
+            return await self.stub.GetDevicePluginOptions(api_pb2.Empty())
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not self._disconnected() or (task is not None and task.cancelling()):
+                raise
+            raise _closing_error() from None
 
     async def run(self) -> None:
         """Consume ListAndWatch until it ends; record why in :attr:`end_reason`.
@@ -117,6 +149,9 @@ class PluginClient:
         cancelled because *another* task closed this channel counts as ended.
         """
         self._journal.call(self.resource, self.socket_path, model.PluginMethod.LIST_AND_WATCH)
+        if self._disconnected():  # before the stream opened: upstream's call fails at once
+            self.end_reason = _CLOSING
+            return
         call = self.stub.ListAndWatch(api_pb2.Empty())
         try:
             async for response in call:
@@ -136,12 +171,21 @@ class PluginClient:
         else:
             self.end_reason = STREAM_EOF
 
+    def _disconnected(self) -> bool:
+        """Whether :meth:`close` took the connection away (a method: an await may change it)."""
+        return self._channel is None
+
     async def close(self) -> None:
-        """Close the channel without telling anyone (the kubelet process is going away)."""
-        self._closed = True
+        """Close the channel without telling anyone (the kubelet process is going away).
+
+        A client still dialling has no channel yet, and is left as it is (upstream closes ``c.grpc`` only
+        when it is set).
+        """
         channel, self._channel = self._channel, None
-        if channel is not None:
-            await channel.close()
+        if channel is None:
+            return
+        self._closed = True
+        await channel.close()
 
     async def disconnect(self) -> None:
         """Close the channel, then report the disconnection (``client.Disconnect``)."""
