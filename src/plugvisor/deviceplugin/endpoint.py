@@ -141,6 +141,10 @@ class PluginEndpoint:
         """How often the other side ended a stream here and left none open (see the module docstring)."""
         self.streamed = asyncio.Event()
         """Set once the kubelet opened a ListAndWatch stream here (a registration it kept)."""
+        self._unfinished = 0
+        """ListAndWatch calls not yet terminated (their status sent, or the connection gone)."""
+        self._all_finished = asyncio.Event()
+        self._all_finished.set()
         self._log = structlog.get_logger("plugvisor.endpoint").bind(resource=resource, socket=self.path.name)
 
     @property
@@ -190,6 +194,9 @@ class PluginEndpoint:
         async def list_and_watch(request: object, context: Context) -> AsyncIterator[object]:
             streams.publish(streams.value + 1)
             self.streamed.set()
+            self._unfinished += 1
+            self._all_finished.clear()
+            context.add_done_callback(self._call_finished)
             stream = handler(request, context)
             cut = False
             try:
@@ -206,6 +213,13 @@ class PluginEndpoint:
                     self.drops.publish(self.drops.value + 1)
 
         return list_and_watch
+
+    def _call_finished(self, _context: object) -> None:
+        """Called by gRPC once a ListAndWatch call terminated: its end is on its way to the kubelet."""
+        self._unfinished -= 1
+        if self._unfinished <= 0:
+            self._unfinished = 0
+            self._all_finished.set()
 
     async def until_idle(self) -> None:
         """Return once no ListAndWatch stream is open on this socket."""
@@ -225,10 +239,27 @@ class PluginEndpoint:
 
         RPCs still running after ``grace`` seconds are cancelled; close the device
         cell first so that ListAndWatch streams end normally within the grace.
+
+        With a grace, the server stops only once every stream has ended and its
+        end was sent (or the grace ran out): gRPC removes the socket file as it
+        stops listening, before the statuses of the calls it lets finish go out,
+        so the kubelet saw the socket go first and the stream end after. Up to
+        1.36 each of the two makes the kubelet drop the plugin it then follows
+        for the resource; the second one, arriving late, could fall on the fresh
+        socket another plugin of the resource had just registered on seeing the
+        first (the plugin watcher then forgot it half-connected). Ended in
+        this order, both come before anyone reacts to the socket going.
         """
-        server, self._server = self._server, None
+        server = self._server
         if server is None:
             return
+        if grace:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(grace):
+                    await self._all_finished.wait()
+        if self._server is not server:
+            return  # stopped meanwhile by another caller
+        self._server = None
         self._stopping = True
         await server.stop(grace)
         if self.is_ours():

@@ -101,3 +101,26 @@ async def test_our_own_stop_ending_a_stream_is_no_drop(short_dir):
         assert plugin.drops.value == 0
     finally:
         await kubelet.close()
+
+
+async def test_a_stop_keeps_the_socket_until_the_streams_it_ends_have_ended(short_dir):
+    """gRPC removes the socket as it stops listening, before the ends of the calls it lets finish: the
+    kubelet saw the socket go, then the stream end, and up to 1.36 each drops the plugin it follows, the
+    late one a fresh socket another plugin of the resource had just registered. The ends go first now."""
+    cell = SnapshotCell(Snapshot())
+    plugin = PluginEndpoint(PluginServer(RESOURCE, cell, resolve_hooks(Nothing())), short_dir, RESOURCE)
+    await plugin.start()
+    kubelet, call = await _stream(plugin)
+    try:
+        await until(lambda: plugin.streams.value == 1)
+        stopping = asyncio.create_task(plugin.stop(grace=30))
+        await asyncio.sleep(0.2)
+        assert plugin.path.exists() and not stopping.done(), "the socket went while the stream was open"
+        cell.close()  # what the runtime does before stopping: every stream ends normally
+        assert await call.read() == grpc.aio.EOF
+        assert await call.code() == grpc.StatusCode.OK
+        await asyncio.wait_for(stopping, 10)
+        assert not plugin.path.exists()
+    finally:
+        await kubelet.close()
+        await plugin.stop(grace=0)
