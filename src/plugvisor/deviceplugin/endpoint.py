@@ -25,6 +25,7 @@ import stat
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
+from typing import Any, cast
 
 import grpc
 import structlog
@@ -196,7 +197,8 @@ class PluginEndpoint:
             self.streamed.set()
             self._unfinished += 1
             self._all_finished.clear()
-            context.add_done_callback(self._call_finished)
+            # The stubs type the callback as a class of theirs that no function is; gRPC takes any callable.
+            context.add_done_callback(cast(Any, self._call_finished))
             stream = handler(request, context)
             cut = False
             try:
