@@ -629,9 +629,16 @@ class DevicePluginRuntime:
                 continue
             drops = endpoint.drops.version
             now = SocketIdentity.of(kubelet_socket)
-            if now == kubelet and await asyncio.to_thread(self._kubelet_runs):
+            # The same kubelet.sock before and after the probe: whoever answered is the kubelet we
+            # registered with. A kubelet that restarts the instant it answered Register (a crash
+            # loop) ends the stream first and listens anew during the probe: the new one answers.
+            if (
+                now == kubelet
+                and await asyncio.to_thread(self._kubelet_runs)
+                and SocketIdentity.of(kubelet_socket) == kubelet
+            ):
                 return STREAM_CUT
-            kubelet = now
+            kubelet = SocketIdentity.of(kubelet_socket)
             self._log.info("stream_ended_by_a_stopping_kubelet", endpoint=endpoint.name)
 
     def _kubelet_runs(self) -> bool:

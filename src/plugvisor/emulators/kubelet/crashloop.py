@@ -58,6 +58,8 @@ class CrashLoopingKubelet(api_pb2_grpc.RegistrationServicer):
         self._server: grpc.aio.Server | None = None
         self._changed = asyncio.Condition()
         self._restarting: asyncio.Task[None] | None = None
+        self._channels: list[grpc.aio.Channel] = []
+        """The plugins' connections this kubelet process holds (their ListAndWatch streams open)."""
 
     async def start(self) -> None:
         """Wipe the directory and listen, as a kubelet's start does."""
@@ -78,6 +80,7 @@ class CrashLoopingKubelet(api_pb2_grpc.RegistrationServicer):
         server, self._server = self._server, None
         if server is not None:
             await server.stop(0)
+        await self._close_channels()
 
     async def __aenter__(self) -> CrashLoopingKubelet:
         await self.start()
@@ -128,17 +131,26 @@ class CrashLoopingKubelet(api_pb2_grpc.RegistrationServicer):
         return api_pb2.Empty()
 
     async def _read_devices(self, socket: Path) -> tuple[str, ...]:
-        async with grpc.aio.insecure_channel(
-            f"unix:{socket}", options=[("grpc.use_local_subchannel_pool", 1)]
-        ) as channel:
-            stub = api_pb2_grpc.DevicePluginStub(channel)
-            await stub.GetDevicePluginOptions(api_pb2.Empty(), timeout=self._dial_timeout)
-            stream = stub.ListAndWatch(api_pb2.Empty(), timeout=self._dial_timeout)
-            first = await stream.read()
-            stream.cancel()
+        """The plugin's first device list, over a stream held open until this kubelet goes, as a kubelet's.
+
+        Ended early (it used to be cancelled once read), the stream looked to the
+        plugin like a running kubelet cutting it, which a plugin must answer by
+        registering again, paced: not the restart this harness is about.
+        """
+        channel = grpc.aio.insecure_channel(f"unix:{socket}", options=[("grpc.use_local_subchannel_pool", 1)])
+        self._channels.append(channel)
+        stub = api_pb2_grpc.DevicePluginStub(channel)
+        await stub.GetDevicePluginOptions(api_pb2.Empty(), timeout=self._dial_timeout)
+        stream = stub.ListAndWatch(api_pb2.Empty())
+        first = await asyncio.wait_for(stream.read(), self._dial_timeout)
         if not isinstance(first, api_pb2.ListAndWatchResponse):
             return ()
         return tuple(sorted(device.ID for device in first.devices))
+
+    async def _close_channels(self) -> None:
+        """End every stream held, all at once, as a dying kubelet process's connections end."""
+        channels, self._channels = self._channels, []
+        await asyncio.gather(*(channel.close() for channel in channels), return_exceptions=True)
 
     def _begin_restart(self) -> None:
         self._restarting = asyncio.get_running_loop().create_task(self._restart())
@@ -147,6 +159,7 @@ class CrashLoopingKubelet(api_pb2_grpc.RegistrationServicer):
         server, self._server = self._server, None
         if server is not None:
             await server.stop(0)
+        await self._close_channels()
         self.restarted_at.append(time.monotonic())
         await self.start()
         self.restarts_done += 1
